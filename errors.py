@@ -1,0 +1,34 @@
+"""The errors the pack raises. Each message is written for the person reading ComfyUI's error dialog:
+what was found, what was expected, and what to do."""
+
+
+class Flux2DevError(Exception):
+    """Base of every error the pack raises on purpose; catch this to catch them all."""
+
+
+class WrongModelError(Flux2DevError):
+    """The file is a real model, but not the one this node loads (a Klein encoder, a VAE, a FLUX.1 ...)."""
+
+
+class UnknownModelError(Flux2DevError):
+    """The file's geometry or layout matches nothing the pack knows; it fails closed rather than guess."""
+
+
+class MissingWeightsError(Flux2DevError):
+    """Tensors the model needs are absent; the pack never fills them with zeros."""
+
+
+class CorruptFileError(Flux2DevError):
+    """The file is truncated, malformed or hostile (bad offsets, absurd counts, unknown types)."""
+
+
+class UnsupportedFormatError(Flux2DevError):
+    """A weight format or quantization the pack does not read (pickled checkpoints among them)."""
+
+
+class TokenizerNotFoundError(Flux2DevError):
+    """No rung of the tokenizer ladder gave a tokenizer that passed the self-test."""
+
+
+class VariantMismatchError(Flux2DevError):
+    """Parts of different FLUX.2 variants were wired together (a Klein encoder into [dev], ...)."""

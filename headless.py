@@ -1,0 +1,165 @@
+"""A real ComfyUI server run headless on this machine, with the pack loaded, and a small client for it.
+The tests and `flux2dev demo` use it; it starts ComfyUI as a child process and never imports comfy."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+import uuid
+from pathlib import Path
+
+from .errors import Flux2DevError
+
+PACK_ROOT = Path(__file__).resolve().parent
+# Any folder name works for the pack; the tests use one that differs from the repository's on purpose.
+PACK_FOLDER = "flux2dev-pack-under-test"
+
+
+class GraphError(Flux2DevError):
+    """The server refused a graph or a node failed while running it; the message is the host's text."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class HeadlessComfy:
+    """ComfyUI at `comfyui_root`, serving 127.0.0.1 with only this pack among the custom nodes.
+
+    `models` maps a host model folder name (text_encoders, diffusion_models, vae, diffusers ...) to a
+    folder whose entries are linked into the temporary base directory's models/<name>/."""
+
+    def __init__(self, comfyui_root: str | os.PathLike, models: dict[str, str | os.PathLike] | None = None,
+                 base_dir: str | os.PathLike | None = None, env: dict[str, str] | None = None):
+        self.comfyui_root = Path(comfyui_root)
+        self._tmp = None if base_dir else tempfile.TemporaryDirectory(prefix="flux2dev-comfy-")
+        self.base_dir = Path(base_dir or self._tmp.name)
+        self.models = {k: Path(v) for k, v in (models or {}).items()}
+        self.env = env or {}
+        self.port = 0
+        self.process: subprocess.Popen | None = None
+        self.log_path = self.base_dir / "server.log"
+
+    def __enter__(self) -> "HeadlessComfy":
+        self.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def _lay_out_base_dir(self) -> None:
+        nodes = self.base_dir / "custom_nodes"
+        nodes.mkdir(parents=True, exist_ok=True)
+        link = nodes / PACK_FOLDER
+        if not link.exists():
+            link.symlink_to(PACK_ROOT, target_is_directory=True)
+        for folder, source in self.models.items():
+            dest = self.base_dir / "models" / folder
+            dest.mkdir(parents=True, exist_ok=True)
+            for entry in source.iterdir():
+                if not (dest / entry.name).exists():
+                    (dest / entry.name).symlink_to(entry.resolve(), target_is_directory=entry.is_dir())
+
+    def start(self, timeout: float = 120.0) -> None:
+        self._lay_out_base_dir()
+        self.port = _free_port()
+        cmd = [
+            sys.executable, "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(self.port),
+            "--base-directory", str(self.base_dir), "--disable-auto-launch", "--disable-api-nodes",
+            "--database-url", "sqlite:///:memory:",
+            "--disable-all-custom-nodes", "--whitelist-custom-nodes", PACK_FOLDER,
+        ]
+        env = {**os.environ, **self.env, "PYTHONUNBUFFERED": "1"}
+        log = open(self.log_path, "wb")
+        self.process = subprocess.Popen(cmd, cwd=self.comfyui_root, env=env, stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise Flux2DevError(f"ComfyUI exited with status {self.process.returncode} while starting:\n{self.log()}")
+            try:
+                self.get("/system_stats")
+                return
+            except (urllib.error.URLError, ConnectionError, OSError):
+                time.sleep(0.25)
+        self.stop()
+        raise Flux2DevError(f"ComfyUI did not answer within {timeout:.0f} s:\n{self.log()}")
+
+    def stop(self) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.process = None
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def log(self) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return "(no server log)"
+
+    def get(self, path: str):
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=30) as r:
+            return json.loads(r.read())
+
+    def submit(self, graph: dict) -> str:
+        body = json.dumps({"prompt": graph, "client_id": uuid.uuid4().hex}).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{self.port}/prompt", data=body,
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=30) as r:
+                return json.loads(r.read())["prompt_id"]
+        except urllib.error.HTTPError as e:
+            raise GraphError(_refusal_text(json.loads(e.read() or b"{}"))) from None
+
+    def wait(self, prompt_id: str, timeout: float = 600.0) -> dict:
+        """The node outputs of a finished graph; GraphError with the host's text when a node failed."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            entry = self.get(f"/history/{prompt_id}").get(prompt_id)
+            status = (entry or {}).get("status", {})
+            if status.get("status_str") == "error":
+                raise GraphError(_execution_error_text(status))
+            if status.get("completed"):
+                return entry["outputs"]
+            if self.process is None or self.process.poll() is not None:
+                raise Flux2DevError(f"ComfyUI stopped while running the graph:\n{self.log()}")
+            time.sleep(0.2)
+        raise Flux2DevError(f"the graph did not finish within {timeout:.0f} s")
+
+    def run(self, graph: dict, timeout: float = 600.0) -> dict:
+        return self.wait(self.submit(graph), timeout)
+
+    def output_file(self, image: dict) -> Path:
+        """Where an image that SaveImage reported lies on disk."""
+        return self.base_dir / "output" / image.get("subfolder", "") / image["filename"]
+
+
+def _refusal_text(body: dict) -> str:
+    lines = [body.get("error", {}).get("message", "the server refused the graph")]
+    for node_id, node in (body.get("node_errors") or {}).items():
+        for err in node.get("errors", []):
+            lines.append(f"node {node_id} ({node.get('class_type')}): {err.get('details') or err.get('message')}")
+    return "\n".join(lines)
+
+
+def _execution_error_text(status: dict) -> str:
+    for kind, data in status.get("messages", []):
+        if kind == "execution_error":
+            return data.get("exception_message", "").strip()
+    return "the graph failed without an error message"

@@ -1,0 +1,39 @@
+"""The pack as a package: installed, beside the libraries it could shadow, and loaded by the real host."""
+
+import importlib
+import subprocess
+import sys
+
+import pytest
+
+
+def test_tokenizers_library_is_not_shadowed_by_the_pack():
+    code = (
+        "import comfyui_flux2dev.tokenizers as pack_tok, comfyui_flux2dev.loaders.variants, tokenizers;"
+        "assert hasattr(tokenizers, 'Tokenizer'), tokenizers.__file__;"
+        "assert pack_tok.__name__ == 'comfyui_flux2dev.tokenizers';"
+        "assert 'site-packages' in tokenizers.__file__, tokenizers.__file__;"
+        "print(tokenizers.__file__)"
+    )
+    # A fresh process, as a user's ComfyUI would be: nothing else imported first.
+    out = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+
+
+def test_the_command_line_entry_is_installed():
+    out = subprocess.run([sys.executable, "-P", "-m", "comfyui_flux2dev.cli", "--help"], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "tiny" in out.stdout and "tokenize" in out.stdout
+
+
+@pytest.mark.server
+def test_the_server_loads_the_pack_and_lists_its_nodes(comfy_server):
+    from comfyui_flux2dev.nodes import NODE_MODULES
+
+    info = comfy_server.get("/object_info")
+    expected = set()
+    for name in NODE_MODULES:
+        module = importlib.import_module(f"comfyui_flux2dev.nodes.{name}")
+        expected |= {n.define_schema().node_id for n in module.NODES}
+    assert expected and expected <= set(info), sorted(expected - set(info))
+    assert "EmptyFlux2LatentImage" in info  # the host's own FLUX.2 nodes sit beside the pack's
