@@ -1,0 +1,86 @@
+"""The one tokenizer every rung builds: the HF tokenizer.json form of the Mistral-Small-3.1 tokenizer that the
+FLUX.2 reference path (BFL, diffusers) loads, as transformers 4.57's convert_tekken_tokenizer made it:
+byte-level BPE with merges derived from the ranks, a Llama-3 style split pattern, and every special token an
+added special token (so special strings typed in a prompt become their ids)."""
+
+from __future__ import annotations
+
+# Absolute import: this package is comfyui_flux2dev.tokenizers, so this is the HF `tokenizers` library.
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers, processors
+from tokenizers.models import BPE
+
+from .vocab import TekkenVocab, byte_level_string
+
+# The reference pattern (Llama-3 style, \p{N}{1,3}); mistral-common's own Tekken pattern splits differently.
+REFERENCE_PATTERN = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+# What every accepted tokenizer must give: each marker of the FLUX.2 template as exactly its one id.
+SELF_TEST = (("<s>", 1), ("[SYSTEM_PROMPT]", 17), ("[/SYSTEM_PROMPT]", 18), ("[INST]", 3), ("[/INST]", 4), ("<pad>", 11))
+SELF_TEST_TEXT = "a red fox"
+
+
+def _vocab_and_merges(vocab: TekkenVocab) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    rank_of = {token: r for r, token in enumerate(vocab.ranks)}
+    n_special = len(vocab.specials)
+    ids = {s: i for i, s in enumerate(vocab.specials)}
+    merges = []
+    for r, token in enumerate(vocab.ranks):
+        # As the reference: a BPE string equal to a special string takes the later (BPE) id.
+        ids[byte_level_string(token)] = n_special + r
+        pairs = [
+            (rank_of[token[:k]], rank_of[token[k:]], token[:k], token[k:])
+            for k in range(1, len(token))
+            if token[:k] in rank_of and token[k:] in rank_of
+        ]
+        pairs.sort()
+        merges.extend((byte_level_string(left), byte_level_string(right)) for _, _, left, right in pairs)
+    return ids, merges
+
+
+def build_backend(vocab: TekkenVocab) -> Tokenizer:
+    ids, merges = _vocab_and_merges(vocab)
+    backend = Tokenizer(BPE(ids, merges, fuse_unk=False))
+    backend.model.ignore_merges = True  # whole words found in the vocabulary are not re-merged (tiktoken rule)
+    backend.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(REFERENCE_PATTERN), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    backend.decoder = decoders.ByteLevel()
+    backend.post_processor = processors.ByteLevel(trim_offsets=False)
+    backend.add_special_tokens([AddedToken(s, special=True, normalized=False) for s in vocab.specials])
+    return backend
+
+
+class Flux2Tokenizer:
+    """The canonical tokenizer: `encode` gives the reference ids, without BOS, special strings split out."""
+
+    def __init__(self, vocab: TekkenVocab):
+        self.backend = build_backend(vocab)
+        self.num_special_tokens = len(vocab.specials)
+        self.vocab_size = len(vocab.specials) + len(vocab.ranks)
+        self.vocab_digest = vocab.digest
+
+    def encode(self, text: str) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.backend.decode(ids, skip_special_tokens=False)
+
+    def token_id(self, token: str) -> int | None:
+        return self.backend.token_to_id(token)
+
+
+def self_test(tokenizer: Flux2Tokenizer) -> None:
+    """Raise ValueError unless the template markers and plain text encode as FLUX.2 needs."""
+    for text, want in SELF_TEST:
+        got = tokenizer.encode(text)
+        if got != [want]:
+            raise ValueError(f"self-test: {text!r} encodes to {got}, expected [{want}]")
+    plain = tokenizer.encode(SELF_TEST_TEXT)
+    if not plain or min(plain) < tokenizer.num_special_tokens:
+        raise ValueError(f"self-test: {SELF_TEST_TEXT!r} encodes to {plain}, expected ordinary BPE ids")

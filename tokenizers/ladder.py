@@ -1,0 +1,289 @@
+"""The tokenizer ladder: find the Tekken vocabulary of a FLUX.2 [dev] text encoder wherever it is, offline.
+
+Each rung yields candidate sources; each candidate's vocabulary is built into the one canonical tokenizer
+(canonical.py) and self-tested. The first that passes wins; every failure or skip is recorded, and when all
+fail the error lists them with what to do. Outcomes are cached per source (path + mtime + size, or content
+hash) and built tokenizers per vocabulary hash, so resolving again in the same process is cheap."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from ..errors import TokenizerNotFoundError
+from .canonical import Flux2Tokenizer, self_test
+from .vocab import (
+    TekkenVocab,
+    parse_tekken_json,
+    tekken_bytes,
+    vocab_from_gguf,
+    vocab_from_tokenizers_backend,
+    vocab_from_transformers,
+)
+
+log = logging.getLogger(__name__)
+
+TEKKEN_FILE = "tekken.json"
+TOKENIZER_SUBFOLDER = "tokenizer"
+PIPELINE_INDEX = "model_index.json"  # marks a diffusers pipeline root, whose tokenizer sits in tokenizer/
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", TEKKEN_FILE, "tokenizer.model")
+TRANSFORMERS_PROBES = ("AutoProcessor", "AutoTokenizer")
+BUNDLED_TEKKEN = ("data", "tekken_240911.json")  # inside the mistral_common package; Mistral-Small-3.x BPE
+HUB_REPO = "black-forest-labs/FLUX.2-dev"
+HUB_FILE = "tokenizer.json"
+OFFLINE_ENV = ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE")
+TRUE_VALUES = ("1", "ON", "YES", "TRUE")
+REASON_CHARS = 400
+
+FIX_HINT = (
+    "To fix it, do one of: put the encoder's tekken.json (from mistralai/Mistral-Small-3.1-24B-Instruct-2503) "
+    "beside the encoder file or in a tokenizer/ folder next to it; install mistral-common "
+    "(pip install mistral-common), which ships the vocabulary; or allow downloads with Hugging Face access to "
+    f"{HUB_REPO} (accept its license, then `hf auth login`)."
+)
+
+
+@dataclass(frozen=True)
+class TokenizerResolution:
+    tokenizer: Flux2Tokenizer  # shared by every resolution of the same vocabulary: do not modify it
+    rung: str
+    source: str
+    attempts: list[tuple[str, str, str]]  # (rung, source, reason) for what failed or was skipped first
+
+
+@dataclass(frozen=True)
+class _Request:
+    folders: tuple[Path, ...]
+    embedded: Any
+    gguf_metadata: Mapping[str, Any] | None
+    allow_network: bool
+
+
+@dataclass(frozen=True)
+class _Candidate:
+    source: str
+    key: tuple | None  # None: never cache the outcome (the hub can change between calls)
+    load: Callable[[], TekkenVocab]
+    label: str = ""  # prefixed to a failure reason (which transformers probe failed)
+
+
+class _Skipped(Exception):
+    """The rung has nothing to try for this encoder."""
+
+
+class _FailedBefore(Exception):
+    """This source (same file and mtime) or vocabulary already failed in this process; the message is its reason."""
+
+
+# ---------------------------------------------------------------- cache
+
+
+@dataclass(frozen=True)
+class _Failed:
+    reason: str  # the reason only: a stored exception would keep its frames (and 19 MB of JSON) alive
+
+
+_lock = threading.Lock()
+_outcomes: dict[tuple, Flux2Tokenizer | _Failed] = {}
+_by_vocab: dict[str, Flux2Tokenizer | _Failed] = {}
+
+
+def _build(load: Callable[[], TekkenVocab]) -> Flux2Tokenizer:
+    vocab = load()
+    built = _by_vocab.get(vocab.digest)
+    if built is None:
+        try:
+            built = Flux2Tokenizer(vocab)
+            self_test(built)
+        except Exception as exc:
+            built = _Failed(_reason(exc))
+        _by_vocab[vocab.digest] = built
+    if isinstance(built, _Failed):
+        raise _FailedBefore(built.reason)
+    return built
+
+
+def _outcome(candidate: _Candidate) -> Flux2Tokenizer:
+    with _lock:
+        if candidate.key is None:
+            return _build(candidate.load)
+        outcome = _outcomes.get(candidate.key)
+        if outcome is None:
+            try:
+                outcome = _build(candidate.load)
+            except Exception as exc:
+                outcome = _Failed(_reason(exc))
+            _outcomes[candidate.key] = outcome
+    if isinstance(outcome, _Failed):
+        raise _FailedBefore(outcome.reason)
+    return outcome
+
+
+def _reason(exc: BaseException) -> str:
+    text = str(exc) if isinstance(exc, (_Skipped, _FailedBefore)) else f"{type(exc).__name__}: {exc}"
+    text = " ".join(text.split())
+    return text if len(text) <= REASON_CHARS else text[: REASON_CHARS - 3] + "..."
+
+
+def _file_key(path: Path) -> tuple:
+    stat = path.stat()
+    return ("file", str(path.resolve()), stat.st_mtime_ns, stat.st_size)
+
+
+def _folder_key(folder: Path) -> tuple:
+    entries = sorted((e.name, e.stat().st_size, e.stat().st_mtime_ns) for e in os.scandir(folder) if e.is_file())
+    return (str(folder.resolve()), tuple(entries))
+
+
+def _tekken_file(path: Path) -> _Candidate:
+    return _Candidate(str(path), _file_key(path), lambda: parse_tekken_json(path.read_bytes()))
+
+
+# ---------------------------------------------------------------- rungs
+
+
+def _embedded(req: _Request) -> list[_Candidate]:
+    if req.embedded is None:
+        raise _Skipped("skipped: the weights hold no tekken_model tensor")
+    data = tekken_bytes(req.embedded)
+    return [_Candidate("tekken_model tensor", ("embedded", hashlib.sha256(data).hexdigest()), partial(parse_tekken_json, data))]
+
+
+def _tekken_json(req: _Request) -> list[_Candidate]:
+    files = [folder / TEKKEN_FILE for folder in req.folders if (folder / TEKKEN_FILE).is_file()]
+    if not files:
+        raise _Skipped(f"skipped: no {TEKKEN_FILE} in {_where(req)}")
+    return [_tekken_file(path) for path in files]
+
+
+def _transformers(req: _Request) -> list[_Candidate]:
+    folders = [f for f in req.folders if any((f / name).is_file() for name in TOKENIZER_FILES)]
+    if not folders:
+        raise _Skipped(f"skipped: no tokenizer files ({', '.join(TOKENIZER_FILES)}) in {_where(req)}")
+    return [
+        _Candidate(str(folder), ("transformers", probe, _folder_key(folder)), partial(_probe, probe, folder), f"{probe}: ")
+        for folder in folders
+        for probe in TRANSFORMERS_PROBES
+    ]
+
+
+def _probe(probe: str, folder: Path) -> TekkenVocab:
+    import transformers
+
+    loaded = getattr(transformers, probe).from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
+    return vocab_from_transformers(loaded)
+
+
+def _gguf(req: _Request) -> list[_Candidate]:
+    meta = req.gguf_metadata
+    if meta is None or "tokenizer.ggml.tokens" not in meta:
+        raise _Skipped("skipped: no GGUF header with tokenizer.ggml.tokens was given")
+    return [_Candidate("GGUF metadata tokenizer.ggml.*", ("gguf", _gguf_digest(meta)), partial(vocab_from_gguf, meta))]
+
+
+def _gguf_digest(meta: Mapping[str, Any]) -> str:
+    h = hashlib.sha256(str(meta.get("tokenizer.ggml.model")).encode())
+    for token in meta["tokenizer.ggml.tokens"]:
+        h.update(token if isinstance(token, bytes) else str(token).encode())
+        h.update(b"\x00")
+    h.update(str([int(t) for t in meta.get("tokenizer.ggml.token_type", ())]).encode())
+    return h.hexdigest()
+
+
+def _bundled(req: _Request) -> list[_Candidate]:
+    import mistral_common
+
+    path = Path(mistral_common.__file__).parent.joinpath(*BUNDLED_TEKKEN)
+    if not path.is_file():
+        raise _Skipped(f"{path} is missing from the installed mistral-common")
+    return [_tekken_file(path)]
+
+
+def _hub(req: _Request) -> list[_Candidate]:
+    if not req.allow_network:
+        raise _Skipped("skipped: network use not allowed (allow_network=False)")
+    offline = [name for name in OFFLINE_ENV if os.environ.get(name, "").upper() in TRUE_VALUES]
+    if offline:
+        raise _Skipped(f"skipped: {offline[0]} is set, the process is offline")
+    return [_Candidate(f"{HUB_REPO}/{TOKENIZER_SUBFOLDER}/{HUB_FILE}", None, _from_hub)]
+
+
+def _from_hub() -> TekkenVocab:
+    from huggingface_hub import hf_hub_download
+    from tokenizers import Tokenizer
+
+    where = {"repo_id": HUB_REPO, "filename": HUB_FILE, "subfolder": TOKENIZER_SUBFOLDER}
+    try:
+        path = hf_hub_download(**where, local_files_only=True)
+    except Exception:  # not in the cache yet
+        path = hf_hub_download(**where)
+    return vocab_from_tokenizers_backend(Tokenizer.from_file(path))
+
+
+# (short name, what it looks at, rung): the order is the ladder.
+RUNGS: tuple[tuple[str, str, Callable[[_Request], list[_Candidate]]], ...] = (
+    ("embedded-tekken", "tekken_model tensor", _embedded),
+    ("tekken-json", TEKKEN_FILE, _tekken_json),
+    ("transformers", "tokenizer files", _transformers),
+    ("gguf-vocab", "GGUF metadata", _gguf),
+    ("bundled-tekken", "mistral-common wheel", _bundled),
+    ("hub", f"{HUB_REPO} {TOKENIZER_SUBFOLDER}/", _hub),
+)
+
+
+def _folders(model_path: str | os.PathLike | None) -> tuple[Path, ...]:
+    """Where a model's tokenizer can live: beside the file (or in the folder), its tokenizer/, and the
+    tokenizer/ of the diffusers pipeline the folder belongs to."""
+    if model_path is None:
+        return ()
+    path = Path(model_path)
+    base = path if path.is_dir() else path.parent
+    folders = [base, base / TOKENIZER_SUBFOLDER]
+    if (base.parent / PIPELINE_INDEX).is_file():
+        folders.append(base.parent / TOKENIZER_SUBFOLDER)
+    unique = dict.fromkeys(f for f in folders if f.is_dir())
+    return tuple(unique)
+
+
+def _where(req: _Request) -> str:
+    return ", ".join(str(f) for f in req.folders) or "any folder (no model path given)"
+
+
+def resolve_tokenizer(
+    model_path: str | os.PathLike | None,
+    *,
+    embedded_tekken: Any = None,
+    gguf_metadata: Mapping[str, Any] | None = None,
+    allow_network: bool = False,
+) -> TokenizerResolution:
+    """The tokenizer of a FLUX.2 [dev] text encoder. model_path is the encoder's file or folder (or None);
+    embedded_tekken the tekken_model tensor of the weights (bytes, uint8 or one-byte-per-float array);
+    gguf_metadata the already-parsed GGUF header. Raises TokenizerNotFoundError when every rung fails."""
+    req = _Request(_folders(model_path), embedded_tekken, gguf_metadata, allow_network)
+    attempts: list[tuple[str, str, str]] = []
+    for name, where, rung in RUNGS:
+        try:
+            candidates = rung(req)
+        except Exception as exc:
+            attempts.append((name, where, _reason(exc)))
+            continue
+        for candidate in candidates:
+            try:
+                tokenizer = _outcome(candidate)
+            except Exception as exc:
+                attempts.append((name, candidate.source, candidate.label + _reason(exc)))
+                continue
+            log.info("FLUX.2 [dev] tokenizer from %s (%s)", candidate.source, name)
+            return TokenizerResolution(tokenizer, name, candidate.source, attempts)
+    tried = "\n".join(f"  - {name} ({source}): {reason}" for name, source, reason in attempts)
+    subject = f" of {model_path}" if model_path is not None else ""
+    raise TokenizerNotFoundError(
+        f"No tokenizer found for the FLUX.2 [dev] text encoder{subject}. Tried, in order:\n{tried}\n{FIX_HINT}"
+    )
