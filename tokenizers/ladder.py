@@ -266,6 +266,10 @@ def resolve_tokenizer(
     """The tokenizer of a FLUX.2 [dev] text encoder. model_path is the encoder's file or folder (or None);
     embedded_tekken the tekken_model tensor of the weights (bytes, uint8 or one-byte-per-float array);
     gguf_metadata the already-parsed GGUF header. Raises TokenizerNotFoundError when every rung fails."""
+    if model_path is not None and not os.path.exists(model_path):
+        raise TokenizerNotFoundError(
+            f"{model_path} does not exist. Give the text encoder's file or folder (a path that exists on this machine)."
+        )
     req = _Request(_folders(model_path), embedded_tekken, gguf_metadata, allow_network)
     attempts: list[tuple[str, str, str]] = []
     for name, where, rung in RUNGS:
