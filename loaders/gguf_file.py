@@ -1,0 +1,319 @@
+"""The pack's own GGUF reader: header, metadata and tensor table parsed once, with direct reads over a
+memory map, and tensors handed out as zero-copy uint8 views of the mapped file.
+
+gguf.GGUFReader walks every metadata array element by element (8-12 s for a Mistral-sized tokenizer
+header); here numeric arrays are one numpy view and string arrays one walk over their length prefixes
+plus a single bulk UTF-8 decode. Every count, length and offset is checked against the file size before
+it is used, so a truncated or hostile file raises CorruptFileError instead of crashing or allocating.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import struct
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from ..errors import CorruptFileError, UnsupportedFormatError
+
+_MAGIC = b"GGUF"
+_VERSIONS = (2, 3)
+_DEFAULT_ALIGNMENT = 32
+_MAX_DIMS = 4  # GGML_MAX_DIMS
+_MAX_ARRAY_DEPTH = 8
+
+# GGUF value type -> numpy dtype of its scalar (little-endian), per the GGUF spec.
+_SCALARS = {
+    0: np.dtype("<u1"), 1: np.dtype("<i1"), 2: np.dtype("<u2"), 3: np.dtype("<i2"),
+    4: np.dtype("<u4"), 5: np.dtype("<i4"), 6: np.dtype("<f4"), 7: np.dtype("?"),
+    10: np.dtype("<u8"), 11: np.dtype("<i8"), 12: np.dtype("<f8"),
+}
+_STRING, _ARRAY = 8, 9
+_UINT32 = 4
+
+_U32 = struct.Struct("<I")
+_U64 = struct.Struct("<Q")
+_SEPARATOR = 0xFF  # never valid in UTF-8, so it can split one bulk decode into the array's strings
+
+_parse_count = 0
+
+
+def parse_count() -> int:
+    """How many GGUF headers this process has parsed (a load must parse each file exactly once)."""
+    return _parse_count
+
+
+@dataclass(frozen=True)
+class GGUFTensor:
+    name: str
+    qtype: GGMLQuantizationType
+    shape: tuple[int, ...]  # torch order: GGUF stores dims innermost first
+    offset: int  # absolute byte offset in the file
+    nbytes: int
+    _file: GGUFFile = field(repr=False, compare=False)
+
+    @property
+    def data(self) -> torch.Tensor:
+        """The raw bytes, a zero-copy uint8 view of the mapped file."""
+        return self._file._bytes(self.offset, self.nbytes)
+
+
+class GGUFFile:
+    """One parsed GGUF file. The map stays open while this object or any tensor view is alive."""
+
+    def __init__(self, path: str, mapped: mmap.mmap, metadata: dict, tensors: dict[str, GGUFTensor]):
+        self.path = path
+        self.metadata = metadata
+        self.tensors = tensors
+        self._mmap = mapped
+        # Through numpy, whose buffer export keeps the map from being closed under a live view.
+        self._base = torch.from_numpy(np.frombuffer(mapped, dtype=np.uint8))
+
+    @property
+    def architecture(self) -> str | None:
+        return self.metadata.get("general.architecture")
+
+    def _bytes(self, offset: int, nbytes: int) -> torch.Tensor:
+        if self._base is None:
+            raise ValueError(f"{self.path} is closed.")
+        return self._base[offset : offset + nbytes]
+
+    def close(self) -> None:
+        """Drop this object's hold on the map; views handed out earlier keep it alive until they go."""
+        self._base = None
+        try:
+            self._mmap.close()
+        except BufferError:
+            pass  # tensor views still export the buffer; the map closes when the last one is freed
+
+    def __enter__(self) -> GGUFFile:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class _Cursor:
+    """Bounds-checked little-endian reads over the mapped bytes."""
+
+    def __init__(self, path: str, buf: mmap.mmap):
+        self.path = path
+        self.buf = buf
+        self.size = len(buf)
+        self.pos = 0
+
+    def fail(self, problem: str) -> CorruptFileError:
+        return CorruptFileError(
+            f"{self.path} is not a readable GGUF file: {problem} (at byte {self.pos} of {self.size}). "
+            "The file is truncated or damaged; download it again."
+        )
+
+    def need(self, n: int, what: str) -> None:
+        if n > self.size - self.pos:
+            raise self.fail(f"{what} needs {n} bytes but only {self.size - self.pos} remain")
+
+    def u32(self, what: str) -> int:
+        self.need(4, what)
+        (v,) = _U32.unpack_from(self.buf, self.pos)
+        self.pos += 4
+        return v
+
+    def u64(self, what: str) -> int:
+        self.need(8, what)
+        (v,) = _U64.unpack_from(self.buf, self.pos)
+        self.pos += 8
+        return v
+
+    def string(self, what: str) -> str:
+        n = self.u64(what)
+        self.need(n, what)
+        raw = self.buf[self.pos : self.pos + n]
+        self.pos += n
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise self.fail(f"{what} is not valid UTF-8") from None
+
+    def value(self, vtype: int, what: str, depth: int = 0):
+        if vtype == _STRING:
+            return self.string(what)
+        if vtype == _ARRAY:
+            return self.array(what, depth)
+        dtype = _SCALARS.get(vtype)
+        if dtype is None:
+            raise self.fail(f"{what} has unknown value type {vtype}")
+        self.need(dtype.itemsize, what)
+        v = np.frombuffer(self.buf, dtype, 1, self.pos)[0].item()
+        self.pos += dtype.itemsize
+        return v
+
+    def array(self, what: str, depth: int):
+        if depth >= _MAX_ARRAY_DEPTH:
+            raise self.fail(f"{what} nests arrays more than {_MAX_ARRAY_DEPTH} deep")
+        itype = self.u32(what)
+        count = self.u64(what)
+        if itype == _STRING:
+            return self.string_array(count, what)
+        dtype = _SCALARS.get(itype)
+        if dtype is not None:
+            self.need(count * dtype.itemsize, f"{what} ({count} items)")
+            # A copy, so no numpy view pins the map open.
+            values = np.frombuffer(self.buf, dtype, count, self.pos).copy()
+            self.pos += count * dtype.itemsize
+            return values
+        if itype == _ARRAY:
+            self.need(count * 12, f"{what} ({count} nested arrays)")  # each holds at least a type and a count
+            return [self.array(what, depth + 1) for _ in range(count)]
+        raise self.fail(f"{what} is an array of unknown value type {itype}")
+
+    def string_array(self, count: int, what: str) -> list[str]:
+        self.need(count * 8, f"{what} ({count} strings)")
+        if count == 0:
+            return []
+        # Walk the length prefixes (each one decides where the next starts), then decode every string
+        # at once: the bytes are joined with 0xFF, which UTF-8 never contains, and split after decoding.
+        buf, size, start = self.buf, self.size, self.pos
+        unpack = _U64.unpack_from
+        prefixes = [0] * count
+        pos = start
+        for i in range(count):
+            if pos + 8 > size:
+                self.pos = pos
+                raise self.fail(f"{what} is cut short after {i} of {count} strings")
+            prefixes[i] = pos
+            pos += 8 + unpack(buf, pos)[0]
+        if pos > size:
+            self.pos = prefixes[-1]
+            raise self.fail(f"{what}: string {count - 1} runs past the end of the file")
+        prefixes = np.array(prefixes, dtype=np.int64)
+        region = np.frombuffer(buf, np.uint8, pos - start, start).copy()
+        rel = prefixes - start
+        region[rel[1:]] = _SEPARATOR
+        keep = np.ones(region.size, dtype=bool)
+        keep[(rel[:, None] + np.arange(8)).ravel()] = False
+        keep[rel[1:]] = True
+        text = region[keep].tobytes().decode("utf-8", "surrogateescape")
+        strings = text.split("\udcff")
+        # Any other escaped byte (or a stray 0xFF) means invalid UTF-8 inside a string.
+        if len(strings) != count or not _is_clean(text):
+            self.pos = start
+            raise self.fail(f"{what} holds strings that are not valid UTF-8")
+        self.pos = pos
+        return strings
+
+
+def _is_clean(text: str) -> bool:
+    try:
+        text.replace("\udcff", "").encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def open_gguf(path: str | os.PathLike) -> GGUFFile:
+    """Parse one GGUF file's header, metadata and tensor table (once) over a memory map."""
+    global _parse_count
+    path = os.fspath(path)
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size < 24:
+            raise CorruptFileError(f"{path} is too short to be a GGUF file ({size} bytes).")
+        # Copy-on-write: torch wants a writable buffer, and nothing written through it reaches the file.
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    try:
+        metadata, tensors = _parse(path, mapped)
+    except BaseException:
+        mapped.close()
+        raise
+    _parse_count += 1
+    gfile = GGUFFile(path, mapped, metadata, {})
+    gfile.tensors.update(
+        (name, GGUFTensor(name, qtype, shape, offset, nbytes, gfile)) for name, (qtype, shape, offset, nbytes) in tensors.items()
+    )
+    return gfile
+
+
+def _parse(path: str, buf: mmap.mmap):
+    cur = _Cursor(path, buf)
+    if buf[:4] != _MAGIC:
+        raise CorruptFileError(f"{path} is not a GGUF file (it does not start with 'GGUF').")
+    cur.pos = 4
+    version = cur.u32("version")
+    if version & 0xFFFF == 0 and version:
+        raise UnsupportedFormatError(f"{path} is a big-endian GGUF file; only little-endian files are supported.")
+    if version not in _VERSIONS:
+        raise UnsupportedFormatError(f"{path} is GGUF version {version}; supported versions are {_VERSIONS}.")
+    n_tensors = cur.u64("tensor count")
+    n_kv = cur.u64("metadata count")
+    # Each entry takes at least 12 (key/value) or 24 (tensor) bytes: larger counts cannot fit the file.
+    if n_kv * 13 > cur.size - cur.pos:
+        raise cur.fail(f"it claims {n_kv} metadata entries, more than the file can hold")
+    if n_tensors * 24 > cur.size - cur.pos:
+        raise cur.fail(f"it claims {n_tensors} tensors, more than the file can hold")
+
+    metadata: dict = {}
+    for _ in range(n_kv):
+        key = cur.string("metadata key")
+        if key in metadata:
+            raise cur.fail(f"metadata key {key!r} appears twice")
+        metadata[key] = cur.value(cur.u32(f"type of {key!r}"), repr(key))
+
+    infos = []
+    for _ in range(n_tensors):
+        name = cur.string("tensor name")
+        n_dims = cur.u32(f"dims of tensor {name!r}")
+        if n_dims > _MAX_DIMS:
+            raise cur.fail(f"tensor {name!r} claims {n_dims} dimensions (at most {_MAX_DIMS})")
+        dims = [cur.u64(f"dims of tensor {name!r}") for _ in range(n_dims)]
+        raw_type = cur.u32(f"type of tensor {name!r}")
+        offset = cur.u64(f"offset of tensor {name!r}")
+        infos.append((name, dims, raw_type, offset))
+
+    alignment = metadata.get("general.alignment", _DEFAULT_ALIGNMENT)
+    if not isinstance(alignment, int) or isinstance(alignment, bool) or alignment <= 0 or alignment & (alignment - 1):
+        raise cur.fail(f"general.alignment is {alignment!r}, not a positive power of two")
+    data_start = -(-cur.pos // alignment) * alignment
+
+    tensors: dict = {}
+    for name, dims, raw_type, offset in infos:
+        if name in tensors:
+            raise cur.fail(f"tensor {name!r} appears twice")
+        qtype = _quant_type(path, name, raw_type)
+        block_size, type_size = GGML_QUANT_SIZES[qtype]
+        n_elements = 1
+        for d in dims:
+            n_elements *= d
+        row = dims[0] if dims else 1
+        if row % block_size:
+            raise cur.fail(f"tensor {name!r} ({qtype.name}) has rows of {row}, not a multiple of its block size {block_size}")
+        nbytes = n_elements // block_size * type_size
+        if offset % alignment:
+            raise cur.fail(f"tensor {name!r} starts at offset {offset}, not a multiple of the alignment {alignment}")
+        start = data_start + offset
+        if start + nbytes > cur.size:
+            raise cur.fail(f"tensor {name!r} ({nbytes} bytes at {start}) runs past the end of the file")
+        tensors[name] = (qtype, tuple(reversed(dims)), start, nbytes)
+
+    spans = sorted((start, start + nbytes, name) for name, (_, _, start, nbytes) in tensors.items())
+    for (_, end, first), (start, _, second) in zip(spans, spans[1:]):
+        if start < end:
+            raise cur.fail(f"tensors {first!r} and {second!r} overlap")
+    return metadata, tensors
+
+
+def _quant_type(path: str, name: str, raw_type: int) -> GGMLQuantizationType:
+    try:
+        qtype = GGMLQuantizationType(raw_type)
+    except ValueError:
+        qtype = None
+    if qtype is None or qtype not in GGML_QUANT_SIZES:
+        raise UnsupportedFormatError(
+            f"{path}: tensor {name!r} has quantization type {raw_type}, which this version of the pack "
+            "(and of the gguf library) does not know. Update the gguf package, or use a file quantized "
+            "with a common type (Q8_0, Q4_K, Q5_K, Q6_K, ...)."
+        )
+    return qtype
