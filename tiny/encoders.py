@@ -1,0 +1,411 @@
+"""Deterministic tiny FLUX.2 [dev] text encoders in every layout users have.
+
+Every file holds the same seeded model (TINY_MISTRAL geometry: real vocabulary size and layer counts, tiny
+width), so one transformers reference serves all bf16 layouts; quantized files hold that model quantized.
+The tokenizer data is the real Mistral-Small vocabulary shipped with mistral-common."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import shutil
+
+import numpy as np
+import torch
+
+from ..loaders.quant import swizzle_block_scales
+from ..loaders.variants import TINY_MISTRAL
+
+SEED = 20251125
+LAYERS = TINY_MISTRAL.layers[-1]  # the full model; pruned files keep the first 30
+PRUNED = TINY_MISTRAL.layers[0]
+PARTS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+MODULE = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+          "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+NATIVE = {"self_attn.q_proj": "attention.wq", "self_attn.k_proj": "attention.wk", "self_attn.v_proj": "attention.wv",
+          "self_attn.o_proj": "attention.wo", "mlp.gate_proj": "feed_forward.w1", "mlp.up_proj": "feed_forward.w3",
+          "mlp.down_proj": "feed_forward.w2", "input_layernorm": "attention_norm", "post_attention_layernorm": "ffn_norm"}
+GGUF = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+        "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+        "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+VISION = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=1, head_dim=16,
+              image_size=32, patch_size=16, num_channels=3)
+
+
+def tekken_path() -> str:
+    import mistral_common
+
+    return os.path.join(os.path.dirname(mistral_common.__file__), "data", "tekken_240911.json")
+
+
+@functools.lru_cache(maxsize=1)
+def tekken_data() -> bytes:
+    with open(tekken_path(), "rb") as f:
+        return f.read()
+
+
+def _shapes(layers: int) -> dict[str, tuple[int, ...]]:
+    g = TINY_MISTRAL
+    out = {"model.embed_tokens.weight": (g.vocab, g.width)}
+    rows = {"q_proj": (g.heads * g.head_dim, g.width), "k_proj": (g.kv_heads * g.head_dim, g.width),
+            "v_proj": (g.kv_heads * g.head_dim, g.width), "o_proj": (g.width, g.heads * g.head_dim),
+            "gate_proj": (g.mlp, g.width), "up_proj": (g.mlp, g.width), "down_proj": (g.width, g.mlp)}
+    for i in range(layers):
+        for part, shape in rows.items():
+            out[f"model.layers.{i}.{MODULE[part]}.{part}.weight"] = shape
+        out[f"model.layers.{i}.input_layernorm.weight"] = (g.width,)
+        out[f"model.layers.{i}.post_attention_layernorm.weight"] = (g.width,)
+    out["model.norm.weight"] = (g.width,)
+    out["lm_head.weight"] = (g.vocab, g.width)
+    return out
+
+
+@functools.lru_cache(maxsize=1)
+def base_model() -> dict[str, torch.Tensor]:
+    """The tiny model in MistralForCausalLM keys, bf16, 40 layers with final norm and lm_head."""
+    gen = torch.Generator().manual_seed(SEED)
+    out = {}
+    for name, shape in _shapes(LAYERS).items():
+        if len(shape) == 1:  # norm weights near 1, so a mixed-up norm shows
+            t = 1.0 + 0.2 * torch.randn(shape, generator=gen)
+        elif "embed_tokens" in name or "lm_head" in name:
+            t = 0.5 * torch.randn(shape, generator=gen)
+        else:  # small enough that 30 layers keep hidden states O(1), so float32 parity can be checked at 1e-5
+            t = 0.5 * torch.randn(shape, generator=gen) / shape[1] ** 0.5
+        out[name] = t.to(torch.bfloat16)
+    return out
+
+
+def text_config(layers: int) -> dict:
+    g = TINY_MISTRAL
+    return {
+        "model_type": "mistral", "vocab_size": g.vocab, "hidden_size": g.width, "intermediate_size": g.mlp,
+        "num_hidden_layers": layers, "num_attention_heads": g.heads, "num_key_value_heads": g.kv_heads,
+        "head_dim": g.head_dim, "hidden_act": "silu", "max_position_embeddings": 131072, "rms_norm_eps": g.rms_norm_eps,
+        "rope_theta": g.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": g.rope_theta},
+        "tie_word_embeddings": False, "sliding_window": None, "bos_token_id": 1, "eos_token_id": 2,
+    }
+
+
+def mistral3_config(layers: int) -> dict:
+    return {
+        "architectures": ["Mistral3ForConditionalGeneration"], "model_type": "mistral3", "torch_dtype": "bfloat16",
+        "text_config": text_config(layers), "vision_config": {"model_type": "pixtral", **VISION},
+        "image_token_index": 10, "projector_hidden_act": "gelu", "vision_feature_layer": -1,
+        "multimodal_projector_bias": False, "spatial_merge_size": 2, "tie_word_embeddings": False,
+    }
+
+
+@functools.lru_cache(maxsize=1)
+def vision_weights() -> dict[str, torch.Tensor]:
+    """Vision tower and projector weights, named relative to the Mistral3 model (shapes from transformers)."""
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration
+
+    config = Mistral3Config(**{k: v for k, v in mistral3_config(1).items() if k not in ("architectures", "torch_dtype")})
+    with torch.device("meta"):
+        model = Mistral3ForConditionalGeneration(config)
+    gen = torch.Generator().manual_seed(SEED + 1)
+    out = {}
+    for part in ("vision_tower", "multi_modal_projector"):
+        for name, t in sorted(getattr(model.model, part).state_dict().items()):
+            out[f"{part}.{name}"] = (0.1 * torch.randn(tuple(t.shape), generator=gen)).to(torch.bfloat16)
+    return out
+
+
+def _save(tensors: dict[str, torch.Tensor], path: str, metadata: dict | None = None) -> None:
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in tensors.items()}, path, metadata=metadata)
+
+
+def _pruned(model: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in model.items() if not k.startswith(("lm_head", "model.norm")) and _layer(k) < PRUNED}
+
+
+def _layer(key: str) -> int:
+    parts = key.split(".")
+    return int(parts[2]) if key.startswith("model.layers.") else -1
+
+
+# --- layouts ---------------------------------------------------------------------------------------------
+
+HF_PREFIXES = {
+    # language-model prefix -> (vision prefix, lm_head name), as transformers saves them
+    "model.language_model": ("model.", "lm_head.weight"),
+    "language_model.model": ("", "language_model.lm_head.weight"),
+}
+
+
+def write_hf_mistral3(dir: str, *, layers: int = LAYERS, prefix: str = "model.language_model", shards: int = 2) -> None:
+    """A Mistral3ForConditionalGeneration folder (config.json, sharded safetensors + index), as on the hub."""
+    os.makedirs(dir, exist_ok=True)
+    vision_prefix, lm_head = HF_PREFIXES[prefix]
+    model = {k: v for k, v in base_model().items() if _layer(k) < layers}
+    tensors = {}
+    for k, v in model.items():
+        tensors[lm_head if k == "lm_head.weight" else prefix + k[len("model"):]] = v
+    tensors.update({vision_prefix + k: v for k, v in vision_weights().items()})
+    names = sorted(tensors)
+    per = -(-len(names) // shards)
+    weight_map = {}
+    for s in range(shards):
+        file = f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        chunk = names[s * per:(s + 1) * per]
+        _save({k: tensors[k] for k in chunk}, os.path.join(dir, file), {"format": "pt"})
+        weight_map.update({k: file for k in chunk})
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    with open(os.path.join(dir, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=1)
+    with open(os.path.join(dir, "config.json"), "w") as f:
+        json.dump(mistral3_config(layers), f, indent=1)
+
+
+def write_tekken(dir: str) -> None:
+    os.makedirs(dir, exist_ok=True)
+    shutil.copyfile(tekken_path(), os.path.join(dir, "tekken.json"))
+
+
+def write_tokenizer_folder(dir: str) -> None:
+    """A diffusers pipeline's tokenizer/ folder: the HF tokenizer.json form, no preprocessor_config.json."""
+    from ..tokenizers.canonical import build_backend
+    from ..tokenizers.vocab import parse_tekken_json
+
+    os.makedirs(dir, exist_ok=True)
+    build_backend(parse_tekken_json(tekken_data())).save(os.path.join(dir, "tokenizer.json"))
+    with open(os.path.join(dir, "tokenizer_config.json"), "w") as f:
+        json.dump({"tokenizer_class": "LlamaTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
+                   "unk_token": "<unk>", "pad_token": "<pad>", "model_max_length": 131072}, f, indent=1)
+    with open(os.path.join(dir, "processor_config.json"), "w") as f:
+        json.dump({"processor_class": "PixtralProcessor", "image_token": "[IMG]"}, f, indent=1)
+
+
+def write_standalone(dir: str) -> None:
+    """BFL-style: config.json (mistral3) + model.safetensors + tekken.json, 30 layers."""
+    os.makedirs(dir, exist_ok=True)
+    model = _pruned(base_model())
+    _save({"model.language_model" + k[len("model"):]: v for k, v in model.items()}, os.path.join(dir, "model.safetensors"))
+    with open(os.path.join(dir, "config.json"), "w") as f:
+        json.dump(mistral3_config(PRUNED), f, indent=1)
+    write_tekken(dir)
+
+
+def _tekken_tensor() -> torch.Tensor:
+    return torch.frombuffer(bytearray(tekken_data()), dtype=torch.uint8)
+
+
+def write_comfy_single(path: str) -> None:
+    """ComfyUI's mistral_3_small_flux2_bf16.safetensors form: 30 layers, model.* keys, tekken_model."""
+    model = {k: v for k, v in base_model().items() if _layer(k) < PRUNED and k != "lm_head.weight"}
+    _save({**model, "tekken_model": _tekken_tensor()}, path)
+
+
+def _rotary_interleave(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """HF half-split rows -> Meta/llama.cpp interleaved rows (what native files and llama.cpp store)."""
+    rows = w.shape[0]
+    return w.reshape(heads, 2, rows // heads // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
+
+
+def write_native(dir: str) -> None:
+    """Mistral's consolidated.safetensors + params.json + tekken.json, 40 layers, wq/wk interleaved."""
+    g = TINY_MISTRAL
+    os.makedirs(dir, exist_ok=True)
+    tensors = {}
+    for k, v in base_model().items():
+        if k == "model.embed_tokens.weight":
+            tensors["tok_embeddings.weight"] = v
+        elif k == "model.norm.weight":
+            tensors["norm.weight"] = v
+        elif k == "lm_head.weight":
+            tensors["output.weight"] = v
+        else:
+            _, _, i, *module, _ = k.split(".")
+            module = ".".join(module)
+            if module == "self_attn.q_proj":
+                v = _rotary_interleave(v, g.heads)
+            elif module == "self_attn.k_proj":
+                v = _rotary_interleave(v, g.kv_heads)
+            tensors[f"layers.{i}.{NATIVE[module]}.weight"] = v
+    _save(tensors, os.path.join(dir, "consolidated.safetensors"))
+    params = {"dim": g.width, "n_layers": LAYERS, "head_dim": g.head_dim, "hidden_dim": g.mlp, "n_heads": g.heads,
+              "n_kv_heads": g.kv_heads, "norm_eps": g.rms_norm_eps, "vocab_size": g.vocab, "rope_theta": g.rope_theta}
+    with open(os.path.join(dir, "params.json"), "w") as f:
+        json.dump(params, f, indent=1)
+    write_tekken(dir)
+
+
+def _linear_keys(model: dict[str, torch.Tensor]) -> list[str]:
+    return [k for k in model if k.startswith("model.layers.") and k.split(".")[-2] in PARTS]
+
+
+def write_fp8(path: str, *, spelling: str, per_channel: bool) -> None:
+    """ComfyUI single file with fp8_e4m3fn linear weights and a scale (.weight_scale or .scale_weight)."""
+    model = {k: v for k, v in base_model().items() if _layer(k) < PRUNED and k != "lm_head.weight"}
+    out = dict(model)
+    input_spelling = {"weight_scale": "input_scale", "scale_weight": "scale_input"}[spelling]
+    for k in _linear_keys(model):
+        w = model[k].float()
+        amax = w.abs().amax(dim=1, keepdim=True) if per_channel else w.abs().amax()
+        scale = (amax / torch.finfo(torch.float8_e4m3fn).max).to(torch.float32)
+        out[k] = (w / scale).to(torch.float8_e4m3fn)
+        stem = k[: -len("weight")]
+        out[stem + spelling] = scale
+        out[stem + input_spelling] = torch.ones((), dtype=torch.float32)
+    out["tekken_model"] = _tekken_tensor()
+    if spelling == "scale_weight":  # ComfyUI's older scaled-fp8 files mark themselves with this empty tensor
+        out["scaled_fp8"] = torch.empty(0, dtype=torch.float8_e4m3fn)
+    _save(out, path)
+
+
+_E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def quantize_nvfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(packed uint8 [out, in/2] high nibble first, swizzled fp8 block scales, fp32 tensor scale)."""
+    w = w.float()
+    rows, cols = w.shape
+    tensor_scale = (w.abs().amax() / (6.0 * 448.0)).reshape(())
+    blocks = w.reshape(rows, cols // 16, 16)
+    block_scale = (blocks.abs().amax(-1) / 6.0 / tensor_scale).to(torch.float8_e4m3fn)
+    total = (block_scale.float() * tensor_scale).clamp(min=1e-30).unsqueeze(-1)
+    scaled = (blocks / total).clamp(-6, 6)
+    codes = (scaled.abs().unsqueeze(-1) - _E2M1).abs().argmin(-1) | ((scaled < 0).long() << 3)
+    codes = codes.reshape(rows, cols).to(torch.uint8)
+    packed = (codes[:, 0::2] << 4) | codes[:, 1::2]
+    return packed, swizzle_block_scales(block_scale), tensor_scale.to(torch.float32)
+
+
+def write_nvfp4(path: str) -> None:
+    """ComfyUI "fp4_mixed": most linear weights NVFP4, layer 0 and every down_proj kept bf16."""
+    model = {k: v for k, v in base_model().items() if _layer(k) < PRUNED and k != "lm_head.weight"}
+    out = dict(model)
+    for k in _linear_keys(model):
+        if _layer(k) == 0 or k.endswith("down_proj.weight"):
+            continue
+        packed, block_scales, tensor_scale = quantize_nvfp4(model[k])
+        stem = k[: -len("weight")]
+        out[k] = packed
+        out[stem + "weight_scale"] = block_scales
+        out[stem + "weight_scale_2"] = tensor_scale
+        out[stem + "comfy_quant"] = torch.frombuffer(bytearray(b'{"format": "nvfp4"}'), dtype=torch.uint8)
+    out["tekken_model"] = _tekken_tensor()
+    _save(out, path)
+
+
+# --- GGUF ---------------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=1)
+def _gguf_vocab() -> tuple[list[str], list[int]]:
+    from ..tokenizers.vocab import byte_level_string, parse_tekken_json
+
+    vocab = parse_tekken_json(tekken_data())
+    tokens = list(vocab.specials) + [byte_level_string(t) for t in vocab.ranks]
+    tokens = tokens[: TINY_MISTRAL.vocab]
+    types = [3] * len(vocab.specials) + [1] * (len(tokens) - len(vocab.specials))
+    return tokens, types
+
+
+GGUF_FILES = {
+    # file -> (architecture, linear qtype, embedding qtype, llama.cpp Q/K rotary order, tokenizer metadata)
+    "llama-q8_0.gguf": ("llama", "Q8_0", "F16", True, True),
+    "mistral3-q4_0.gguf": ("mistral3", "Q4_0", "Q8_0", True, True),
+    "cow-f16.gguf": ("cow", "F16", "F16", False, False),
+}
+
+
+def write_gguf(path: str, arch: str, linear: str, embed: str, interleave: bool, tokenizer: bool) -> None:
+    import gguf
+
+    g = TINY_MISTRAL
+    layers = PRUNED if arch == "cow" else LAYERS
+    writer = gguf.GGUFWriter(path, arch)
+    writer.add_block_count(layers)
+    writer.add_context_length(131072)
+    writer.add_embedding_length(g.width)
+    writer.add_feed_forward_length(g.mlp)
+    writer.add_head_count(g.heads)
+    writer.add_head_count_kv(g.kv_heads)
+    writer.add_key_length(g.head_dim)
+    writer.add_value_length(g.head_dim)
+    writer.add_rope_dimension_count(g.head_dim)
+    writer.add_rope_freq_base(g.rope_theta)
+    writer.add_layer_norm_rms_eps(g.rms_norm_eps)
+    writer.add_vocab_size(g.vocab)
+    if tokenizer:
+        tokens, types = _gguf_vocab()
+        writer.add_tokenizer_model("gpt2")
+        writer.add_tokenizer_pre("tekken")
+        writer.add_token_list(tokens)
+        writer.add_token_types(types)
+        writer.add_bos_token_id(1)
+        writer.add_eos_token_id(2)
+        writer.add_unk_token_id(0)
+        writer.add_pad_token_id(11)
+
+    def add(name: str, t: torch.Tensor, qtype: str) -> None:
+        data = t.float().numpy()
+        q = gguf.GGMLQuantizationType[qtype]
+        if q == gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(name, data.astype(np.float32))
+        elif q == gguf.GGMLQuantizationType.F16:
+            writer.add_tensor(name, data.astype(np.float16))
+        else:
+            writer.add_tensor(name, gguf.quants.quantize(data, q), raw_dtype=q)
+
+    for k, v in base_model().items():
+        if k == "model.embed_tokens.weight":
+            add("token_embd.weight", v, embed)
+        elif k == "model.norm.weight":
+            add("output_norm.weight", v, "F32")
+        elif k == "lm_head.weight":
+            if arch != "cow":  # gguf-org's pruned files carry no output head
+                add("output.weight", v, linear)
+        elif _layer(k) < layers:
+            _, _, i, *module, _ = k.split(".")
+            module = ".".join(module)
+            if interleave and module == "self_attn.q_proj":
+                v = _rotary_interleave(v, g.heads)
+            elif interleave and module == "self_attn.k_proj":
+                v = _rotary_interleave(v, g.kv_heads)
+            add(f"blk.{i}.{GGUF[module]}.weight", v, "F32" if v.dim() == 1 else linear)
+    if arch == "cow":  # gguf-org: the tekken.json bytes, one value per F16 element
+        writer.add_tensor("tekken_model", np.frombuffer(tekken_data(), dtype=np.uint8).astype(np.float16))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+# --- all of them --------------------------------------------------------------------------------------------
+
+
+def write_encoders(root: str) -> list[dict]:
+    """Every tiny encoder layout under root; manifest entries with paths relative to root."""
+    base = root
+    os.makedirs(base, exist_ok=True)
+    entries = []
+
+    def entry(rel: str, layout: str, fmt: str) -> None:
+        entries.append({"path": rel, "kind": "encoder", "layout": layout, "variant": "dev", "format": fmt})
+
+    for rel, prefix in (("hf-mistral3", "model.language_model"), ("hf-mistral3-old-prefix", "language_model.model")):
+        write_hf_mistral3(os.path.join(base, rel), prefix=prefix)
+        write_tekken(os.path.join(base, rel))
+        entry(rel, "hf-mistral3", "bf16")
+    write_standalone(os.path.join(base, "standalone"))
+    entry("standalone", "standalone-folder", "bf16")
+    write_comfy_single(os.path.join(base, "mistral_3_small_flux2_bf16.safetensors"))
+    entry("mistral_3_small_flux2_bf16.safetensors", "comfy-single-file", "bf16")
+    write_native(os.path.join(base, "native"))
+    entry("native", "mistral-native", "bf16")
+    write_fp8(os.path.join(base, "mistral_3_small_flux2_fp8.safetensors"), spelling="scale_weight", per_channel=False)
+    entry("mistral_3_small_flux2_fp8.safetensors", "comfy-single-file", "fp8-scaled")
+    write_fp8(os.path.join(base, "mistral_3_small_flux2_fp8_channel.safetensors"), spelling="weight_scale", per_channel=True)
+    entry("mistral_3_small_flux2_fp8_channel.safetensors", "comfy-single-file", "fp8-scaled")
+    write_nvfp4(os.path.join(base, "mistral_3_small_flux2_fp4_mixed.safetensors"))
+    entry("mistral_3_small_flux2_fp4_mixed.safetensors", "comfy-single-file", "nvfp4")
+    for name, spec in GGUF_FILES.items():
+        write_gguf(os.path.join(base, name), *spec)
+        entry(name, f"gguf-{spec[0]}", f"gguf-{spec[1]}")
+    return entries
