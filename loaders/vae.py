@@ -1,0 +1,55 @@
+"""The FLUX.2 VAE from disk: from any FLUX.2 pipeline folder ([dev] and Klein share one VAE), a diffusers
+vae/ folder, or a single ae.safetensors. The host reads both key layouts, so the weights go to it as stored;
+this module only finds them and checks from the header that they are a FLUX.2 VAE."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..errors import MissingWeightsError, UnsupportedFormatError, WrongModelError
+from .safetensors_file import SafetensorsFiles
+
+LATENT_CHANNELS = 32  # AutoencoderKLFlux2; the transformer sees them 2x2-patchified (128)
+BATCH_NORM_KEY = "bn.running_mean"  # the latent batch-norm statistics only the FLUX.2 VAE has
+DECODER_IN_KEY = "decoder.conv_in.weight"  # [channels, latent channels, 3, 3] in both layouts
+VAE_WEIGHTS = "diffusion_pytorch_model.safetensors"
+
+
+def vae_files(path: str | Path) -> list[Path]:
+    path = Path(path)
+    if path.is_dir() and (path / "model_index.json").is_file():
+        path = path / "vae"
+    if path.is_file():
+        if path.suffix != ".safetensors":
+            raise UnsupportedFormatError(
+                f"{path.name} is not a .safetensors file; the pack never unpickles .ckpt/.pt files. Use ae.safetensors "
+                "or a diffusers vae/ folder."
+            )
+        return [path]
+    if (path / VAE_WEIGHTS).is_file():
+        return [path / VAE_WEIGHTS]
+    raise MissingWeightsError(
+        f"{path} holds no VAE weights ({VAE_WEIGHTS}); choose a FLUX.2 pipeline folder, its vae/ folder or ae.safetensors."
+    )
+
+
+def check_flux2_vae(shapes: dict[str, tuple[int, ...]], where: str) -> None:
+    """Fail unless the shapes are those of a FLUX.2 VAE, naming what they are instead."""
+    if DECODER_IN_KEY not in shapes:
+        raise WrongModelError(f"{where} is not a VAE (it has no {DECODER_IN_KEY}).")
+    latent = shapes[DECODER_IN_KEY][1]
+    if BATCH_NORM_KEY not in shapes or latent != LATENT_CHANNELS:
+        raise WrongModelError(
+            f"{where} is a VAE with {latent} latent channels{'' if BATCH_NORM_KEY in shapes else ' and no latent batch norm'}"
+            f", not the FLUX.2 VAE ({LATENT_CHANNELS} latent channels with batch-norm statistics); "
+            f"{'it is the FLUX.1 VAE. ' if latent == 16 else ''}Choose the ae.safetensors or vae/ of a FLUX.2 model."
+        )
+
+
+def load_vae_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
+    """The FLUX.2 VAE's tensors as stored (diffusers or BFL keys; the host converts diffusers keys itself)."""
+    files = SafetensorsFiles([str(p) for p in vae_files(path)])
+    check_flux2_vae({k: i.shape for k, i in files.infos.items()}, str(path))
+    return {name: files.read(name) for name in files.infos}
