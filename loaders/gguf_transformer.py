@@ -1,0 +1,123 @@
+"""FLUX.2 transformers from GGUF files (city96-style conversions: BFL key names, general.architecture
+"flux", "pig" or none), read once over a memory map and left packed.
+
+Weights of two or more dimensions stay as their raw GGUF blocks (zero-copy uint8 views of the file), to be
+dequantized per layer at forward time by the host's GGUF ops; everything else (norm scales, biases) is
+turned into float tensors here. The variant comes from the tensor shapes, as for safetensors files.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import torch
+from gguf import GGMLQuantizationType
+
+from ..errors import UnknownModelError, UnsupportedFormatError, WrongModelError
+from .gguf_dequant import dequantize
+from .gguf_file import GGUFFile, open_gguf
+from .transformer import BFL, LoadedTransformer, geometry_from_shapes, variant_for_geometry
+
+# general.architecture values FLUX.2 transformer GGUFs carry (None: the key is absent).
+TRANSFORMER_ARCHITECTURES = (None, "flux", "pig")
+# Architectures of other models people pick by mistake, in the user's words.
+OTHER_ARCHITECTURES = {
+    "llama": "a Mistral/Llama text encoder (older llama.cpp conversions of Mistral-Small use this name)",
+    "mistral3": "a Mistral-Small text encoder (FLUX.2 [dev]'s)",
+    "qwen3": "a Qwen3 text encoder (FLUX.2 Klein's)",
+    "t5": "a T5 text encoder",
+    "t5encoder": "a T5 text encoder",
+    "sd1": "a Stable Diffusion 1.x model",
+    "sdxl": "a Stable Diffusion XL model",
+    "sd3": "a Stable Diffusion 3 model",
+    "aura": "an AuraFlow model",
+    "hidream": "a HiDream model",
+    "cosmos": "a Cosmos model",
+    "ltxv": "an LTX-Video model",
+    "hyvid": "a HunyuanVideo model",
+    "wan": "a Wan video model",
+    "lumina2": "a Lumina 2 model",
+    "qwen_image": "a Qwen-Image model",
+}
+# Key prefixes some converters keep from the checkpoint they started from.
+KEY_PREFIXES = ("model.diffusion_model.", "diffusion_model.")
+FLOAT_TYPES = {
+    GGMLQuantizationType.F32: torch.float32,
+    GGMLQuantizationType.F16: torch.float16,
+    GGMLQuantizationType.BF16: torch.bfloat16,
+}
+
+
+@dataclass
+class LoadedGGUFTransformer(LoadedTransformer):
+    """A LoadedTransformer whose state dict holds raw GGUF blocks (uint8) under the keys in `packed`."""
+
+    packed: dict[str, tuple[GGMLQuantizationType, tuple[int, ...]]] = field(default_factory=dict)  # key -> (type, shape)
+    path: str = ""
+
+    @property
+    def quant_types(self) -> dict[str, int]:
+        """How many packed tensors each GGUF type holds (for messages and logs)."""
+        counts: dict[str, int] = {}
+        for qtype, _ in self.packed.values():
+            counts[qtype.name] = counts.get(qtype.name, 0) + 1
+        return counts
+
+
+def check_architecture(gfile: GGUFFile) -> None:
+    arch = gfile.architecture
+    if arch in TRANSFORMER_ARCHITECTURES:
+        return
+    name = os.path.basename(gfile.path)
+    if arch in OTHER_ARCHITECTURES:
+        raise WrongModelError(
+            f"{name} is {OTHER_ARCHITECTURES[arch]} (general.architecture {arch!r}), not a FLUX.2 transformer. "
+            "Choose a FLUX.2 transformer GGUF here; text encoders go into the pack's text encoder loader."
+        )
+    raise UnknownModelError(
+        f"{name} has general.architecture {arch!r}; FLUX.2 transformer GGUFs have 'flux', 'pig' or none. "
+        "The pack does not guess what this file is; choose a FLUX.2 transformer GGUF."
+    )
+
+
+def _strip_prefix(names) -> dict[str, str]:
+    """BFL key -> GGUF tensor name."""
+    out = {}
+    for name in names:
+        key = next((name[len(p):] for p in KEY_PREFIXES if name.startswith(p)), name)
+        out[key] = name
+    return out
+
+
+def _float_tensor(t) -> torch.Tensor:
+    """A float tensor of a GGUF tensor that is not kept packed (zero-copy for float types)."""
+    if t.qtype in FLOAT_TYPES:
+        return t.data.view(FLOAT_TYPES[t.qtype]).reshape(t.shape)
+    return dequantize(t.data, t.qtype, t.shape, dtype=torch.float32)
+
+
+def load_gguf_transformer(path: str | os.PathLike) -> LoadedGGUFTransformer:
+    """Read a FLUX.2 transformer GGUF (its header parsed once) into BFL keys, weights left packed."""
+    gfile = open_gguf(path)
+    check_architecture(gfile)
+    names = _strip_prefix(gfile.tensors)
+    shapes = {key: gfile.tensors[name].shape for key, name in names.items()}
+    geometry, layout = geometry_from_shapes(shapes)
+    if layout is not BFL:
+        raise UnsupportedFormatError(
+            f"{os.path.basename(gfile.path)} keeps its tensors under diffusers names; FLUX.2 GGUFs use BFL names "
+            "(img_in, double_blocks, ...). Convert it with a FLUX.2-aware GGUF converter."
+        )
+    variant = variant_for_geometry(geometry, layout)
+    state_dict, packed = {}, {}
+    for key, name in names.items():
+        t = gfile.tensors[name]
+        if key.endswith(".weight") and len(t.shape) >= 2:
+            state_dict[key] = t.data.view(*t.shape[:-1], -1)  # rows of raw blocks, as the file stores them
+            packed[key] = (t.qtype, t.shape)
+        else:
+            state_dict[key] = _float_tensor(t)
+    return LoadedGGUFTransformer(
+        state_dict, variant, geometry, layout.name, scaled_fp8=False, packed=packed, path=gfile.path
+    )

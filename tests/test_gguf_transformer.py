@@ -1,0 +1,275 @@
+"""FLUX.2 transformer GGUFs through the host: packed weights against the host model built from gguf-py's
+own dequantization of the same file, LoRAs, per-load settings, memory accounting and wrong files."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from comfyui_flux2dev.errors import UnknownModelError, VariantMismatchError, WrongModelError
+from comfyui_flux2dev.loaders.variants import variant_by_key
+
+DEV_FILES = ("F16", "Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K")
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(scope="module")
+def gguf_dir(tiny_part, comfy_host):
+    root, entries = tiny_part("unet")
+    return root, {(e["variant"], e["format"].removeprefix("gguf-")): root / e["path"] for e in entries}
+
+
+@pytest.fixture(scope="module")
+def ops():
+    from comfyui_flux2dev.host import gguf_ops
+
+    return gguf_ops
+
+
+def load(ops, path, **kwargs):
+    return ops.load_gguf_model(path, dtype=torch.float32, **kwargs)
+
+
+def reference_model(path):
+    """The host model built from every tensor of the file as gguf-py's reader and numpy dequantizer see it."""
+    import gguf
+
+    from comfyui_flux2dev.host.model import build_model
+    from comfyui_flux2dev.loaders.transformer import LoadedTransformer, geometry_from_shapes, variant_for_geometry
+
+    sd = {}
+    for t in gguf.GGUFReader(str(path)).tensors:
+        values = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+        sd[t.name] = torch.from_numpy(values.reshape([int(d) for d in reversed(t.shape)]))
+    geometry, layout = geometry_from_shapes({k: tuple(v.shape) for k, v in sd.items()})
+    loaded = LoadedTransformer(sd, variant_for_geometry(geometry, layout), geometry, layout.name, False)
+    return build_model(loaded, dtype=torch.float32)
+
+
+def forward(patcher):
+    variant = patcher.model.flux2_variant
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 128, 4, 4, generator=g)
+    context = torch.randn(1, 5, variant.context_in_dim, generator=g)
+    guidance = torch.tensor([4.0]) if variant.guidance else None
+    with torch.no_grad():
+        return patcher.model.diffusion_model(x, torch.tensor([0.7]), context, guidance=guidance)
+
+
+def run(patcher, lowvram=False, unload_after_load=False):
+    """One forward with the patcher's patches applied the host's way: a full load, a low-VRAM load, or a
+    full load the host then moves to low-VRAM mode to free memory."""
+    patcher.patch_model(device_to=CPU, lowvram_model_memory=1 if lowvram else 0)
+    try:
+        if unload_after_load:
+            assert patcher.partially_unload(CPU, memory_to_free=patcher.model_size()) > 0
+        return forward(patcher)
+    finally:
+        patcher.unpatch_model(device_to=CPU)
+
+
+def tiny_lora(patcher) -> dict:
+    """A rank-4 LoRA over a quantized attention weight, a block-less F16 weight (txt_in) and a single block,
+    in the two key spellings the host reads for Flux: generic BFL names and lora_unet_ names."""
+    sd = patcher.model.diffusion_model.state_dict()
+    g = torch.Generator().manual_seed(1)
+    lora = {}
+    for layer, spelling in (
+        ("double_blocks.0.img_attn.qkv", "diffusion_model.{}"),
+        ("txt_in", "diffusion_model.{}"),
+        ("single_blocks.1.linear1", "lora_unet_{}"),
+    ):
+        name = spelling.format(layer if spelling.startswith("diffusion") else layer.replace(".", "_"))
+        out_features = patcher.model.diffusion_model.get_submodule(layer).out_features
+        in_features = patcher.model.diffusion_model.get_submodule(layer).in_features
+        assert layer + ".weight" in sd
+        lora[f"{name}.lora_up.weight"] = torch.randn(out_features, 4, generator=g) * 0.2
+        lora[f"{name}.lora_down.weight"] = torch.randn(4, in_features, generator=g) * 0.2
+        lora[f"{name}.alpha"] = torch.tensor(2.0)
+    return lora
+
+
+@pytest.mark.parametrize("fmt", DEV_FILES)
+def test_gguf_matches_dequantized_model(gguf_dir, ops, fmt):
+    path = gguf_dir[1][("dev", fmt)]
+    out = run(load(ops, path))
+    expected = run(reference_model(path))
+    assert torch.isfinite(expected).all() and expected.abs().max() > 0
+    assert (out - expected).abs().max().item() <= 1e-5
+
+
+def test_klein_gguf_detected_and_matches(gguf_dir, ops):
+    path = gguf_dir[1][("klein-4b", "Q8_0")]
+    model = load(ops, path)
+    assert model.model.flux2_variant == variant_by_key("klein-4b", tiny=True)
+    assert (run(model) - run(reference_model(path))).abs().max().item() <= 1e-5
+
+
+def test_header_parsed_once_per_load(gguf_dir, ops):
+    from comfyui_flux2dev.loaders import gguf_file
+
+    before = gguf_file.parse_count()
+    load(ops, gguf_dir[1][("dev", "Q4_K")])
+    assert gguf_file.parse_count() == before + 1
+
+
+@pytest.mark.parametrize("fmt", ("Q4_0", "Q6_K"))
+def test_lora_matches_lora_on_dequantized_model(gguf_dir, ops, comfy_host, fmt):
+    path = gguf_dir[1][("dev", fmt)]
+    model, reference = load(ops, path), reference_model(path)
+    lora = tiny_lora(reference)
+    patched, _ = comfy_host.load_lora_for_models(model, None, lora, 1.0, 0.0)
+    patched_reference, _ = comfy_host.load_lora_for_models(reference, None, lora, 1.0, 0.0)
+    assert len(patched.patches) == 3
+    expected = run(patched_reference)
+    assert (expected - run(reference)).abs().max() > 1e-3  # the LoRA changes the output
+    assert (run(patched) - expected).abs().max().item() <= 1e-5
+    # The host's low-VRAM paths patch through weight functions instead; same result.
+    assert (run(patched, lowvram=True) - expected).abs().max().item() <= 1e-5
+    assert (run(patched, unload_after_load=True) - expected).abs().max().item() <= 1e-5
+    # The unpatched model is untouched by its patched clone.
+    assert (run(model) - run(reference)).abs().max().item() <= 1e-5
+
+
+def test_per_load_settings_do_not_leak(gguf_dir, ops, comfy_host):
+    path = gguf_dir[1][("dev", "Q8_0")]
+    expected = run(reference_model(path))
+    half = load(ops, path, dequant_dtype=torch.float16, patch_dtype=torch.float16)
+    half_out = run(half)
+    plain = load(ops, path)
+    assert (run(plain) - expected).abs().max().item() <= 1e-5
+    assert torch.equal(run(half), half_out)
+    assert (half_out - expected).abs().max().item() > 1e-5  # float16 dequantization rounds
+    half_layer = half.model.diffusion_model.img_in
+    plain_layer = plain.model.diffusion_model.img_in
+    assert type(half_layer) is not type(plain_layer)
+    assert (type(half_layer).gguf.dequant_dtype, type(plain_layer).gguf.dequant_dtype) == (torch.float16, None)
+    lora = tiny_lora(plain)
+    patched_half, _ = comfy_host.load_lora_for_models(half, None, lora, 1.0, 0.0)
+    patched_plain, _ = comfy_host.load_lora_for_models(plain, None, lora, 1.0, 0.0)
+    plain_lora = run(patched_plain)
+    assert (run(patched_half) - plain_lora).abs().max().item() > 1e-5
+    assert torch.equal(run(patched_plain), plain_lora)
+
+
+def test_memory_accounting_sees_packed_sizes(gguf_dir, ops):
+    from comfy.model_management import module_size
+
+    from comfyui_flux2dev.loaders.gguf_file import open_gguf
+
+    path = gguf_dir[1][("dev", "Q4_0")]
+    model, reference = load(ops, path), reference_model(path)
+    with open_gguf(path) as gfile:
+        packed = sum(t.nbytes for t in gfile.tensors.values() if len(t.shape) >= 2)
+        loose = sum(int(np.prod(t.shape)) * 4 for t in gfile.tensors.values() if len(t.shape) < 2)
+    # The host's own buffers (model sampling) come on top of the transformer's weights in both models.
+    host_buffers = reference.model_size() - module_size(reference.model.diffusion_model)
+    assert model.model_size() == packed + loose + host_buffers
+    assert model.model_size() < reference.model_size() / 4
+
+
+def test_klein_gguf_with_dev_conditioning_fails_before_sampling(gguf_dir, ops):
+    model = load(ops, gguf_dir[1][("klein-4b", "Q8_0")])
+    dev = variant_by_key("dev", tiny=True)
+    with pytest.raises(VariantMismatchError) as e:
+        model.model.extra_conds(cross_attn=torch.zeros(1, 4, dev.context_in_dim))
+    assert "Klein 4B" in str(e.value) and "[dev]" in str(e.value)
+
+
+def _rewrite(src, dst, architecture="flux", drop=()):
+    """Copy a tiny GGUF's tensors into a new file with another architecture or without some tensors."""
+    from gguf import GGUFReader
+
+    from comfyui_flux2dev.tiny.gguf_transformers import write_gguf
+
+    tensors = {t.name: (np.array(t.data), t.tensor_type) for t in GGUFReader(str(src)).tensors if not t.name.startswith(drop)}
+    write_gguf(dst, tensors, architecture)
+    return dst
+
+
+@pytest.mark.parametrize("architecture", (None, "pig"))
+def test_other_transformer_architecture_names_load(gguf_dir, ops, tmp_path, architecture):
+    path = _rewrite(gguf_dir[1][("dev", "Q8_0")], tmp_path / "t.gguf", architecture)
+    assert load(ops, path).model.flux2_variant.key == "dev"
+
+
+@pytest.mark.parametrize(
+    "architecture, error, words",
+    (("mistral3", WrongModelError, "Mistral-Small text encoder"), ("llama", WrongModelError, "text encoder"),
+     ("qwen3", WrongModelError, "Klein"), ("mamba", UnknownModelError, "'mamba'")),
+)
+def test_other_models_are_refused(gguf_dir, tmp_path, architecture, error, words):
+    from comfyui_flux2dev.loaders.gguf_transformer import load_gguf_transformer
+
+    path = _rewrite(gguf_dir[1][("klein-4b", "Q8_0")], tmp_path / "x.gguf", architecture)
+    with pytest.raises(error, match="not a FLUX.2 transformer|FLUX.2 transformer GGUFs") as e:
+        load_gguf_transformer(path)
+    assert words in str(e.value)
+
+
+def test_flux1_and_unknown_geometry_are_refused(gguf_dir, tmp_path):
+    from comfyui_flux2dev.loaders.gguf_transformer import load_gguf_transformer
+
+    src = gguf_dir[1][("dev", "Q8_0")]
+    with pytest.raises(WrongModelError, match="FLUX.1"):
+        load_gguf_transformer(_rewrite(src, tmp_path / "flux1.gguf", drop=("double_stream_modulation",)))
+    with pytest.raises(UnknownModelError, match="Unknown FLUX.2 transformer geometry"):
+        load_gguf_transformer(_rewrite(src, tmp_path / "odd.gguf", drop=("guidance_in.",)))
+
+
+def test_combo_lists_gguf_files_of_the_diffusion_model_folders(ops, tmp_path, comfy_host):
+    import folder_paths
+
+    (tmp_path / "a.gguf").write_bytes(b"")
+    (tmp_path / "b.safetensors").write_bytes(b"")
+    extensions = set(folder_paths.folder_names_and_paths["diffusion_models"][1])
+    folder_paths.add_model_folder_path("diffusion_models", str(tmp_path))
+    try:
+        key = ops.register_gguf_folder()
+        assert folder_paths.get_filename_list(key) == ["a.gguf"]
+        assert "b.safetensors" in folder_paths.get_filename_list("diffusion_models")
+        assert "a.gguf" not in folder_paths.get_filename_list("diffusion_models")
+        assert set(folder_paths.folder_names_and_paths["diffusion_models"][1]) == extensions
+    finally:
+        folder_paths.folder_names_and_paths["diffusion_models"][0].remove(str(tmp_path))
+
+
+def test_node_lists_and_loads_gguf_files(gguf_dir, ops, comfy_host):
+    import folder_paths
+
+    from comfyui_flux2dev.nodes.gguf import NODES, Flux2DevGGUFTransformerLoader
+
+    root = str(gguf_dir[0])
+    folder_paths.add_model_folder_path("diffusion_models", root)
+    try:
+        schema = Flux2DevGGUFTransformerLoader.define_schema()
+        assert schema.node_id == "Flux2DevGGUFTransformerLoader" and NODES == [Flux2DevGGUFTransformerLoader]
+        names = schema.inputs[0].options
+        assert "flux2-klein-4b-tiny-Q8_0.gguf" in names and all(n.endswith(".gguf") for n in names)
+        out = Flux2DevGGUFTransformerLoader.execute("flux2-klein-4b-tiny-Q8_0.gguf", "default", "float32")
+        assert out.result[0].model.flux2_variant.key == "klein-4b"
+    finally:
+        folder_paths.folder_names_and_paths["diffusion_models"][0].remove(root)
+
+
+def test_conv_and_embedding_weights_stay_packed(ops):
+    """FLUX.2 has Linear layers only; the ops' Conv and Embedding layers are checked on their own."""
+    import gguf
+
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    rng = np.random.default_rng(0)
+    floats = {"conv.weight": rng.standard_normal((8, 4, 3, 32)), "emb.weight": rng.standard_normal((10, 64))}
+    raw = {k: gguf.quants.quantize(v.astype(np.float32), q8) for k, v in floats.items()}
+    values = {k: torch.from_numpy(gguf.quants.dequantize(v, q8)) for k, v in raw.items()}
+    layers = ops.gguf_operations({k: (q8, v.shape) for k, v in floats.items()})
+    net = torch.nn.Module()
+    net.conv = layers.Conv2d(4, 8, (3, 32))
+    net.emb = layers.Embedding(10, 64)
+    bias = torch.randn(8)
+    net.load_state_dict({"conv.weight": torch.from_numpy(raw["conv.weight"]), "conv.bias": bias, "emb.weight": torch.from_numpy(raw["emb.weight"])})
+    assert net.conv.weight.dtype == net.emb.weight.dtype == torch.uint8
+    x = torch.randn(1, 4, 5, 40)
+    assert torch.equal(net.conv(x), torch.nn.functional.conv2d(x, values["conv.weight"], bias))
+    ids = torch.tensor([[1, 7, 3]])
+    assert torch.equal(net.emb(ids, out_dtype=torch.float32), torch.nn.functional.embedding(ids, values["emb.weight"]))
