@@ -35,15 +35,15 @@ def _free_port() -> int:
 class HeadlessComfy:
     """ComfyUI at `comfyui_root`, serving 127.0.0.1 with only this pack among the custom nodes.
 
-    `models` maps a host model folder name (text_encoders, diffusion_models, vae, diffusers ...) to a
-    folder whose entries are linked into the temporary base directory's models/<name>/."""
+    `models` maps a host model folder name (text_encoders, diffusion_models, vae, diffusers ...) to the
+    folders whose entries are linked into the temporary base directory's models/<name>/."""
 
-    def __init__(self, comfyui_root: str | os.PathLike, models: dict[str, str | os.PathLike] | None = None,
+    def __init__(self, comfyui_root: str | os.PathLike, models: dict[str, list[str | os.PathLike]] | None = None,
                  base_dir: str | os.PathLike | None = None, env: dict[str, str] | None = None):
         self.comfyui_root = Path(comfyui_root)
         self._tmp = None if base_dir else tempfile.TemporaryDirectory(prefix="flux2dev-comfy-")
         self.base_dir = Path(base_dir or self._tmp.name)
-        self.models = {k: Path(v) for k, v in (models or {}).items()}
+        self.models = {k: [Path(f) for f in folders] for k, folders in (models or {}).items()}
         self.env = env or {}
         self.port = 0
         self.process: subprocess.Popen | None = None
@@ -62,12 +62,13 @@ class HeadlessComfy:
         link = nodes / PACK_FOLDER
         if not link.exists():
             link.symlink_to(PACK_ROOT, target_is_directory=True)
-        for folder, source in self.models.items():
+        for folder, sources in self.models.items():
             dest = self.base_dir / "models" / folder
             dest.mkdir(parents=True, exist_ok=True)
-            for entry in source.iterdir():
-                if not (dest / entry.name).exists():
-                    (dest / entry.name).symlink_to(entry.resolve(), target_is_directory=entry.is_dir())
+            for source in sources:
+                for entry in source.iterdir():
+                    if not (dest / entry.name).exists():
+                        (dest / entry.name).symlink_to(entry.resolve(), target_is_directory=entry.is_dir())
 
     def start(self, timeout: float = 120.0) -> None:
         self._lay_out_base_dir()

@@ -7,7 +7,7 @@ import importlib
 
 from comfy_api.latest import ComfyExtension
 
-NODE_MODULES = ()
+NODE_MODULES = ("encoder", "gguf", "sources")
 
 
 class Flux2DevExtension(ComfyExtension):

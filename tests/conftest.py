@@ -50,11 +50,40 @@ def tiny_manifest(tiny_root) -> list[dict]:
 
 
 @pytest.fixture(scope="session")
-def _server_session(tiny_root):
+def server_extras(tiny_root, tmp_path_factory) -> dict[str, Path]:
+    """Files the server lists beside the tiny weights: parts of the wrong kind in text_encoders (for the
+    encoder loader's errors), and the tiny [dev] Q4_K GGUF dequantized by gguf's own numpy code into a
+    plain safetensors file (the reference for the GGUF loader through the server)."""
+    import gguf
+    import torch
+    from safetensors.torch import save_file
+
+    extras = tmp_path_factory.mktemp("server-extras")
+    wrong = extras / "text_encoders"
+    wrong.mkdir()
+    (wrong / "klein-4b-text-encoder").symlink_to(tiny_root / "diffusers/flux2-klein-4b-tiny-pipeline/text_encoder")
+    (wrong / "flux2-dev-transformer.safetensors").symlink_to(tiny_root / "diffusion_models/flux2-dev-tiny.safetensors")
+    (wrong / "flux2-vae.safetensors").symlink_to(tiny_root / "vae/flux2-ae.safetensors")
+    reference = extras / "diffusion_models"
+    reference.mkdir()
+    reader = gguf.GGUFReader(tiny_root / "unet/flux2-dev-tiny-Q4_K.gguf")
+    tensors = {
+        t.name: torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).astype("float32").copy())
+        .reshape(tuple(reversed([int(d) for d in t.shape])))
+        for t in reader.tensors
+    }
+    save_file(tensors, reference / "flux2-dev-tiny-Q4_K-dequantized.safetensors")
+    return {"text_encoders": wrong, "diffusion_models": reference}
+
+
+@pytest.fixture(scope="session")
+def _server_session(tiny_root, server_extras):
     from comfyui_flux2dev import tiny
     from comfyui_flux2dev.headless import HeadlessComfy
 
-    models = {folder: tiny_root / folder for folder in tiny.PARTS}
+    models = {folder: [tiny_root / folder] for folder in tiny.PARTS}
+    for folder, extra in server_extras.items():
+        models[folder].append(extra)
     with HeadlessComfy(_comfyui_root(), models=models, env={TINY_MODELS_ENV: "1"}) as server:
         yield server
 
@@ -73,3 +102,15 @@ def comfy_server(_server_session, request):
     report = getattr(request.node, "report_call", None)
     if report is not None and report.failed:
         print("---- ComfyUI server log ----\n" + _server_session.log()[-20000:])
+
+
+@pytest.fixture(scope="session")
+def tiny_part(tiny_root, tiny_manifest):
+    """tiny_part("vae") -> (the folder, its manifest entries with paths relative to that folder)."""
+
+    def part(folder: str):
+        prefix = folder + "/"
+        entries = [{**e, "path": e["path"][len(prefix):]} for e in tiny_manifest if e["path"].startswith(prefix)]
+        return tiny_root / folder, entries
+
+    return part

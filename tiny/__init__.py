@@ -15,6 +15,7 @@ PARTS = {
     "diffusion_models": ("transformers", "write_transformers"),
     "vae": ("vae", "write_vaes"),
     "diffusers": ("pipelines", "write_pipelines"),
+    "unet": ("gguf_transformers", "write_gguf_transformers"),
 }
 MANIFEST = "manifest.json"
 

@@ -1,0 +1,46 @@
+"""`flux2dev demo`: the pack's three loaders in the official FLUX.2 [dev] graph, run by a real headless
+ComfyUI on tiny generated weights. The weights are random, so the image is noise; what it shows is that
+every part loads into the host's own objects and the host's sampling graph runs on them."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+from . import tiny
+from .errors import Flux2DevError
+from .headless import HeadlessComfy
+from .host import COMFYUI_ROOT_ENV
+from .loaders.variants import TINY_MODELS_ENV
+from .workflows import node, official_dev_graph
+
+DEMO_PARTS = ("text_encoders", "unet", "vae")
+IMAGE_NAME = "flux2dev-demo.png"
+
+
+def demo_graph(prompt: str) -> dict:
+    return official_dev_graph(
+        model=node("Flux2DevGGUFTransformerLoader", gguf_name="flux2-dev-tiny-Q4_K.gguf",
+                   dequant_dtype="default", patch_dtype="float32"),
+        clip=node("Flux2DevEncoderLoader", encoder="mistral_3_small_flux2_bf16.safetensors",
+                  padding="reference", allow_network=False),
+        vae=node("Flux2DevVAESource", vae="flux2-ae.safetensors"),
+        prompt=prompt, width=256, height=256, steps=4, filename_prefix="flux2dev-demo",
+    )
+
+
+def run_demo(out: Path, prompt: str) -> Path:
+    root = os.environ.get(COMFYUI_ROOT_ENV)
+    if not root:
+        raise Flux2DevError(f"The demo needs a ComfyUI tree: set {COMFYUI_ROOT_ENV}, or run it as `bash tests/run demo`.")
+    os.environ[TINY_MODELS_ENV] = "1"
+    models = out / "models"
+    tiny.write_all(models, parts=DEMO_PARTS)
+    with HeadlessComfy(root, models={part: [models / part] for part in DEMO_PARTS}, env={TINY_MODELS_ENV: "1"}) as server:
+        outputs = server.run(demo_graph(prompt))
+        image = outputs["save"]["images"][0]
+        target = out / IMAGE_NAME
+        shutil.copyfile(server.output_file(image), target)
+        (out / "server.log").write_text(server.log())
+    return target

@@ -1,0 +1,127 @@
+"""The official FLUX.2 [dev] graph in a real headless ComfyUI, with the pack's loaders in place of the
+host's three. Every test here submits API-format JSON to the server, as a shared workflow would."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from comfyui_flux2dev.headless import GraphError
+from comfyui_flux2dev.workflows import node, official_dev_graph
+
+pytestmark = pytest.mark.server
+
+ENCODER_LAYOUTS = [
+    "cow-f16.gguf",
+    "hf-mistral3",
+    "hf-mistral3-old-prefix",
+    "llama-q8_0.gguf",
+    "mistral3-q4_0.gguf",
+    "mistral_3_small_flux2_bf16.safetensors",
+    "mistral_3_small_flux2_fp4_mixed.safetensors",
+    "mistral_3_small_flux2_fp8.safetensors",
+    "mistral_3_small_flux2_fp8_channel.safetensors",
+    "native",
+    "standalone",
+]
+DEV_PIPELINE = "flux2-dev-tiny-pipeline/"
+KLEIN_PIPELINE = "flux2-klein-4b-tiny-pipeline/"
+
+
+def encoder(name, padding="reference"):
+    return node("Flux2DevEncoderLoader", encoder=name, padding=padding, allow_network=False)
+
+
+def gguf_model(name="flux2-dev-tiny-Q4_K.gguf"):
+    return node("Flux2DevGGUFTransformerLoader", gguf_name=name, dequant_dtype="default", patch_dtype="float32")
+
+
+def vae(name="flux2-ae.safetensors"):
+    return node("Flux2DevVAESource", vae=name)
+
+
+def image_of(server, outputs) -> np.ndarray:
+    images = outputs["save"]["images"]
+    assert len(images) == 1
+    return np.asarray(Image.open(server.output_file(images[0])))
+
+
+def test_the_encoder_list_matches_the_tiny_factory(tiny_manifest):
+    made = {e["path"].removeprefix("text_encoders/") for e in tiny_manifest if e["kind"] == "encoder"}
+    assert made == set(ENCODER_LAYOUTS)
+
+
+@pytest.mark.parametrize("layout", ENCODER_LAYOUTS)
+def test_official_graph_writes_an_image_with_each_encoder_layout(comfy_server, layout):
+    image = image_of(comfy_server, comfy_server.run(official_dev_graph(gguf_model(), encoder(layout), vae(), seed=1)))
+    assert image.shape == (64, 64, 3) and image.dtype == np.uint8
+    assert image.std() > 0  # a decoded latent, not a blank canvas
+
+
+def test_gguf_through_the_server_equals_its_dequantized_weights(comfy_server):
+    clip = encoder("mistral_3_small_flux2_bf16.safetensors")
+    packed = official_dev_graph(gguf_model("flux2-dev-tiny-Q4_K.gguf"), clip, vae(), seed=7)
+    plain = official_dev_graph(
+        node("Flux2DevTransformerSource", transformer="flux2-dev-tiny-Q4_K-dequantized.safetensors"), clip, vae(), seed=7
+    )
+    a = image_of(comfy_server, comfy_server.run(packed)).astype(int)
+    b = image_of(comfy_server, comfy_server.run(plain)).astype(int)
+    assert np.abs(a - b).max() <= 1  # the same float32 model; at most a rounding step apart in 8-bit pixels
+
+
+def test_three_source_nodes_on_one_dev_pipeline(comfy_server):
+    graph = official_dev_graph(
+        node("Flux2DevTransformerSource", transformer=DEV_PIPELINE),
+        node("Flux2DevEncoderSource", pipeline=DEV_PIPELINE, padding="reference"),
+        vae(DEV_PIPELINE),
+    )
+    assert image_of(comfy_server, comfy_server.run(graph)).shape == (64, 64, 3)
+
+
+def test_the_vae_of_a_klein_pipeline_serves_dev(comfy_server):
+    graph = official_dev_graph(
+        node("Flux2DevTransformerSource", transformer=DEV_PIPELINE),
+        node("Flux2DevEncoderSource", pipeline=DEV_PIPELINE, padding="comfy"),
+        vae(KLEIN_PIPELINE),
+    )
+    assert image_of(comfy_server, comfy_server.run(graph)).shape == (64, 64, 3)
+
+
+ENCODER_REFUSALS = {
+    "klein-4b-text-encoder": (
+        "This is the tiny Qwen3 text encoder of FLUX.2 Klein 4B (tiny test model) (hidden size 32, attention q_norm "
+        "present), not the Mistral-Small 24B encoder FLUX.2 [dev] needs. Use it with the matching FLUX.2 Klein model, "
+        "or pick a FLUX.2 [dev] encoder (mistral_3_small_flux2_*.safetensors or a Mistral-Small-3.x folder) here."
+    ),
+    "flux2-dev-transformer.safetensors": (
+        "This is a FLUX.2 diffusion transformer, not a text encoder. Load it with FLUX.2 transformer source or Load "
+        "FLUX.2 GGUF transformer, and pick a Mistral-Small text encoder (e.g. mistral_3_small_flux2_bf16.safetensors) "
+        "here."
+    ),
+    "flux2-vae.safetensors": (
+        "This is a VAE (autoencoder), not a text encoder. Load it with FLUX.2 VAE source or Load VAE, and pick a "
+        "Mistral-Small text encoder (e.g. mistral_3_small_flux2_bf16.safetensors) here."
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(ENCODER_REFUSALS))
+def test_the_encoder_loader_names_what_it_was_given_instead(comfy_server, name):
+    with pytest.raises(GraphError) as refused:
+        comfy_server.run(official_dev_graph(gguf_model(), encoder(name), vae()))
+    assert str(refused.value) == ENCODER_REFUSALS[name]
+
+
+def test_a_klein_gguf_with_the_dev_encoder_fails_before_sampling(comfy_server):
+    graph = official_dev_graph(
+        gguf_model("flux2-klein-4b-tiny-Q8_0.gguf"), encoder("mistral_3_small_flux2_bf16.safetensors"), vae()
+    )
+    with pytest.raises(GraphError) as refused:
+        comfy_server.run(graph)
+    assert str(refused.value) == (
+        "The conditioning is 192 wide (the tiny Mistral encoder of FLUX.2 [dev] (tiny test model)) but this FLUX.2 "
+        "Klein 4B (tiny test model) transformer expects 96 (the tiny Qwen3 encoder of FLUX.2 Klein 4B (tiny test "
+        "model)). Encode the prompt with the text encoder that belongs to FLUX.2 Klein 4B (tiny test model); "
+        "encoders of different FLUX.2 variants do not mix."
+    )
