@@ -13,7 +13,6 @@ from __future__ import annotations
 import glob
 import json
 import os
-import re
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -21,6 +20,7 @@ import torch
 
 from ..errors import CorruptFileError, MissingWeightsError, UnknownModelError, UnsupportedFormatError, WrongModelError
 from . import quant, variants
+from .inspect import kind_from_names
 from .safetensors_file import SafetensorsFiles
 from .variants import MistralEncoderGeometry
 
@@ -103,9 +103,6 @@ EMBEDDED_TEKKEN = "tekken_model"
 GGUF_FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 GGUF_TYPE = quant.GGUF_TYPE  # companion of a packed GGUF weight: its GGMLQuantizationType number  # ComfyUI single files and gguf-org files carry tekken.json as a tensor
 
-# What a file is when it is not a Mistral encoder: (what it is, test on the stored names).
-_TRANSFORMER_RE = re.compile(r"^(?:model\.diffusion_model\.)?(?:double_blocks|single_blocks|transformer_blocks|single_transformer_blocks)\.")
-_VAE_RE = re.compile(r"^(?:first_stage_model\.|vae\.)?(?:(?:decoder|encoder)\..*conv|bn\.running_mean)")
 
 
 @dataclass
@@ -159,15 +156,10 @@ class LoadedEncoder:
 
 # --- sources --------------------------------------------------------------------------------------------
 
-_ST_FORMATS = {"BF16": "bf16", "F16": "fp16", "F32": "fp32", "F8_E4M3": "fp8-scaled", "F8_E5M2": "fp8-scaled", "U8": "nvfp4"}
-_ST_BYTES = {"BF16": 2, "F16": 2, "F32": 4, "F8_E4M3": 1, "F8_E5M2": 1, "U8": 1, "I8": 1, "I32": 4, "I64": 8, "F64": 8}
-
-
 def _safetensors_source(paths: list[str]) -> Source:
     files = SafetensorsFiles(paths)
-    entries = {k: (_ST_FORMATS.get(v.dtype, v.dtype), v.shape) for k, v in files.infos.items()}
-    nbytes = lambda k: _ST_BYTES.get(files.infos[k].dtype, 1) * _numel(files.infos[k].shape)  # noqa: E731
-    return Source(entries, files.read, nbytes, files.metadata)
+    entries = {k: (v.format, v.shape) for k, v in files.infos.items()}
+    return Source(entries, files.read, lambda k: files.infos[k].nbytes, files.metadata)
 
 
 def _gguf_source(path: str) -> Source:
@@ -189,13 +181,6 @@ def _read_gguf(gguf, name: str) -> torch.Tensor:
     if t.qtype.name in GGUF_FLOAT_TYPES:
         return dequantize(t.data, t.qtype, t.shape, GGUF_FLOAT_TYPES[t.qtype.name])
     return t.data.reshape(t.shape[0], -1).clone()
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
 
 
 # --- finding the layout ---------------------------------------------------------------------------------
@@ -332,13 +317,14 @@ def host_name(stored: str, scheme: KeyScheme) -> tuple[str | None, int | None]:
 def _what_else(shapes: dict[str, tuple[int, ...]], scheme: KeyScheme) -> None:
     """Raise WrongModelError when the names say the file is some other known model."""
     names = list(shapes)
-    if any(_TRANSFORMER_RE.match(n) for n in names):
+    kind = kind_from_names(names)
+    if kind == "transformer":
         raise WrongModelError(
             "This is a FLUX.2 diffusion transformer, not a text encoder. Load it with FLUX.2 transformer source or Load "
             "FLUX.2 GGUF transformer, and pick a Mistral-Small text encoder (e.g. mistral_3_small_flux2_bf16.safetensors) "
             "here."
         )
-    if any(_VAE_RE.match(n) for n in names):
+    if kind == "vae":
         raise WrongModelError(
             "This is a VAE (autoencoder), not a text encoder. Load it with FLUX.2 VAE source or Load VAE, and pick a "
             "Mistral-Small text encoder (e.g. mistral_3_small_flux2_bf16.safetensors) here."

@@ -15,10 +15,36 @@ from ..errors import CorruptFileError
 _MAX_HEADER = 100 * 1024 * 1024
 
 
+# Each safetensors dtype: (the format the pack reports for a weight stored so, bytes per element).
+DTYPES = {
+    "BF16": ("bf16", 2),
+    "F16": ("fp16", 2),
+    "F32": ("fp32", 4),
+    "F64": ("fp64", 8),
+    "F8_E4M3": ("fp8-scaled", 1),
+    "F8_E5M2": ("fp8-scaled", 1),
+    "U8": ("nvfp4", 1),  # packed two E2M1 values a byte; no other uint8 weights occur in these models
+    "I8": ("int8", 1),
+    "I32": ("int32", 4),
+    "I64": ("int64", 8),
+}
+
+
 @dataclass(frozen=True)
 class TensorInfo:
     dtype: str  # the safetensors spelling: "BF16", "F8_E4M3", "U8", ...
     shape: tuple[int, ...]
+
+    @property
+    def format(self) -> str:
+        return DTYPES.get(self.dtype, (self.dtype.lower(), 1))[0]
+
+    @property
+    def nbytes(self) -> int:
+        count = DTYPES.get(self.dtype, ("", 1))[1]
+        for d in self.shape:
+            count *= d
+        return count
 
 
 def read_header(path: str) -> tuple[dict[str, TensorInfo], dict[str, str]]:

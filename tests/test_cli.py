@@ -52,3 +52,46 @@ def test_a_failure_is_exit_2_and_one_sentence_without_traceback(tmp_path):
 def test_debug_shows_the_traceback(tmp_path):
     out = flux2dev("--debug", "tokenize", str(tmp_path / "nowhere"), "--prompt", "x")
     assert out.returncode != 0 and "Traceback" in out.stderr
+
+
+def test_inspect_sees_every_tiny_file_as_the_factory_wrote_it(tiny_root, tiny_manifest):
+    from comfyui_flux2dev.loaders.inspect import inspect_path
+
+    for entry in tiny_manifest:
+        seen = inspect_path(tiny_root / entry["path"])
+        assert (seen["kind"], seen["layout"], seen["variant"]) == (entry["kind"], entry["layout"], entry["variant"]), entry
+        if entry["kind"] in ("encoder", "transformer"):
+            assert entry["format"] in seen["formats"], (entry, seen["formats"])
+
+
+def test_inspect_json_for_an_encoder_names_its_tokenizer_rung(tiny_root):
+    out = flux2dev("inspect", str(tiny_root / "text_encoders/mistral_3_small_flux2_bf16.safetensors"), "--json")
+    assert out.returncode == 0, out.stderr
+    report = json.loads(out.stdout)
+    assert set(report) == {"kind", "layout", "variant", "layers", "reads", "skips", "formats", "tokenizer", "memory_bytes"}
+    assert report["tokenizer"]["rung"] == "embedded-tekken"
+    assert (report["kind"], report["variant"], report["layers"]) == ("encoder", "dev", 30)
+
+
+def test_inspect_refuses_a_klein_encoder_in_one_sentence(tiny_root):
+    out = flux2dev("inspect", str(tiny_root / "diffusers/flux2-klein-4b-tiny-pipeline/text_encoder"))
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "tiny Qwen3 text encoder of FLUX.2 Klein 4B" in out.stderr
+
+
+def test_encode_writes_what_the_host_clip_produces(comfy_host, tiny_root, tmp_path):
+    import torch
+    from safetensors.torch import load_file
+
+    from comfyui_flux2dev.host.clip import load_clip
+
+    path = tiny_root / "text_encoders/mistral_3_small_flux2_bf16.safetensors"
+    out_file = tmp_path / "cond.safetensors"
+    out = flux2dev("encode", str(path), "--prompt", "a red fox", "--padding", "reference", "--dtype", "float32",
+                   "--out", str(out_file))
+    assert out.returncode == 0, out.stderr
+    written = load_file(out_file)["conditioning"]
+    clip = load_clip(path, padding="reference")
+    expected = clip.encode_from_tokens(clip.tokenize("a red fox"))
+    assert written.shape == (1, 512, 3 * 64) and written.dtype == torch.float32
+    assert torch.equal(written, expected)
