@@ -64,16 +64,21 @@ def _interleave(rows: int, k: int, device: torch.device) -> torch.Tensor:
 
 def _unpack(field: torch.Tensor, groups: int, shifts: tuple[int, ...], mask: int) -> torch.Tensor:
     """Bit fields of a byte field [n, groups * width] as int64 words [n, groups, len(shifts), width / 8]
-    whose bytes are (byte >> shift) & mask: the order in which the reference lays out its codes.
-    Each shift is one contiguous pass; one row gather then interleaves them (much cheaper than
-    writing each shift's short rows into place)."""
+    whose bytes are (byte >> shift) & mask: the order in which the reference lays out its codes."""
     n = field.shape[0]
-    words = _words(field, torch.int64).view(n * groups, -1)
+    words = _words(field, torch.int64).view(n, groups, -1)
     stacked = torch.empty((len(shifts), *words.shape), dtype=torch.int64, device=field.device)
     for i, shift in enumerate(shifts):
         torch.bitwise_right_shift(words, shift, out=stacked[i]).bitwise_and_(mask * _BYTE_LANES)
-    order = _interleave(n * groups, len(shifts), field.device)
-    return torch.index_select(stacked.view(-1, words.shape[1]), 0, order).view(n, groups, len(shifts), -1)
+    return _interleaved(stacked)
+
+
+def _interleaved(stacked: torch.Tensor) -> torch.Tensor:
+    """k results [k, n, groups, w] (each computed in one contiguous pass) as [n, groups, k, w], by one
+    row gather: much cheaper than writing each result's short rows into place."""
+    k, n, groups, w = stacked.shape
+    order = _interleave(n * groups, k, stacked.device)
+    return torch.index_select(stacked.view(-1, w), 0, order).view(n, groups, k, w)
 
 
 def _as_bytes(words: torch.Tensor) -> torch.Tensor:
@@ -212,9 +217,17 @@ def _q4_k_codes(b):
 
 
 def _q5_k_codes(b):
+    # Sub-block j = 2g + s takes the low (s=0) or high (s=1) nibbles of qs group g, and bit j of each
+    # qh byte as its fifth bit: with qh shifted right by 2g, that is bit 0 (s=0) or bit 1 (s=1).
     n = b.shape[0]
-    q = _unpack(b[:, 48:176], 4, _NIBBLES, 15).view(n, -1)
-    return _as_bytes(q.bitwise_or_(_unpack(b[:, 16:48], 1, _BITS, 1).view(n, -1).bitwise_left_shift_(4)))
+    qs = _words(b[:, 48:176], torch.int64).view(n, 4, 4)
+    qh = _words(b[:, 16:48], torch.int64).view(n, 1, 4)
+    qh = torch.cat([qh >> 2 * g for g in range(4)], dim=1)
+    stacked = torch.empty((2, n, 4, 4), dtype=torch.int64, device=b.device)
+    torch.bitwise_and(qs, 0x0F * _BYTE_LANES, out=stacked[0]).bitwise_or_((qh & _BYTE_LANES) << 4)
+    torch.bitwise_right_shift(qs, 4, out=stacked[1]).bitwise_and_(0x0F * _BYTE_LANES)
+    stacked[1].bitwise_or_((qh << 3) & (0x10 * _BYTE_LANES))
+    return _as_bytes(_interleaved(stacked))
 
 
 def _q6_k_scales(b):
@@ -222,10 +235,18 @@ def _q6_k_scales(b):
 
 
 def _q6_k_codes(b):
+    # Each half of 128 values: value s * 64 + w is nibble s of ql byte w, with crumb 2s + w // 32 of qh
+    # byte w % 32 as bits 4-5. Shifting the upper 32 qh bytes' copy right by 2 leaves crumb 2s of
+    # "qh byte w" at bits 4s.
     n = b.shape[0]
-    q = _unpack(b[:, 0:128], 2, _NIBBLES, 15).view(n, -1)
-    q.bitwise_or_(_unpack(b[:, 128:192], 2, _CRUMBS, 3).view(n, -1).bitwise_left_shift_(4))
-    return _as_bytes(q).sub_(32).view(torch.int8)
+    ql = _words(b[:, 0:128], torch.int64).view(n, 2, 8)
+    qh = _words(b[:, 128:192], torch.int64).view(n, 2, 4)
+    qh = torch.cat((qh, qh >> 2), dim=2)
+    stacked = torch.empty((2, n, 2, 8), dtype=torch.int64, device=b.device)
+    torch.bitwise_and(ql, 0x0F * _BYTE_LANES, out=stacked[0]).bitwise_or_((qh & (0x03 * _BYTE_LANES)) << 4)
+    torch.bitwise_right_shift(ql, 4, out=stacked[1]).bitwise_and_(0x0F * _BYTE_LANES)
+    stacked[1].bitwise_or_(qh & (0x30 * _BYTE_LANES))
+    return _as_bytes(_interleaved(stacked)).sub_(32).view(torch.int8)
 
 
 def _iq4_nl_codes(b):

@@ -33,7 +33,6 @@ _SCALARS = {
     10: np.dtype("<u8"), 11: np.dtype("<i8"), 12: np.dtype("<f8"),
 }
 _STRING, _ARRAY = 8, 9
-_UINT32 = 4
 
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
