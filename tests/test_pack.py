@@ -40,3 +40,13 @@ def test_the_server_loads_the_pack_and_lists_its_nodes(comfy_server):
     assert PACK_NODES <= set(info), sorted(PACK_NODES - set(info))
     assert {name for name in info if name.startswith("Flux2Dev")} == PACK_NODES
     assert "EmptyFlux2LatentImage" in info  # the host's own FLUX.2 nodes sit beside the pack's
+
+
+def test_requirements_txt_lists_exactly_the_pyproject_dependencies():
+    import pathlib
+    import tomllib
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    declared = tomllib.loads((root / "pyproject.toml").read_text())["project"]["dependencies"]
+    listed = [line.strip() for line in (root / "requirements.txt").read_text().splitlines()]
+    assert [line for line in listed if line and not line.startswith("#")] == declared

@@ -1,6 +1,6 @@
 """The tokenizer ladder, rung by rung, on real files made here, against an independent reference: the HF
 tokenizer transformers 4.57 builds from the same vocabulary (tests/tokenizer_reference.py, run in a
-subprocess under .venv/tf457). Every test runs again under transformers 4.57 (transformers_matrix)."""
+subprocess under .venv/oldest). Every test runs again on the oldest supported releases (transformers_matrix)."""
 
 from __future__ import annotations
 
@@ -33,8 +33,8 @@ from comfyui_flux2dev.tokenizers.vocab import vocab_from_transformers
 pytestmark = pytest.mark.transformers_matrix
 
 REPO = Path(__file__).resolve().parents[1]
-TF457 = REPO / ".venv" / "tf457"
-CORPUS = Path(os.environ.get("FLUX2DEV_PROMPT_CORPUS", "/work/shared/corpus/prompts.jsonl"))
+OLDEST = REPO / ".venv" / "oldest"  # transformers 4.57 and the other oldest releases (tests/run)
+CORPUS = Path(os.environ.get("FLUX2DEV_PROMPT_CORPUS", REPO.parent / "shared" / "corpus" / "prompts.jsonl"))
 REFERENCE_SCRIPT = Path(__file__).with_name("tokenizer_reference.py")
 MISTRAL3_CONFIG = {
     "model_type": "mistral3",
@@ -58,11 +58,11 @@ def reference(request) -> dict:
     key = hashlib.sha256()
     for part in (REFERENCE_SCRIPT.read_bytes(), CORPUS.read_bytes(), str(tekken.stat().st_size).encode()):
         key.update(part)
-    key.update(",".join(sorted(p.name for p in TF457.glob("*.dist-info"))).encode())
+    key.update(",".join(sorted(p.name for p in OLDEST.glob("*.dist-info"))).encode())
     out = request.config.cache.mkdir("flux2dev-tokenizer-reference") / key.hexdigest()[:16]
     if not (out / "reference.json").is_file():
         out.mkdir(parents=True, exist_ok=True)
-        env = {**os.environ, "PYTHONPATH": str(TF457)}
+        env = {**os.environ, "PYTHONPATH": str(OLDEST)}
         subprocess.run(
             [sys.executable, "-P", str(REFERENCE_SCRIPT), str(tekken), str(CORPUS), str(out)],
             env=env, check=True, capture_output=True, timeout=600,
@@ -318,7 +318,9 @@ def test_mistral3_folder_without_preprocessor_config(reference, tmp_path):
     _write_json(folder / "config.json", MISTRAL3_CONFIG)
     config = json.loads((folder / "tokenizer_config.json").read_text())
     _write_json(folder / "tokenizer_config.json", {**config, "processor_class": "PixtralProcessor"})
-    res = resolve_tokenizer(folder / "model-00001-of-00002.safetensors")
+    weights = folder / "model-00001-of-00002.safetensors"
+    weights.touch()  # the ladder looks beside the weights file it is given
+    res = resolve_tokenizer(weights)
     assert res.rung == "transformers" and res.source == str(folder)
     assert res.attempts[-1][:2] == ("transformers", str(folder))
     assert res.attempts[-1][2].startswith("AutoProcessor: OSError")
@@ -330,6 +332,7 @@ def test_diffusers_pipeline_tokenizer_folder(reference, tmp_path):
     _write_json(root / "model_index.json", {"_class_name": "Flux2Pipeline", "tokenizer": ["transformers", "PixtralProcessor"]})
     _write_json(root / "text_encoder" / "config.json", MISTRAL3_CONFIG)
     _hf_folder(root / "tokenizer", reference)
+    (root / "text_encoder" / "model.safetensors").touch()
     for model_path in (root, root / "text_encoder", root / "text_encoder" / "model.safetensors"):
         res = resolve_tokenizer(model_path)
         assert res.rung == "transformers" and res.source == str(root / "tokenizer"), model_path

@@ -1,5 +1,5 @@
 """The independent reference for the tokenizer tests, run as a script under transformers 4.57
-(PYTHONPATH=.venv/tf457): the HF tokenizer transformers 4.57's convert_tekken_tokenizer makes from a tekken
+(PYTHONPATH=.venv/oldest): the HF tokenizer transformers 4.57's convert_tekken_tokenizer makes from a tekken
 file (how Mistral-Small-3.1's tokenizer.json, the one BFL and diffusers load, was made), with the special
 tokens passed as strings (mistral-common 1.13 hands out dicts, which that function cannot key on).
 

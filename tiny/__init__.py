@@ -6,10 +6,14 @@ folder it belongs in, so a headless ComfyUI can link them in as they are."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 from pathlib import Path
 
+from ..errors import Flux2DevError
+
 # subfolder -> (module, writer); each writer returns manifest entries relative to its subfolder.
+# Every part but the encoders builds its weights with diffusers' own model classes.
 PARTS = {
     "text_encoders": ("encoders", "write_encoders"),
     "diffusion_models": ("transformers", "write_transformers"),
@@ -22,8 +26,11 @@ MANIFEST = "manifest.json"
 
 def write_all(root: str | Path, parts: tuple[str, ...] = tuple(PARTS)) -> list[dict]:
     """Write the tiny weights under `root` and root/manifest.json; return the manifest's entries."""
-    import importlib
-
+    if any(folder != "text_encoders" for folder in parts) and importlib.util.find_spec("diffusers") is None:
+        raise Flux2DevError(
+            "The tiny FLUX.2 transformers, VAE and pipelines are built with diffusers, which is not installed here. "
+            "Install it with: pip install 'comfyui-flux2dev[tiny]'."
+        )
     root = Path(root)
     entries = []
     for folder in parts:
