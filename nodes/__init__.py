@@ -8,6 +8,7 @@ import importlib
 from comfy_api.latest import ComfyExtension
 
 NODE_MODULES = ("encoder", "gguf", "sources")
+CATEGORY = "loaders/FLUX.2"  # beside the host's own loaders
 
 
 class Flux2DevExtension(ComfyExtension):

@@ -7,6 +7,7 @@ import os
 from comfy_api.latest import io
 
 from ..tokenizers import PADDING_MODES
+from . import CATEGORY
 
 FOLDER = "text_encoders"
 ENCODER_FILES = (".safetensors", ".gguf")
@@ -43,7 +44,7 @@ class Flux2DevEncoderLoader(io.ComfyNode):
         return io.Schema(
             node_id="Flux2DevEncoderLoader",
             display_name="Load FLUX.2 [dev] text encoder",
-            category="loaders/FLUX.2 [dev]",
+            category=CATEGORY,
             description="Loads the Mistral-Small text encoder of FLUX.2 [dev] from any layout (ComfyUI file, HF or "
             "diffusers folder, Mistral native, fp8, NVFP4, GGUF). 'reference' padding matches BFL/diffusers; "
             "'comfy' matches ComfyUI's own loader.",

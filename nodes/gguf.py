@@ -5,6 +5,7 @@ from __future__ import annotations
 from comfy_api.latest import io
 
 from ..host import gguf_ops
+from . import CATEGORY
 
 
 class Flux2DevGGUFTransformerLoader(io.ComfyNode):
@@ -16,7 +17,7 @@ class Flux2DevGGUFTransformerLoader(io.ComfyNode):
         return io.Schema(
             node_id="Flux2DevGGUFTransformerLoader",
             display_name="Load FLUX.2 GGUF transformer",
-            category="FLUX.2 [dev]/loaders",
+            category=CATEGORY,
             description=(
                 "Loads a FLUX.2 transformer GGUF ([dev], Klein 4B or Klein 9B: the file says which) from "
                 "models/diffusion_models or models/unet. Weights stay quantized in memory and are expanded one "

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from comfy_api.latest import io
 
-CATEGORY = "FLUX.2 [dev]/loaders"
+from . import CATEGORY
+
 PIPELINE_MARK = "/"  # pipeline folders are listed with a trailing slash, files by their name
 
 
