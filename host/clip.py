@@ -6,7 +6,8 @@ pruned FLUX.2 encoder (comfy.text_encoders.flux.flux2_te) with three pack parts 
 - the pack's subclass of the host's Mistral3_24BModel masks left padding the way transformers does. The
   host derives its mask from pad id 0 ("everything from the first pad on"), which cannot describe
   leading <pad>=11 tokens, so "reference" padding would otherwise attend to the pads;
-- Flux2DevOps keeps fp8 / NVFP4 / GGUF weights packed and dequantizes them per layer at run time.
+- the pack's packed ops and patcher (host/ops.py) keep fp8 / NVFP4 / GGUF weights packed, dequantize them
+  per layer at run time and apply LoRAs to the dequantized weights.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ import inspect
 
 import torch
 
-from ..loaders import quant
 from ..loaders.encoder import LoadedEncoder, load_encoder
 from . import ensure_comfy
 
@@ -54,9 +54,8 @@ def left_padding_mask(tokens, pad_id: int) -> list[int]:
 
 
 @functools.cache
-def _host_classes():
+def _model_class():
     ensure_comfy()
-    import comfy.ops
     import comfy.text_encoders.flux
 
     from ..tokenizers import PAD_ID
@@ -101,53 +100,7 @@ def _host_classes():
                 states.append(x)
             return torch.stack(states, dim=1).float()
 
-    class Flux2DevOps(comfy.ops.manual_cast):
-        class Linear(comfy.ops.manual_cast.Linear):
-            packed = False
-
-            def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
-                weight = state_dict.get(prefix + "weight")
-                found = {c: state_dict[prefix + c] for c in quant.COMPANIONS if prefix + c in state_dict}
-                if weight is None or not found:
-                    return super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
-                self.packed = True
-                self.weight = torch.nn.Parameter(weight, requires_grad=False)
-                for name, tensor in found.items():
-                    self.register_buffer(name, tensor)
-
-            def forward_comfy_cast_weights(self, input):
-                if not self.packed:
-                    return super().forward_comfy_cast_weights(input)
-                companions = {c: getattr(self, c).to(input.device) for c in quant.COMPANIONS if hasattr(self, c)}
-                weight = quant.dequantize(self.weight.to(input.device), companions, input.dtype, (self.out_features, self.in_features))
-                for f in self.weight_function:
-                    weight = f(weight)
-                bias = None if self.bias is None else self.bias.to(device=input.device, dtype=input.dtype)
-                return torch.nn.functional.linear(input, weight, bias)
-
-        class Embedding(comfy.ops.manual_cast.Embedding):
-            packed = False
-
-            def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
-                weight = state_dict.get(prefix + "weight")
-                found = {c: state_dict[prefix + c] for c in quant.COMPANIONS if prefix + c in state_dict}
-                if weight is None or not found:
-                    return super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
-                self.packed = True
-                self.weight = torch.nn.Parameter(weight, requires_grad=False)
-                for name, tensor in found.items():
-                    self.register_buffer(name, tensor)
-
-            def forward_comfy_cast_weights(self, input, out_dtype=None):
-                if not self.packed:
-                    return super().forward_comfy_cast_weights(input, out_dtype=out_dtype)
-                # rows are whole blocks: gather the packed rows first, dequantize only those
-                rows = self.weight.to(input.device)[input.reshape(-1)]
-                companions = {c: getattr(self, c).to(input.device) for c in quant.COMPANIONS if hasattr(self, c)}
-                values = quant.dequantize(rows, companions, out_dtype or torch.float32, (rows.shape[0], self.embedding_dim))
-                return values.reshape(*input.shape, self.embedding_dim)
-
-    return Flux2DevMistral3, Flux2DevOps
+    return Flux2DevMistral3
 
 
 def _call_with_known(fn, **kwargs):
@@ -181,9 +134,11 @@ def clip_from_encoder(encoder: LoadedEncoder, *, padding: str = "reference", dty
 
     if padding not in PADDING_MODES:
         raise ValueError(f"padding must be one of {PADDING_MODES}, got {padding!r}")
-    model_class, ops = _host_classes()
+    model_class = _model_class()
     import comfy.sd
     import comfy.text_encoders.flux
+
+    from .ops import PackedModelPatcher, packed_operations
 
     dtype = dtype or _compute_dtype(encoder)
 
@@ -194,7 +149,7 @@ def clip_from_encoder(encoder: LoadedEncoder, *, padding: str = "reference", dty
 
     model_options = {
         "dtype": dtype,
-        "custom_operations": ops,
+        "custom_operations": packed_operations(),
         f"{CLIP_NAME}_class": model_class,
         f"{CLIP_NAME}_model_config": model_config(encoder),
     }
@@ -216,6 +171,9 @@ def clip_from_encoder(encoder: LoadedEncoder, *, padding: str = "reference", dty
         # The pruned host model has exactly the 30 layers + embeddings the loader reads.
         if missing:
             raise RuntimeError(f"the host encoder has weights the loader did not provide: {missing[:5]}")
+    # The host builds (and may already have loaded) the CLIP's patcher itself: the same object, given the
+    # pack's patching of packed weights. PackedModelPatcher adds behaviour only, no state.
+    clip.patcher.__class__ = PackedModelPatcher
     clip.flux2dev_encoder = {"layout": encoder.layout, "formats": encoder.formats, "tokenizer": encoder.tokenizer.rung}
     return clip
 

@@ -16,12 +16,13 @@ import comfy.model_base  # noqa: E402
 import comfy.model_detection  # noqa: E402
 import comfy.model_management  # noqa: E402
 import comfy.model_patcher  # noqa: E402
-import comfy.ops  # noqa: E402
 import comfy.supported_models  # noqa: E402
 import comfy.utils  # noqa: E402
 
 from ..errors import MissingWeightsError, UnknownModelError  # noqa: E402
+from ..loaders import quant  # noqa: E402
 from ..loaders.transformer import LoadedTransformer, check_conditioning_width, load_transformer  # noqa: E402
+from .ops import PackedModelPatcher, packed_operations  # noqa: E402
 
 # unet_config entries the pack fills from its own detection; the host's sniffing fixes num_heads at 48.
 def _geometry_config(loaded: LoadedTransformer) -> dict:
@@ -46,8 +47,8 @@ class GuardedFlux2(comfy.model_base.Flux2):
 
     def concat_cond(self, **kwargs):
         # No FLUX.2 variant takes extra image channels beside the latent (in_channels equals out_channels).
-        # The host would infer them from img_in.weight's stored shape, which for a packed GGUF weight is a
-        # byte count, and would then concatenate a phantom image.
+        # The host would infer them from img_in.weight's stored shape, which for a packed weight (GGUF rows)
+        # is a byte count, and would then concatenate a phantom image.
         return None
 
     def extra_conds(self, **kwargs):
@@ -64,62 +65,9 @@ class Flux2Config(comfy.supported_models.Flux2):
         return GuardedFlux2(self, device=device)
 
 
-def _scaled_fp8_ops(base):
-    """Linear layers that keep each stored weight as it comes (fp8 or float) with its scale, and multiply
-    the scale in per call, so an fp8 transformer stays fp8 in memory."""
-
-    class ScaledFp8Ops(base):
-        class Linear(base.Linear):
-            def reset_parameters(self):
-                self.register_parameter("weight_scale", None)  # filled by the load when the file has one
-
-            def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
-                weight = state_dict.pop(prefix + "weight", None)
-                scale = state_dict.pop(prefix + "weight_scale", None)
-                if weight is None:
-                    missing_keys.append(prefix + "weight")
-                    return
-                self.weight = torch.nn.Parameter(weight, requires_grad=False)
-                if scale is not None:
-                    scale = scale.to(torch.float32)
-                    self.weight_scale = torch.nn.Parameter(scale.reshape(-1, 1) if scale.numel() > 1 else scale, requires_grad=False)
-
-            def _scale_like(self, weight):
-                return self.weight_scale.to(device=weight.device, dtype=weight.dtype)
-
-            def forward_comfy_cast_weights(self, input):
-                weight, bias = comfy.ops.cast_bias_weight(self, input)
-                if self.weight_scale is not None:
-                    weight = weight * self._scale_like(weight)
-                return torch.nn.functional.linear(input, weight, bias)
-
-            # The host's weight patching (LoRA) works on real values: these convert to and from storage.
-            def convert_weight(self, weight, inplace=False, **kwargs):
-                if self.weight_scale is None:
-                    return weight
-                if inplace:
-                    return weight.mul_(self._scale_like(weight))
-                return weight.to(torch.float32) * self.weight_scale.to(device=weight.device)
-
-            def set_weight(self, weight, inplace_update=False, seed=None, return_weight=False, **kwargs):
-                import comfy.float
-
-                if self.weight_scale is not None:
-                    weight = weight / self._scale_like(weight)
-                weight = comfy.float.stochastic_rounding(weight, self.weight.dtype, seed=seed)
-                if return_weight:
-                    return weight
-                if inplace_update:
-                    self.weight.data.copy_(weight)
-                else:
-                    self.weight = torch.nn.Parameter(weight, requires_grad=False)
-
-    return ScaledFp8Ops
-
-
 def _check_keys(model, state_dict: dict) -> None:
     expected = set(model.diffusion_model.state_dict())
-    given = {k for k in state_dict if not k.endswith(".weight_scale")}
+    given = {k for k in state_dict if not quant.is_companion(k)}
     missing, extra = sorted(expected - given), sorted(given - expected)
     if missing:
         raise MissingWeightsError(
@@ -133,9 +81,15 @@ def _check_keys(model, state_dict: dict) -> None:
         )
 
 
-def build_model(loaded: LoadedTransformer, dtype: torch.dtype | None = None, model_options: dict | None = None):
-    """A host MODEL (ModelPatcher) from a loaded transformer. model_options["custom_operations"] (host ops
-    style) replaces the pack's choice of linear layers, for weights that need other handling (GGUF)."""
+def build_model(
+    loaded: LoadedTransformer,
+    dtype: torch.dtype | None = None,
+    dequant_dtype: torch.dtype | None = None,
+    patch_dtype: torch.dtype = torch.float32,
+):
+    """A host MODEL (ModelPatcher) from a loaded transformer. Packed weights (scaled fp8, GGUF blocks: a
+    weight with companions beside it) stay as stored and are dequantized per layer by the pack's ops, with
+    dequant_dtype and patch_dtype as their settings (host/ops.py); float models get the host's own ops."""
     sd = loaded.state_dict
     unet_config = comfy.model_detection.detect_unet_config(sd, "")
     if not unet_config or unet_config.get("image_model") != "flux2":
@@ -159,15 +113,14 @@ def build_model(loaded: LoadedTransformer, dtype: torch.dtype | None = None, mod
         )
     manual_cast = comfy.model_management.unet_manual_cast(dtype, load_device, supported)
     model_config.set_inference_dtype(dtype, manual_cast)
-    ops = (model_options or {}).get("custom_operations")
-    if ops is None and loaded.scaled_fp8:
-        ops = _scaled_fp8_ops(comfy.ops.manual_cast)
-    model_config.custom_operations = ops
+    packed = any(quant.is_companion(k) for k in sd)
+    model_config.custom_operations = packed_operations(dequant_dtype, patch_dtype) if packed else None
 
     model = model_config.get_model(sd, "").to(offload_device)
     _check_keys(model, sd)
     model.load_model_weights(dict(sd), "")
-    return comfy.model_patcher.ModelPatcher(model, load_device=load_device, offload_device=offload_device)
+    patcher = PackedModelPatcher if packed else comfy.model_patcher.ModelPatcher
+    return patcher(model, load_device=load_device, offload_device=offload_device)
 
 
 def load_model(path: str | Path, dtype: torch.dtype | None = None):

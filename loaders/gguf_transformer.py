@@ -1,15 +1,16 @@
 """FLUX.2 transformers from GGUF files (city96-style conversions: BFL key names, general.architecture
 "flux", "pig" or none), read once over a memory map and left packed.
 
-Weights of two or more dimensions stay as their raw GGUF blocks (zero-copy uint8 views of the file), to be
-dequantized per layer at forward time by the host's GGUF ops; everything else (norm scales, biases) is
+Weights of two or more dimensions stay as their raw GGUF blocks (zero-copy uint8 views of the file) with
+their GGUF type beside them as "<layer>.weight_gguf_type" (the companion form loaders.quant reads), to be
+dequantized per layer at forward time by the host's packed ops; everything else (norm scales, biases) is
 turned into float tensors here. The variant comes from the tensor shapes, as for safetensors files.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from gguf import GGMLQuantizationType
@@ -17,6 +18,7 @@ from gguf import GGMLQuantizationType
 from ..errors import UnknownModelError, UnsupportedFormatError, WrongModelError
 from .gguf_dequant import dequantize
 from .gguf_file import GGUFFile, open_gguf
+from .quant import GGUF_TYPE
 from .transformer import BFL, LoadedTransformer, geometry_from_shapes, variant_for_geometry
 
 # general.architecture values FLUX.2 transformer GGUFs carry (None: the key is absent).
@@ -51,17 +53,18 @@ FLOAT_TYPES = {
 
 @dataclass
 class LoadedGGUFTransformer(LoadedTransformer):
-    """A LoadedTransformer whose state dict holds raw GGUF blocks (uint8) under the keys in `packed`."""
+    """A LoadedTransformer whose state dict holds raw GGUF blocks (uint8 rows) beside their GGUF types."""
 
-    packed: dict[str, tuple[GGMLQuantizationType, tuple[int, ...]]] = field(default_factory=dict)  # key -> (type, shape)
     path: str = ""
 
     @property
     def quant_types(self) -> dict[str, int]:
         """How many packed tensors each GGUF type holds (for messages and logs)."""
         counts: dict[str, int] = {}
-        for qtype, _ in self.packed.values():
-            counts[qtype.name] = counts.get(qtype.name, 0) + 1
+        for key, value in self.state_dict.items():
+            if key.endswith("." + GGUF_TYPE):
+                name = GGMLQuantizationType(int(value)).name
+                counts[name] = counts.get(name, 0) + 1
         return counts
 
 
@@ -110,14 +113,12 @@ def load_gguf_transformer(path: str | os.PathLike) -> LoadedGGUFTransformer:
             "(img_in, double_blocks, ...). Convert it with a FLUX.2-aware GGUF converter."
         )
     variant = variant_for_geometry(geometry, layout)
-    state_dict, packed = {}, {}
+    state_dict = {}
     for key, name in names.items():
         t = gfile.tensors[name]
         if key.endswith(".weight") and len(t.shape) >= 2:
             state_dict[key] = t.data.view(*t.shape[:-1], -1)  # rows of raw blocks, as the file stores them
-            packed[key] = (t.qtype, t.shape)
+            state_dict[key[: -len("weight")] + GGUF_TYPE] = torch.tensor(int(t.qtype))
         else:
             state_dict[key] = _float_tensor(t)
-    return LoadedGGUFTransformer(
-        state_dict, variant, geometry, layout.name, scaled_fp8=False, packed=packed, path=gfile.path
-    )
+    return LoadedGGUFTransformer(state_dict, variant, geometry, layout.name, path=gfile.path)

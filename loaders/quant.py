@@ -1,10 +1,13 @@
-"""Exact dequantization of the quantized weight formats found in Mistral encoder checkpoints.
+"""Exact dequantization of the packed weight formats of encoder and transformer checkpoints.
 
-The loader keeps quantized weights packed in memory and the host's linear layers call `dequantize` per
-layer at run time, so a fp8 encoder costs fp8 memory. Formats are told apart by the stored weight dtype.
+The loaders keep packed weights as stored, each with its companions (the tensors stored beside it, by
+suffix), and the host's layers (host/ops.py) call `dequantize` per layer at run time, so a fp8 model costs
+fp8 memory. Formats are told apart by the companions and the stored weight dtype.
 
 - Scaled fp8: float8 weight [out, in] times a float32 scale, per tensor (one value) or per output
   channel ([out] or [out, 1]).
+- GGUF: uint8 rows of the file's raw blocks along the last dimension, with the GGMLQuantizationType
+  number as weight_gguf_type (loaders/gguf_dequant.py).
 - NVFP4 ("fp4_mixed", ComfyUI/comfy-kitchen packing): uint8 weight [out, in/2], two E2M1 codes per byte,
   the even-indexed element in the high nibble; float8_e4m3fn block scales, one per 16 inputs, stored in
   cuBLAS' 128x4 tiled layout padded to [roundup(out,128), roundup(in/16,4)]; a float32 per-tensor scale.
@@ -21,6 +24,25 @@ NVFP4_BLOCK = 16
 
 # The 16 E2M1 code points, indexed by the 4-bit code (sign in bit 3).
 _E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+
+
+def is_companion(key: str) -> bool:
+    """Whether a state-dict key names a companion of a packed weight rather than a weight."""
+    return key.rpartition(".")[2] in COMPANIONS
+
+
+def stored_shape(shape, weight_dtype: torch.dtype, companions) -> tuple[int, ...]:
+    """The shape a weight of logical `shape` is stored in: GGUF rows of whole blocks, NVFP4 two values a
+    byte, fp8 one value an element."""
+    shape = tuple(int(s) for s in shape)
+    if GGUF_TYPE in companions:
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        block_size, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(int(companions[GGUF_TYPE]))]
+        return (*shape[:-1], shape[-1] // block_size * type_size)
+    if weight_dtype == torch.uint8:
+        return (*shape[:-1], shape[-1] // 2)
+    return shape
 
 
 def weight_format(weight: torch.Tensor) -> str:

@@ -115,7 +115,6 @@ class LoadedTransformer:
     variant: Flux2Variant
     geometry: TransformerGeometry
     layout: str  # "BFL" or "diffusers"
-    scaled_fp8: bool
 
 
 def _count_blocks(keys, prefix: str) -> int:
@@ -226,8 +225,8 @@ def _refuse_leftovers(leftover: set[str], layout: str) -> None:
         )
 
 
-def _bfl_state_dict(files: SafetensorsFiles) -> tuple[dict[str, torch.Tensor], bool]:
-    """Read a BFL file, giving fp8 scales one spelling; returns (state dict, whether weights are fp8)."""
+def _bfl_state_dict(files: SafetensorsFiles) -> dict[str, torch.Tensor]:
+    """Read a BFL file, giving fp8 scales one spelling (the companion form loaders.quant reads)."""
     out = {}
     for name in files.infos:
         if name in FP8_MARKERS:
@@ -251,7 +250,7 @@ def _bfl_state_dict(files: SafetensorsFiles) -> tuple[dict[str, torch.Tensor], b
             f"The transformer holds packed integer weights (e.g. {odd[0]}, {out[odd[0]].dtype}), such as NVFP4; "
             "the pack reads bf16, fp16, fp32 and scaled fp8 FLUX.2 transformers."
         )
-    return out, bool(fp8)
+    return out
 
 
 def transformer_files(path: str | Path) -> list[Path]:
@@ -302,10 +301,10 @@ def load_transformer(path: str | Path) -> LoadedTransformer:
                 "This diffusers-layout transformer holds quantized weights; the pack reads diffusers transformers in "
                 "bf16, fp16 or fp32, and scaled fp8 as a BFL single file."
             )
-        state_dict, fp8 = _diffusers_to_bfl(set(files.infos), files.read, geometry), False
+        state_dict = _diffusers_to_bfl(set(files.infos), files.read, geometry)
     else:
-        state_dict, fp8 = _bfl_state_dict(files)
-    return LoadedTransformer(state_dict, variant, geometry, layout.name, fp8)
+        state_dict = _bfl_state_dict(files)
+    return LoadedTransformer(state_dict, variant, geometry, layout.name)
 
 
 def _encoder_phrase(variant: Flux2Variant) -> str:

@@ -182,6 +182,41 @@ def test_quantized_weights_stay_packed_in_the_host(comfy_host, encoders):
         assert layer.self_attn.q_proj.weight.dtype == dtype, name
 
 
+@pytest.mark.parametrize(
+    "name", ("mistral_3_small_flux2_fp8_channel.safetensors", "mistral_3_small_flux2_fp4_mixed.safetensors", "llama-q8_0.gguf")
+)
+def test_lora_applies_to_the_dequantized_encoder_weight(comfy_host, encoders, name):
+    from comfy.model_management import load_model_gpu
+
+    from comfyui_flux2dev.host.clip import load_clip
+
+    clip = load_clip(os.path.join(encoders, name), dtype=torch.float32)
+    layer_name = "mistral3_24b.transformer.model.layers.5.self_attn.q_proj"
+    layer = clip.cond_stage_model.get_submodule(layer_name)
+    stored = layer.weight.detach().clone()
+    g = torch.Generator().manual_seed(2)
+    up = torch.randn(layer.out_features, 4, generator=g) * 0.1
+    down = torch.randn(4, layer.in_features, generator=g) * 0.1
+    prefix = f"text_encoders.{layer_name}"
+    lora = {f"{prefix}.lora_up.weight": up, f"{prefix}.lora_down.weight": down, f"{prefix}.alpha": torch.tensor(4.0)}
+    _, patched = comfy_host.load_lora_for_models(None, clip, lora, 0.0, 1.0)
+    assert len(patched.patcher.patches) == 1
+    x = torch.randn(3, layer.in_features, generator=g)
+    delta = x @ (up @ down).T  # alpha / rank = 1
+    assert delta.abs().max() > 1e-2
+    with torch.no_grad():  # the host's own loading swaps the patched clone in and out
+        load_model_gpu(clip.patcher)
+        plain = layer(x)
+        load_model_gpu(patched.patcher)
+        out = layer(x)
+        load_model_gpu(clip.patcher)
+        again = layer(x)
+    assert (out - plain - delta).abs().max().item() <= 1e-5
+    assert torch.equal(again, plain)
+    # the stored weight stays packed and untouched
+    assert layer.weight.dtype == stored.dtype and torch.equal(layer.weight.view(torch.uint8), stored.view(torch.uint8))
+
+
 def test_nvfp4_dequant_is_exact_against_comfy_kitchen():
     from comfy_kitchen.backends.eager.quantization import dequantize_nvfp4
     from comfy_kitchen.float_utils import to_blocked

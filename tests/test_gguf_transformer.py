@@ -43,7 +43,7 @@ def reference_model(path):
         values = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
         sd[t.name] = torch.from_numpy(values.reshape([int(d) for d in reversed(t.shape)]))
     geometry, layout = geometry_from_shapes({k: tuple(v.shape) for k, v in sd.items()})
-    loaded = LoadedTransformer(sd, variant_for_geometry(geometry, layout), geometry, layout.name, False)
+    loaded = LoadedTransformer(sd, variant_for_geometry(geometry, layout), geometry, layout.name)
     return build_model(loaded, dtype=torch.float32)
 
 
@@ -144,7 +144,7 @@ def test_per_load_settings_do_not_leak(gguf_dir, ops, comfy_host):
     half_layer = half.model.diffusion_model.img_in
     plain_layer = plain.model.diffusion_model.img_in
     assert type(half_layer) is not type(plain_layer)
-    assert (type(half_layer).gguf.dequant_dtype, type(plain_layer).gguf.dequant_dtype) == (torch.float16, None)
+    assert (type(half_layer).settings.dequant_dtype, type(plain_layer).settings.dequant_dtype) == (torch.float16, None)
     lora = tiny_lora(plain)
     patched_half, _ = comfy_host.load_lora_for_models(half, None, lora, 1.0, 0.0)
     patched_plain, _ = comfy_host.load_lora_for_models(plain, None, lora, 1.0, 0.0)
@@ -253,21 +253,26 @@ def test_node_lists_and_loads_gguf_files(gguf_dir, ops, comfy_host):
         folder_paths.folder_names_and_paths["diffusion_models"][0].remove(root)
 
 
-def test_conv_and_embedding_weights_stay_packed(ops):
+def test_conv_and_embedding_weights_stay_packed(comfy_host):
     """FLUX.2 has Linear layers only; the ops' Conv and Embedding layers are checked on their own."""
     import gguf
+
+    from comfyui_flux2dev.host.ops import packed_operations
 
     q8 = gguf.GGMLQuantizationType.Q8_0
     rng = np.random.default_rng(0)
     floats = {"conv.weight": rng.standard_normal((8, 4, 3, 32)), "emb.weight": rng.standard_normal((10, 64))}
     raw = {k: gguf.quants.quantize(v.astype(np.float32), q8) for k, v in floats.items()}
     values = {k: torch.from_numpy(gguf.quants.dequantize(v, q8)) for k, v in raw.items()}
-    layers = ops.gguf_operations({k: (q8, v.shape) for k, v in floats.items()})
+    layers = packed_operations()
     net = torch.nn.Module()
     net.conv = layers.Conv2d(4, 8, (3, 32))
     net.emb = layers.Embedding(10, 64)
     bias = torch.randn(8)
-    net.load_state_dict({"conv.weight": torch.from_numpy(raw["conv.weight"]), "conv.bias": bias, "emb.weight": torch.from_numpy(raw["emb.weight"])})
+    sd = {k: torch.from_numpy(v) for k, v in raw.items()}
+    sd.update({k.replace("weight", "weight_gguf_type"): torch.tensor(int(q8)) for k in raw})
+    sd["conv.bias"] = bias
+    net.load_state_dict(sd)
     assert net.conv.weight.dtype == net.emb.weight.dtype == torch.uint8
     x = torch.randn(1, 4, 5, 40)
     assert torch.equal(net.conv(x), torch.nn.functional.conv2d(x, values["conv.weight"], bias))

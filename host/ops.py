@@ -1,0 +1,192 @@
+"""Packed weights inside the host's models: Linear, Conv and Embedding weights stay as stored (fp8 with
+its scale, NVFP4, GGUF blocks) and are dequantized per layer, on the device of the layer's input, at each
+forward. Encoder (CLIP) and transformer (MODEL) loads share these layers.
+
+A state dict hands a packed weight over as "<layer>.weight" (the stored tensor) plus its companions
+("<layer>.weight_scale", ".weight_scale_2", ".weight_gguf_type": loaders.quant.COMPANIONS); every packed
+weight goes through the one dequantizer, loaders.quant.dequantize.
+
+- packed_operations(...) -> a comfy.ops-style class for custom_operations, fresh per load so one load's
+  settings never reach another;
+- PackedModelPatcher: the host's ModelPatcher, except that patches (LoRAs) of packed weights are applied to
+  the dequantized weight at forward time instead of being baked into the stored weight, which would
+  unpack it. In low-VRAM mode the host itself adds them as weight functions, which run at the same place.
+The host's memory accounting reads the parameters and scales, which are the stored bytes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..loaders import quant
+from . import ensure_comfy
+
+ensure_comfy()
+
+import comfy.model_management  # noqa: E402
+import comfy.model_patcher  # noqa: E402
+import comfy.ops  # noqa: E402
+import comfy.utils  # noqa: E402
+
+
+@dataclass(frozen=True)
+class PackedSettings:
+    dequant_dtype: torch.dtype | None  # None: the dtype of the layer's input
+    patch_dtype: torch.dtype  # LoRA math runs in this dtype, as the host's own patching runs in float32
+
+
+def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    non_blocking = comfy.model_management.device_supports_non_blocking(device)
+    return comfy.model_management.cast_to(tensor, None, device, non_blocking=non_blocking, copy=False)
+
+
+class PackedLayer:
+    """Mixin for comfy.ops layers whose weight may stay packed. Subclasses set `settings` (PackedSettings)."""
+
+    settings: PackedSettings
+    comfy_cast_weights = True
+
+    def __init__(self, *args, **kwargs):
+        device = kwargs.get("device")
+        super().__init__(*args, **{**kwargs, "device": "meta"})
+        # Shape-only placeholders (one element broadcast to the full shape): the host sees the layer's keys and
+        # shapes before loading, and no memory goes to weights the file replaces.
+        for name, p in list(self._parameters.items()):
+            if p is not None:
+                placeholder = torch.empty(1, dtype=p.dtype, device=device).expand(p.shape)
+                setattr(self, name, torch.nn.Parameter(placeholder, requires_grad=False))
+        self.weight_shape = tuple(self.weight.shape)  # the logical shape; a packed weight is stored in another
+        self.companions: tuple[str, ...] = ()  # names of the weight's companions: non-empty when it is packed
+        self.lazy_patches: list = []  # weight patches PackedModelPatcher did not bake in
+        self.weight_function = []
+        self.bias_function = []
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+        companions = {c: state_dict[prefix + c] for c in quant.COMPANIONS if prefix + c in state_dict}
+        for name, placeholder in list(self._parameters.items()):
+            if placeholder is None:
+                continue
+            key = prefix + name
+            if key not in state_dict:
+                missing_keys.append(key)
+                continue
+            tensor = state_dict[key]
+            packed = companions if name == "weight" else {}
+            needs = quant.stored_shape(placeholder.shape, tensor.dtype, packed)
+            if tuple(tensor.shape) != needs:
+                error_msgs.append(f"size mismatch for {key}: the file holds {list(tensor.shape)}, the model needs {list(needs)}")
+                continue
+            # Packed weights stay as stored; float ones take the model's dtype, as the host's own loading does.
+            tensor = tensor.to(device=placeholder.device, dtype=None if packed else placeholder.dtype)
+            setattr(self, name, torch.nn.Parameter(tensor, requires_grad=False))
+        for c, tensor in companions.items():
+            # The GGUF type is a number, not weight memory: it stays out of the state dict the host sizes models by.
+            self.register_buffer(c, tensor.to(self.weight.device), persistent=c != quant.GGUF_TYPE)
+        self.companions = tuple(companions)
+
+    def _dequantized(self, stored: torch.Tensor, shape, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        companions = {c: getattr(self, c).to(device) for c in self.companions}
+        return quant.dequantize(stored, companions, self.settings.dequant_dtype or dtype, shape)
+
+    def _patched(self, value: torch.Tensor, functions: list, dtype: torch.dtype) -> torch.Tensor:
+        if functions:
+            value = value.to(self.settings.patch_dtype)
+            for f in functions:
+                value = f(value)
+        return value.to(dtype)
+
+    def weight_bias(self, device: torch.device, dtype: torch.dtype):
+        weight = _to_device(self.weight, device)
+        if self.companions:
+            weight = self._dequantized(weight, self.weight_shape, device, dtype)
+        weight = self._patched(weight, self.lazy_patches + self.weight_function, dtype)
+        bias = None if self.bias is None else self._patched(_to_device(self.bias, device), self.bias_function, dtype)
+        return weight, bias
+
+    def forward(self, *args, **kwargs):
+        comfy.ops.run_every_op()
+        return self.forward_comfy_cast_weights(*args, **kwargs)
+
+
+class PackedConv(PackedLayer):
+    def forward_comfy_cast_weights(self, input):
+        return self._conv_forward(input, *self.weight_bias(input.device, input.dtype))
+
+
+class PackedEmbedding(PackedLayer):
+    def forward_comfy_cast_weights(self, input, out_dtype=None):
+        dtype = out_dtype or self.settings.dequant_dtype or torch.float32
+        if quant.GGUF_TYPE in self.companions and not (self.lazy_patches or self.weight_function):
+            # GGUF rows are whole blocks: gather the packed rows first, dequantize only those
+            rows = _to_device(self.weight[input.reshape(-1).to(self.weight.device)], input.device)
+            values = self._dequantized(rows, (rows.shape[0], self.embedding_dim), input.device, dtype)
+            return values.to(dtype).reshape(*input.shape, self.embedding_dim)
+        weight, _ = self.weight_bias(input.device, dtype)
+        return torch.nn.functional.embedding(
+            input, weight, self.padding_idx, self.max_norm, self.norm_type, self.scale_grad_by_freq, self.sparse
+        )
+
+
+def packed_operations(dequant_dtype: torch.dtype | None = None, patch_dtype: torch.dtype = torch.float32):
+    """A fresh comfy.ops class for one load: packed weights (those with companions) stay as stored, float
+    weights load as the model's float tensors."""
+    settings = PackedSettings(dequant_dtype, patch_dtype)
+    base = comfy.ops.manual_cast
+
+    class PackedOps(base):
+        class Linear(PackedLayer, base.Linear):
+            def forward_comfy_cast_weights(self, input):
+                return torch.nn.functional.linear(input, *self.weight_bias(input.device, input.dtype))
+
+        class Conv1d(PackedConv, base.Conv1d):
+            pass
+
+        class Conv2d(PackedConv, base.Conv2d):
+            pass
+
+        class Conv3d(PackedConv, base.Conv3d):
+            pass
+
+        class Embedding(PackedEmbedding, base.Embedding):
+            pass
+
+    for layer in (PackedOps.Linear, PackedOps.Conv1d, PackedOps.Conv2d, PackedOps.Conv3d, PackedOps.Embedding):
+        layer.settings = settings
+    return PackedOps
+
+
+def _packed_layer(model, key: str):
+    """The layer whose packed weight `key` names, else None."""
+    path, _, name = key.rpartition(".")
+    layer = comfy.utils.get_attr(model, path) if path else None
+    return layer if isinstance(layer, PackedLayer) and name == "weight" and layer.companions else None
+
+
+class PackedModelPatcher(comfy.model_patcher.ModelPatcher):
+    """Where the host would bake a patch into a stored weight, a packed weight gets it as a lazy patch,
+    applied after dequantization; float weights are patched the host's way."""
+
+    def _packed_layers(self):
+        return (m for m in self.model.modules() if isinstance(m, PackedLayer))
+
+    def patch_weight_to_device(self, key, device_to=None, *args, **kwargs):
+        layer = _packed_layer(self.model, key)
+        if layer is None:
+            return super().patch_weight_to_device(key, device_to, *args, **kwargs)
+        layer.lazy_patches = [comfy.model_patcher.LowVramPatch(key, self.patches)] if key in self.patches else []
+
+    def unpatch_model(self, device_to=None, unpatch_weights=True):
+        if unpatch_weights:
+            for layer in self._packed_layers():
+                layer.lazy_patches = []
+        return super().unpatch_model(device_to, unpatch_weights)
+
+    def partially_unload(self, *args, **kwargs):
+        freed = super().partially_unload(*args, **kwargs)
+        # Layers the host just moved to low-VRAM mode carry their patches as weight functions now.
+        for layer in self._packed_layers():
+            if getattr(layer, "comfy_patched_weights", None) is False:
+                layer.lazy_patches = []
+        return freed
