@@ -49,16 +49,18 @@ def _transformer(path: Path) -> dict:
 
 def _gguf_transformer(path: Path) -> dict:
     from .gguf_transformer import load_gguf_transformer
+    from .quant import is_companion
 
     loaded = load_gguf_transformer(path)  # views of the mapped file: nothing is dequantized
     g = loaded.geometry
+    weights = {k: t for k, t in loaded.state_dict.items() if not is_companion(k)}
     formats = {f"gguf-{name}": count for name, count in loaded.quant_types.items()}
-    unpacked = len(loaded.state_dict) - sum(formats.values())
+    unpacked = len(weights) - sum(formats.values())
     if unpacked:
         formats["fp32"] = unpacked  # 1-D tensors, expanded at load
     return {"kind": "transformer", "layout": "gguf", "variant": loaded.variant.key,
-            "layers": g.double_blocks + g.single_blocks, "reads": len(loaded.state_dict), "skips": 0,
-            "formats": formats, "memory_bytes": sum(t.numel() * t.element_size() for t in loaded.state_dict.values())}
+            "layers": g.double_blocks + g.single_blocks, "reads": len(weights), "skips": 0,
+            "formats": formats, "memory_bytes": sum(t.numel() * t.element_size() for t in weights.values())}
 
 
 def _vae(path: Path) -> dict:

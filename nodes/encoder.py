@@ -2,40 +2,18 @@
 
 from __future__ import annotations
 
-import os
-
 from comfy_api.latest import io
 
 from ..tokenizers import PADDING_MODES
 from . import CATEGORY
+from .choices import chosen_path, has_config, model_choices
 
-FOLDER = "text_encoders"
 ENCODER_FILES = (".safetensors", ".gguf")
 
 
-def encoder_choices() -> list[str]:
-    """Files and folders in the host's text_encoders folders (models/text_encoders, models/clip)."""
-    import folder_paths
-
-    names = set()
-    for root in folder_paths.get_folder_paths(FOLDER):
-        if not os.path.isdir(root):
-            continue
-        for entry in os.listdir(root):
-            full = os.path.join(root, entry)
-            if os.path.isdir(full) or entry.lower().endswith(ENCODER_FILES):
-                names.add(entry)
-    return sorted(names)
-
-
-def encoder_path(name: str) -> str:
-    import folder_paths
-
-    for root in folder_paths.get_folder_paths(FOLDER):
-        full = os.path.join(root, name)
-        if os.path.commonpath([os.path.abspath(root), os.path.abspath(full)]) == os.path.abspath(root) and os.path.exists(full):
-            return full
-    raise FileNotFoundError(f"{name} is not in any text_encoders folder ({', '.join(folder_paths.get_folder_paths(FOLDER))}).")
+def encoder_choices() -> dict[str, str]:
+    """Encoder files and folders in models/text_encoders and models/clip."""
+    return model_choices("text_encoders", ENCODER_FILES, has_config)
 
 
 class Flux2DevEncoderLoader(io.ComfyNode):
@@ -49,7 +27,7 @@ class Flux2DevEncoderLoader(io.ComfyNode):
             "diffusers folder, Mistral native, fp8, NVFP4, GGUF). 'reference' padding matches BFL/diffusers; "
             "'comfy' matches ComfyUI's own loader.",
             inputs=[
-                io.Combo.Input("encoder", options=encoder_choices()),
+                io.Combo.Input("encoder", options=list(encoder_choices())),
                 io.Combo.Input("padding", options=list(PADDING_MODES), default="reference"),
                 io.Boolean.Input("allow_network", default=False, tooltip="Let the tokenizer ladder download from the hub as a last resort."),
             ],
@@ -60,7 +38,8 @@ class Flux2DevEncoderLoader(io.ComfyNode):
     def execute(cls, encoder, padding, allow_network) -> io.NodeOutput:
         from ..host.clip import load_clip
 
-        return io.NodeOutput(load_clip(encoder_path(encoder), padding=padding, allow_network=allow_network))
+        path = chosen_path(encoder_choices(), encoder, "The text encoder")
+        return io.NodeOutput(load_clip(path, padding=padding, allow_network=allow_network))
 
 
 NODES = [Flux2DevEncoderLoader]

@@ -6,14 +6,17 @@ from comfy_api.latest import io
 
 from ..host import gguf_ops
 from . import CATEGORY
+from .choices import chosen_path, model_choices
+
+
+def gguf_choices() -> dict[str, str]:
+    """The .gguf files in models/diffusion_models and models/unet."""
+    return model_choices("diffusion_models", (".gguf",))
 
 
 class Flux2DevGGUFTransformerLoader(io.ComfyNode):
     @classmethod
     def define_schema(cls):
-        import folder_paths
-
-        folder = gguf_ops.register_gguf_folder()
         return io.Schema(
             node_id="Flux2DevGGUFTransformerLoader",
             display_name="Load FLUX.2 GGUF transformer",
@@ -24,7 +27,7 @@ class Flux2DevGGUFTransformerLoader(io.ComfyNode):
                 "layer at a time while sampling; LoRAs apply on top as usual."
             ),
             inputs=[
-                io.Combo.Input("gguf_name", options=folder_paths.get_filename_list(folder)),
+                io.Combo.Input("gguf_name", options=list(gguf_choices())),
                 io.Combo.Input(
                     "dequant_dtype",
                     options=list(gguf_ops.DEQUANT_DTYPES),
@@ -43,9 +46,7 @@ class Flux2DevGGUFTransformerLoader(io.ComfyNode):
 
     @classmethod
     def execute(cls, gguf_name, dequant_dtype, patch_dtype) -> io.NodeOutput:
-        import folder_paths
-
-        path = folder_paths.get_full_path_or_raise(gguf_ops.register_gguf_folder(), gguf_name)
+        path = chosen_path(gguf_choices(), gguf_name, "The GGUF file")
         model = gguf_ops.load_gguf_model(
             path, dequant_dtype=gguf_ops.DEQUANT_DTYPES[dequant_dtype], patch_dtype=gguf_ops.PATCH_DTYPES[patch_dtype]
         )

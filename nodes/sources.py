@@ -6,36 +6,28 @@ from __future__ import annotations
 from comfy_api.latest import io
 
 from . import CATEGORY
+from .choices import chosen_path, has_config, model_choices
 
-PIPELINE_MARK = "/"  # pipeline folders are listed with a trailing slash, files by their name
+SAFETENSORS = (".safetensors",)
+
+
+def _is_pipeline(path: str) -> bool:
+    from ..loaders.pipeline import pipeline_class
+
+    return pipeline_class(path) is not None
 
 
 def _pipelines() -> dict[str, str]:
-    """{"<folder>/": path} for the FLUX.2 pipeline folders under models/diffusers."""
-    import os
-
-    import folder_paths
-
-    from ..loaders.pipeline import find_pipelines
-
-    found = {}
-    for root in folder_paths.get_folder_paths("diffusers"):
-        for path in find_pipelines([root]):
-            found[os.path.relpath(path, root) + PIPELINE_MARK] = str(path)
-    return found
+    """The FLUX.2 pipeline folders in models/diffusers."""
+    return model_choices("diffusers", (), _is_pipeline)
 
 
-def _files(folder: str) -> dict[str, str]:
-    import folder_paths
-
-    names = [n for n in folder_paths.get_filename_list(folder) if n.endswith(".safetensors")]
-    return {name: folder_paths.get_full_path_or_raise(folder, name) for name in names}
+def _vaes() -> dict[str, str]:
+    return {**_pipelines(), **model_choices("vae", SAFETENSORS, has_config)}
 
 
-def _resolve(choices: dict[str, str], name: str, what: str) -> str:
-    if name not in choices:
-        raise FileNotFoundError(f"{what} {name!r} is no longer there; refresh the node list and choose again.")
-    return choices[name]
+def _transformers() -> dict[str, str]:
+    return {**_pipelines(), **model_choices("diffusion_models", SAFETENSORS, has_config)}
 
 
 class Flux2DevVAESource(io.ComfyNode):
@@ -49,7 +41,7 @@ class Flux2DevVAESource(io.ComfyNode):
                 "The FLUX.2 VAE from any FLUX.2 pipeline folder in models/diffusers ([dev] and Klein share one VAE, "
                 "so a Klein pipeline serves [dev] too) or from an ae.safetensors in models/vae."
             ),
-            inputs=[io.Combo.Input("vae", options=sorted(_pipelines()) + sorted(_files("vae")))],
+            inputs=[io.Combo.Input("vae", options=list(_vaes()))],
             outputs=[io.Vae.Output()],
         )
 
@@ -57,7 +49,7 @@ class Flux2DevVAESource(io.ComfyNode):
     def execute(cls, vae) -> io.NodeOutput:
         from ..host.vae import load_vae
 
-        return io.NodeOutput(load_vae(_resolve({**_pipelines(), **_files("vae")}, vae, "The VAE")))
+        return io.NodeOutput(load_vae(chosen_path(_vaes(), vae, "The VAE")))
 
 
 class Flux2DevEncoderSource(io.ComfyNode):
@@ -74,7 +66,7 @@ class Flux2DevEncoderSource(io.ComfyNode):
                 "Klein pipelines carry a Qwen3 encoder that cannot condition [dev] and are refused before loading."
             ),
             inputs=[
-                io.Combo.Input("pipeline", options=sorted(_pipelines())),
+                io.Combo.Input("pipeline", options=list(_pipelines())),
                 io.Combo.Input(
                     "padding",
                     options=list(PADDING_MODES),
@@ -90,7 +82,7 @@ class Flux2DevEncoderSource(io.ComfyNode):
         from ..host.clip import load_clip
         from ..loaders.pipeline import dev_encoder_folder
 
-        folder = dev_encoder_folder(_resolve(_pipelines(), pipeline, "The pipeline folder"))
+        folder = dev_encoder_folder(chosen_path(_pipelines(), pipeline, "The pipeline folder"))
         return io.NodeOutput(load_clip(str(folder), padding=padding))
 
 
@@ -107,7 +99,7 @@ class Flux2DevTransformerSource(io.ComfyNode):
                 "models/diffusion_models (BFL keys, bf16 or scaled fp8). Conditioning from another variant's text "
                 "encoder is refused when sampling starts."
             ),
-            inputs=[io.Combo.Input("transformer", options=sorted(_pipelines()) + sorted(_files("diffusion_models")))],
+            inputs=[io.Combo.Input("transformer", options=list(_transformers()))],
             outputs=[io.Model.Output()],
         )
 
@@ -115,8 +107,7 @@ class Flux2DevTransformerSource(io.ComfyNode):
     def execute(cls, transformer) -> io.NodeOutput:
         from ..host.model import load_model
 
-        choices = {**_pipelines(), **_files("diffusion_models")}
-        return io.NodeOutput(load_model(_resolve(choices, transformer, "The transformer")))
+        return io.NodeOutput(load_model(chosen_path(_transformers(), transformer, "The transformer")))
 
 
 NODES = [Flux2DevVAESource, Flux2DevEncoderSource, Flux2DevTransformerSource]
