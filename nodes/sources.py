@@ -59,7 +59,7 @@ class Flux2DevEncoderSource(io.ComfyNode):
 
         return io.Schema(
             node_id="Flux2DevEncoderSource",
-            display_name="FLUX.2 [dev] text encoder from pipeline",
+            display_name="FLUX.2 [dev] text encoder source",
             category=CATEGORY,
             description=(
                 "The Mistral-Small text encoder and tokenizer of a FLUX.2 [dev] pipeline folder in models/diffusers. "

@@ -339,3 +339,39 @@ def test_fp8_without_scale_is_missing(encoders, tmp_path):
     path = _save(str(tmp_path / "noscale.safetensors"), sd)
     with pytest.raises(MissingWeightsError, match=r"model.layers.2.self_attn.q_proj.weight_scale"):
         enc.load_encoder(path)
+
+
+@pytest.mark.transformers_matrix
+def test_rotary_theta_comes_from_the_checkpoint(comfy_host, encoders, tmp_path):
+    """A checkpoint that says theta 1e6 is encoded with 1e6 (in float32), not with the table's 1e9."""
+    import json
+    import shutil
+
+    from transformers import Mistral3ForConditionalGeneration
+
+    from comfyui_flux2dev.host.clip import load_clip
+
+    folder = tmp_path / "theta-1e6"
+    shutil.copytree(os.path.join(encoders, "hf-mistral3"), folder)
+    config = json.loads((folder / "config.json").read_text())
+    text = config["text_config"]
+    text["rope_theta"] = 1e6
+    if "rope_parameters" in text:
+        text["rope_parameters"]["rope_theta"] = 1e6
+    (folder / "config.json").write_text(json.dumps(config))
+    reference = Mistral3ForConditionalGeneration.from_pretrained(folder, attn_implementation="sdpa").float().eval()
+    clip = load_clip(str(folder), padding="comfy", dtype=torch.float32)
+    assert enc.load_encoder(str(folder)).rope_theta == 1e6
+    _check(clip, reference, clip.tokenizer.tokenizer, "comfy")
+    default = load_clip(os.path.join(encoders, "hf-mistral3"), padding="comfy", dtype=torch.float32)
+    assert not torch.equal(_host_cond(clip, PROMPTS[0]), _host_cond(default, PROMPTS[0]))
+
+
+@pytest.mark.transformers_matrix
+def test_a_gguf_encoder_header_is_parsed_once_for_weights_and_tokenizer(encoders):
+    from comfyui_flux2dev.loaders import gguf_file
+
+    before = gguf_file.parse_count()
+    loaded = enc.load_encoder(os.path.join(encoders, "mistral3-q4_0.gguf"))
+    assert gguf_file.parse_count() - before == 1
+    assert loaded.tokenizer.rung == "gguf-vocab"
