@@ -26,8 +26,9 @@ def _read_prompts(args) -> list[str]:
 
 def _tokenize(args) -> None:
     from . import tokenizers
+    from .loaders.encoder import encoder_tokenizer
 
-    resolution = tokenizers.resolve_tokenizer(args.path, allow_network=args.allow_network)
+    resolution = encoder_tokenizer(args.path, allow_network=args.allow_network)
     for prompt in _read_prompts(args):
         ids, _ = tokenizers.prompt_ids(resolution.tokenizer, prompt, "comfy")
         record = {"rung": resolution.rung, "source": str(resolution.source), "ids": ids}
@@ -78,7 +79,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=_tiny)
 
     p = sub.add_parser("tokenize", help="the token ids an encoder would see (template included)")
-    p.add_argument("path", help="an encoder file or folder")
+    p.add_argument("path", help="an encoder file or folder, or a folder of tokenizer files")
     group = p.add_mutually_exclusive_group(required=True)
     group.add_argument("--prompt")
     group.add_argument("--prompts", help="a .jsonl file, one JSON string a line")

@@ -9,7 +9,7 @@ import shutil
 from pathlib import Path
 
 from . import tiny
-from .errors import Flux2DevError
+from .errors import HostError
 from .headless import HeadlessComfy
 from .host import COMFYUI_ROOT_ENV
 from .loaders.variants import TINY_MODELS_ENV
@@ -33,7 +33,7 @@ def demo_graph(prompt: str) -> dict:
 def run_demo(out: Path, prompt: str) -> Path:
     root = os.environ.get(COMFYUI_ROOT_ENV)
     if not root:
-        raise Flux2DevError(f"The demo needs a ComfyUI tree: set {COMFYUI_ROOT_ENV}, or run it as `bash tests/run demo`.")
+        raise HostError(f"The demo needs a ComfyUI tree: set {COMFYUI_ROOT_ENV}, or run it as `bash tests/run demo`.")
     os.environ[TINY_MODELS_ENV] = "1"
     models = out / "models"
     tiny.write_all(models, parts=DEMO_PARTS)

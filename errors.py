@@ -6,6 +6,10 @@ class Flux2DevError(Exception):
     """Base of every error the pack raises on purpose; catch this to catch them all."""
 
 
+class ModelNotFoundError(Flux2DevError, FileNotFoundError):
+    """The file or folder the user named is not there."""
+
+
 class WrongModelError(Flux2DevError):
     """The file is a real model, but not the one this node loads (a Klein encoder, a VAE, a FLUX.1 ...)."""
 
@@ -32,3 +36,11 @@ class TokenizerNotFoundError(Flux2DevError):
 
 class VariantMismatchError(Flux2DevError):
     """Parts of different FLUX.2 variants were wired together (a Klein encoder into [dev], ...)."""
+
+
+class HostError(Flux2DevError):
+    """ComfyUI itself cannot serve: not found, too old for FLUX.2, or its server failed."""
+
+
+class GraphError(HostError):
+    """The server refused a graph or a node failed while running it; the message is the host's own text."""

@@ -15,15 +15,11 @@ import urllib.request
 import uuid
 from pathlib import Path
 
-from .errors import Flux2DevError
+from .errors import GraphError, HostError
 
 PACK_ROOT = Path(__file__).resolve().parent
 # Any folder name works for the pack; the tests use one that differs from the repository's on purpose.
 PACK_FOLDER = "flux2dev-pack-under-test"
-
-
-class GraphError(Flux2DevError):
-    """The server refused a graph or a node failed while running it; the message is the host's text."""
 
 
 def _free_port() -> int:
@@ -86,14 +82,14 @@ class HeadlessComfy:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
-                raise Flux2DevError(f"ComfyUI exited with status {self.process.returncode} while starting:\n{self.log()}")
+                raise HostError(f"ComfyUI exited with status {self.process.returncode} while starting:\n{self.log()}")
             try:
                 self.get("/system_stats")
                 return
             except (urllib.error.URLError, ConnectionError, OSError):
                 time.sleep(0.25)
         self.stop()
-        raise Flux2DevError(f"ComfyUI did not answer within {timeout:.0f} s:\n{self.log()}")
+        raise HostError(f"ComfyUI did not answer within {timeout:.0f} s:\n{self.log()}")
 
     def stop(self) -> None:
         if self.process is not None and self.process.poll() is None:
@@ -139,9 +135,9 @@ class HeadlessComfy:
             if status.get("completed"):
                 return entry["outputs"]
             if self.process is None or self.process.poll() is not None:
-                raise Flux2DevError(f"ComfyUI stopped while running the graph:\n{self.log()}")
+                raise HostError(f"ComfyUI stopped while running the graph:\n{self.log()}")
             time.sleep(0.2)
-        raise Flux2DevError(f"the graph did not finish within {timeout:.0f} s")
+        raise HostError(f"the graph did not finish within {timeout:.0f} s")
 
     def run(self, graph: dict, timeout: float = 600.0) -> dict:
         return self.wait(self.submit(graph), timeout)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 import sys
 
-from ..errors import Flux2DevError
+from ..errors import HostError
 
 COMFYUI_ROOT_ENV = "COMFYUI_ROOT"
 
@@ -20,7 +20,7 @@ def ensure_comfy() -> None:
     root = os.environ.get(COMFYUI_ROOT_ENV)
     if root:
         if not os.path.isfile(os.path.join(root, "comfy", "model_management.py")):
-            raise Flux2DevError(
+            raise HostError(
                 f"{COMFYUI_ROOT_ENV} is {root!r}, but that folder holds no ComfyUI tree (no comfy/model_management.py). "
                 "Point it at the folder that holds ComfyUI's main.py."
             )
@@ -29,7 +29,7 @@ def ensure_comfy() -> None:
     try:
         import comfy.options
     except ImportError as e:
-        raise Flux2DevError(
+        raise HostError(
             f"ComfyUI could not be imported ({e}). Run inside ComfyUI, or set {COMFYUI_ROOT_ENV} to the folder that "
             "holds ComfyUI's main.py."
         ) from None

@@ -19,7 +19,7 @@ import comfy.model_patcher  # noqa: E402
 import comfy.supported_models  # noqa: E402
 import comfy.utils  # noqa: E402
 
-from ..errors import MissingWeightsError, UnknownModelError  # noqa: E402
+from ..errors import HostError, MissingWeightsError, UnknownModelError  # noqa: E402
 from ..loaders import quant  # noqa: E402
 from ..loaders.transformer import LoadedTransformer, check_conditioning_width, load_transformer  # noqa: E402
 from .ops import PackedModelPatcher, packed_operations  # noqa: E402
@@ -93,7 +93,7 @@ def build_model(
     sd = loaded.state_dict
     unet_config = comfy.model_detection.detect_unet_config(sd, "")
     if not unet_config or unet_config.get("image_model") != "flux2":
-        raise UnknownModelError(
+        raise HostError(
             "This ComfyUI does not recognise FLUX.2 transformers (its model detection returned "
             f"{unet_config and unet_config.get('image_model')!r}); FLUX.2 needs ComfyUI 0.3.75 or newer."
         )

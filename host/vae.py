@@ -11,7 +11,7 @@ ensure_comfy()
 
 import comfy.sd  # noqa: E402
 
-from ..errors import UnknownModelError  # noqa: E402
+from ..errors import HostError  # noqa: E402
 from ..loaders.vae import LATENT_CHANNELS, load_vae_state_dict  # noqa: E402
 
 PATCH = 2  # the host packs 2x2 latent pixels into channels for FLUX.2
@@ -22,7 +22,7 @@ def load_vae(path: str | Path) -> comfy.sd.VAE:
     vae = comfy.sd.VAE(sd=load_vae_state_dict(path))
     vae.throw_exception_if_invalid()
     if vae.latent_channels != LATENT_CHANNELS * PATCH * PATCH:
-        raise UnknownModelError(
+        raise HostError(
             f"ComfyUI built a VAE with {vae.latent_channels} latent channels from {path}, not the FLUX.2 VAE's "
             f"{LATENT_CHANNELS * PATCH * PATCH}; this ComfyUI may predate FLUX.2 (0.3.75)."
         )

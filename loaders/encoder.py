@@ -18,7 +18,15 @@ from typing import Callable
 
 import torch
 
-from ..errors import CorruptFileError, MissingWeightsError, UnknownModelError, UnsupportedFormatError, WrongModelError
+from ..errors import (
+    CorruptFileError,
+    MissingWeightsError,
+    ModelNotFoundError,
+    TokenizerNotFoundError,
+    UnknownModelError,
+    UnsupportedFormatError,
+    WrongModelError,
+)
 from . import quant, variants
 from .inspect import kind_from_names
 from .safetensors_file import SafetensorsFiles
@@ -224,12 +232,17 @@ def _open(path: str) -> tuple[str, Source, dict, str | None]:
             "text encoder the pack can read."
         )
     if not os.path.isfile(path):
-        raise FileNotFoundError(f"No such file or folder: {path}")
+        raise ModelNotFoundError(f"{path} does not exist. Give a text encoder file or folder that exists on this machine.")
     ext = os.path.splitext(path)[1].lower()
     folder = os.path.dirname(path)
     if ext == ".gguf":
         source = _gguf_source(path)
         layout = GGUF_ARCH_LAYOUTS.get(source.architecture)
+        if layout is None and source.architecture in (None, "flux", "pig"):
+            raise WrongModelError(
+                f"{os.path.basename(path)} is a FLUX transformer GGUF, not a text encoder. Load it with Load FLUX.2 "
+                "GGUF transformer, and pick a Mistral-Small text encoder here."
+            )
         if layout is None:
             raise UnknownModelError(
                 f"{path} is a GGUF file of architecture {source.architecture!r}; the FLUX.2 [dev] encoder is read from "
@@ -540,6 +553,24 @@ def resolve_plan_tokenizer(plan: EncoderPlan, *, allow_network: bool = False):
         gguf_metadata=plan.gguf_metadata,
         allow_network=allow_network,
     )
+
+
+def encoder_tokenizer(path: str, *, allow_network: bool = False):
+    """The tokenizer the encoder at `path` gets when it loads (its embedded or GGUF vocabulary before the
+    rest of the ladder). A folder that holds only tokenizer files goes up the ladder as it is."""
+    from ..tokenizers import resolve_tokenizer
+    from ..tokenizers.ladder import TOKENIZER_FILES
+
+    if os.path.isdir(path) and not _weights_in(path) and not any(
+        os.path.isfile(os.path.join(path, name)) for name in ("config.json", "params.json", "model_index.json")
+    ):
+        if not any(os.path.isfile(os.path.join(path, name)) for name in TOKENIZER_FILES):
+            raise TokenizerNotFoundError(
+                f"{path} holds neither text encoder weights nor tokenizer files ({', '.join(TOKENIZER_FILES)}). "
+                "Give the encoder's file or folder."
+            )
+        return resolve_tokenizer(path, allow_network=allow_network)
+    return resolve_plan_tokenizer(plan_encoder(path), allow_network=allow_network)
 
 
 def inspect_encoder(path: str) -> dict:

@@ -10,7 +10,7 @@ import re
 from collections import Counter
 from pathlib import Path
 
-from ..errors import Flux2DevError
+from ..errors import ModelNotFoundError
 from .pipeline import MODEL_INDEX, describe_pipeline
 from .safetensors_file import SafetensorsFiles
 
@@ -88,7 +88,7 @@ def _encoder(path: Path) -> dict:
 def inspect_path(path) -> dict:
     path = Path(path)
     if not path.exists():
-        raise Flux2DevError(f"{path} does not exist. Give a model file or folder that exists on this machine.")
+        raise ModelNotFoundError(f"{path} does not exist. Give a model file or folder that exists on this machine.")
     if path.is_dir() and (path / MODEL_INDEX).is_file():
         return _pipeline(path)
     if path.suffix == ".gguf":

@@ -9,6 +9,8 @@ from collections.abc import Callable
 
 import folder_paths
 
+from ..errors import ModelNotFoundError
+
 FOLDER_MARK = "/"
 
 
@@ -38,5 +40,5 @@ def model_choices(folder: str, extensions: tuple[str, ...] = (), is_model_folder
 
 def chosen_path(choices: dict[str, str], name: str, what: str) -> str:
     if name not in choices:
-        raise FileNotFoundError(f"{what} {name!r} is no longer there; refresh the node list (press R) and choose again.")
+        raise ModelNotFoundError(f"{what} {name!r} is no longer there; refresh the node list (press R) and choose again.")
     return choices[name]

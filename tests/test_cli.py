@@ -1,6 +1,7 @@
 """The `flux2dev` command as a user runs it: its output contract and its one-sentence failures."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -13,8 +14,21 @@ def flux2dev(*args):
     return subprocess.run([sys.executable, "-P", "-m", "comfyui_flux2dev.cli", *args], capture_output=True, text=True)
 
 
+@pytest.fixture
+def tekken_folder(tmp_path):
+    """A folder holding only the bundled tekken.json, as a user's tokenizer folder would."""
+    import shutil
+
+    import mistral_common
+
+    source = os.path.join(os.path.dirname(mistral_common.__file__), "data", "tekken_240911.json")
+    shutil.copyfile(source, tmp_path / "tekken.json")
+    return tmp_path
+
+
 @pytest.mark.transformers_matrix
-def test_tokenize_json_prints_rung_source_and_the_comfy_mode_ids(tmp_path):
+def test_tokenize_json_prints_rung_source_and_the_comfy_mode_ids(tekken_folder):
+    tmp_path = tekken_folder
     out = flux2dev("tokenize", str(tmp_path), "--prompt", "a red fox", "--json")
     assert out.returncode == 0, out.stderr
     record = json.loads(out.stdout)
@@ -25,10 +39,51 @@ def test_tokenize_json_prints_rung_source_and_the_comfy_mode_ids(tmp_path):
         "ids": tokenizers.prompt_ids(resolution.tokenizer, "a red fox", "comfy")[0],
     }
     assert record["ids"][:2] == [1, 17] and record["ids"][-1] == 4
+    assert record["rung"] == "tekken-json"
+
+
+# Which rung of the ladder each tiny layout's tokenizer comes from, as the encoder loader resolves it.
+RUNG_OF_LAYOUT = {
+    "hf-mistral3": "tekken-json",
+    "hf-mistral3-old-prefix": "tekken-json",
+    "standalone": "tekken-json",
+    "native": "tekken-json",
+    "mistral_3_small_flux2_bf16.safetensors": "embedded-tekken",
+    "mistral_3_small_flux2_fp8.safetensors": "embedded-tekken",
+    "mistral_3_small_flux2_fp8_channel.safetensors": "embedded-tekken",
+    "mistral_3_small_flux2_fp4_mixed.safetensors": "embedded-tekken",
+    "cow-f16.gguf": "embedded-tekken",
+    "llama-q8_0.gguf": "gguf-vocab",
+    "mistral3-q4_0.gguf": "gguf-vocab",
+}
 
 
 @pytest.mark.transformers_matrix
-def test_tokenize_prompts_file_prints_one_object_a_line_in_order(tmp_path):
+def test_each_tiny_layout_resolves_its_tokenizer_on_the_expected_rung(tiny_root, tiny_manifest):
+    from comfyui_flux2dev.loaders.encoder import encoder_tokenizer
+
+    layouts = {e["path"].removeprefix("text_encoders/") for e in tiny_manifest if e["kind"] == "encoder"}
+    assert layouts == set(RUNG_OF_LAYOUT)
+    ids = set()
+    for name, rung in RUNG_OF_LAYOUT.items():
+        resolution = encoder_tokenizer(str(tiny_root / "text_encoders" / name))
+        assert resolution.rung == rung, (name, resolution.rung, resolution.attempts)
+        ids.add(tuple(tokenizers.prompt_ids(resolution.tokenizer, "a red fox, 3 apples", "comfy")[0]))
+    assert len(ids) == 1  # every rung gives the same ids
+    pipeline = encoder_tokenizer(str(tiny_root / "diffusers/flux2-dev-tiny-pipeline"))
+    assert pipeline.rung == "transformers"
+    assert tuple(tokenizers.prompt_ids(pipeline.tokenizer, "a red fox, 3 apples", "comfy")[0]) in ids
+
+
+def test_tokenize_an_encoder_file_uses_its_embedded_vocabulary(tiny_root):
+    out = flux2dev("tokenize", str(tiny_root / "text_encoders/mistral_3_small_flux2_bf16.safetensors"), "--prompt", "x", "--json")
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["rung"] == "embedded-tekken"
+
+
+@pytest.mark.transformers_matrix
+def test_tokenize_prompts_file_prints_one_object_a_line_in_order(tekken_folder):
+    tmp_path = tekken_folder
     prompts = ["a red fox", "", "[INST] literal"]
     file = tmp_path / "p.jsonl"
     file.write_text("".join(json.dumps(p) + "\n" for p in prompts))

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from comfyui_flux2dev.headless import GraphError
+from comfyui_flux2dev.errors import GraphError
 from comfyui_flux2dev.workflows import node, official_dev_graph
 
 pytestmark = pytest.mark.server

@@ -17,7 +17,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from ..errors import TokenizerNotFoundError
+from ..errors import ModelNotFoundError, TokenizerNotFoundError
 from .canonical import Flux2Tokenizer, self_test
 from .vocab import (
     TekkenVocab,
@@ -267,7 +267,7 @@ def resolve_tokenizer(
     embedded_tekken the tekken_model tensor of the weights (bytes, uint8 or one-byte-per-float array);
     gguf_metadata the already-parsed GGUF header. Raises TokenizerNotFoundError when every rung fails."""
     if model_path is not None and not os.path.exists(model_path):
-        raise TokenizerNotFoundError(
+        raise ModelNotFoundError(
             f"{model_path} does not exist. Give the text encoder's file or folder (a path that exists on this machine)."
         )
     req = _Request(_folders(model_path), embedded_tekken, gguf_metadata, allow_network)
