@@ -55,6 +55,7 @@ RUNG_OF_LAYOUT = {
     "cow-f16.gguf": "embedded-tekken",
     "llama-q8_0.gguf": "gguf-vocab",
     "mistral3-q4_0.gguf": "gguf-vocab",
+    "mistral3-q4_k.gguf": "gguf-vocab",
 }
 
 

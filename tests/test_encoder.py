@@ -28,6 +28,7 @@ QUANTIZED = {
     "mistral_3_small_flux2_fp4_mixed.safetensors": "nvfp4",
     "llama-q8_0.gguf": "gguf",
     "mistral3-q4_0.gguf": "gguf",
+    "mistral3-q4_k.gguf": "gguf",
     "cow-f16.gguf": "gguf",
 }
 

@@ -18,6 +18,7 @@ ENCODER_LAYOUTS = [
     "hf-mistral3-old-prefix/",
     "llama-q8_0.gguf",
     "mistral3-q4_0.gguf",
+    "mistral3-q4_k.gguf",
     "mistral_3_small_flux2_bf16.safetensors",
     "mistral_3_small_flux2_fp4_mixed.safetensors",
     "mistral_3_small_flux2_fp8.safetensors",

@@ -311,6 +311,9 @@ GGUF_FILES = {
     "llama-q8_0.gguf": ("llama", "Q8_0", "F16", True, True),
     "mistral3-q4_0.gguf": ("mistral3", "Q4_0", "Q8_0", True, True),
     "cow-f16.gguf": ("cow", "F16", "F16", False, False),
+    # K-quant blocks span 256 inputs: only attn_output (256 inputs at the tiny width) holds whole blocks;
+    # the rest stay F16, as llama.cpp does with rows a type cannot hold.
+    "mistral3-q4_k.gguf": ("mistral3", "Q4_K", "Q8_0", True, True),
 }
 
 
@@ -343,13 +346,19 @@ def write_gguf(path: str, arch: str, linear: str, embed: str, interleave: bool, 
         writer.add_unk_token_id(0)
         writer.add_pad_token_id(11)
 
+    rng = np.random.default_rng(SEED)
+
     def add(name: str, t: torch.Tensor, qtype: str) -> None:
+        from .gguf_transformers import K_QUANT_SCALES, random_blocks
+
         data = t.float().numpy()
         q = gguf.GGMLQuantizationType[qtype]
         if q == gguf.GGMLQuantizationType.F32:
             writer.add_tensor(name, data.astype(np.float32))
-        elif q == gguf.GGMLQuantizationType.F16:
+        elif q == gguf.GGMLQuantizationType.F16 or data.shape[-1] % gguf.GGML_QUANT_SIZES[q][0]:
             writer.add_tensor(name, data.astype(np.float16))
+        elif q in K_QUANT_SCALES:
+            writer.add_tensor(name, random_blocks(data.shape, q, rng), raw_dtype=q)
         else:
             writer.add_tensor(name, gguf.quants.quantize(data, q), raw_dtype=q)
 

@@ -41,7 +41,9 @@ FILES = (
 )
 
 
-def _random_blocks(shape: tuple[int, ...], qtype: GGMLQuantizationType, rng: np.random.Generator) -> np.ndarray:
+def random_blocks(shape: tuple[int, ...], qtype: GGMLQuantizationType, rng: np.random.Generator) -> np.ndarray:
+    """Random K-quant blocks for a tensor of `shape` (gguf cannot quantize K types), with finite fp16 scale
+    fields of a size that keeps the values near those of an initialised layer."""
     block_size, type_size = GGML_QUANT_SIZES[qtype]
     blocks = rng.integers(0, 256, (int(np.prod(shape)) // block_size, type_size), dtype=np.uint8)
     for offset, magnitude in K_QUANT_SCALES[qtype]:
@@ -61,7 +63,7 @@ def gguf_tensors(state_dict: dict[str, torch.Tensor], qtype: GGMLQuantizationTyp
         elif values.shape[-1] % GGML_QUANT_SIZES[qtype][0]:
             out[name] = (values.astype(np.float16), Q.F16)
         elif qtype in K_QUANT_SCALES:
-            out[name] = (_random_blocks(values.shape, qtype, rng), qtype)
+            out[name] = (random_blocks(values.shape, qtype, rng), qtype)
         elif qtype == Q.F16:
             out[name] = (values.astype(np.float16), Q.F16)
         else:
