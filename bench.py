@@ -1,12 +1,22 @@
-"""Benchmarks of the pack's GGUF reading against the gguf library it replaces, reported as figures and
-ratios (never pass/fail): dequantization per quant type, and the parse of a Mistral-sized tokenizer header.
-Each function returns plain data so the `flux2dev bench` command can print, compare or extend it."""
+"""Benchmarks behind `flux2dev bench`, reported as figures and ratios (never pass/fail): dequantization per
+quant type against the gguf library it replaces, the parse of a Mistral-sized tokenizer header, the
+tokenizer cache, and the memory and disk reads of loading an encoder and a GGUF transformer. Each function
+returns plain data so the command can print it, emit it as JSON, or compare runs.
+
+Loads are measured in a fresh child process each, so that nothing this process has imported, cached or
+mapped counts, and after evicting the files from the page cache, so that the bytes read are real reads."""
 
 from __future__ import annotations
 
 import base64
+import datetime
+import gc
 import json
 import os
+import platform
+import shutil
+import subprocess
+import sys
 import tempfile
 import time
 from importlib import resources
@@ -53,27 +63,30 @@ def random_blocks(qtype, n_values: int, rng: np.random.Generator) -> np.ndarray:
 
 
 def bench_dequant(quick: bool) -> list[dict]:
-    """Per quantized type: GB/s of fp16 output for the pack and for gguf's numpy dequantizer (which
-    returns float32; its time is counted without a cast) on the same tensor, the GB/s of a plain copy
-    of the output size (the ceiling), and bit equality of the two in float32."""
+    """Per quantized type: GB/s of fp16 output for the pack, into a new tensor per call (page faults of
+    fresh memory included) and into one reused output tensor (as the host's ops can), and for gguf's numpy
+    dequantizer on the same blocks (its float32 result as it returns it, without a cast); the GB/s of a
+    plain copy of the output size (a ceiling); and bit equality of the pack and gguf in float32."""
     import gguf
 
     from .loaders.gguf_dequant import QUANTIZED_TYPES, dequantize
 
     n = _DEQUANT_VALUES[quick]
-    repeats = 3 if quick else 5
+    repeats, reference_repeats = (3, 2) if quick else (9, 3)
     rng = np.random.default_rng(0)
     src = torch.empty(n, dtype=torch.float16)
     dst = torch.empty_like(src)
     copy_s = _best(lambda: dst.copy_(src), repeats)
+    shape = (n // 4096, 4096)  # rows of 4096 values, like a weight matrix
+    reused = torch.empty(shape, dtype=torch.float16)
     results = []
     for qtype in QUANTIZED_TYPES:
         raw = random_blocks(qtype, n, rng)
-        rows = raw.reshape(n // 4096, -1)  # rows of 4096 values, like a weight matrix
-        shape = (n // 4096, 4096)
+        rows = raw.reshape(shape[0], -1)
         data = torch.from_numpy(raw)
-        pack_s = _best(lambda: dequantize(data, qtype, shape), repeats)
-        reference_s = _best(lambda: gguf.quants.dequantize(rows, qtype), repeats)
+        fresh_s = _best(lambda: dequantize(data, qtype, shape), repeats)
+        reused_s = _best(lambda: dequantize(data, qtype, shape, out=reused), repeats)
+        reference_s = _best(lambda: gguf.quants.dequantize(rows, qtype), reference_repeats)
         exact = np.array_equal(
             dequantize(data, qtype, shape, dtype=torch.float32).numpy().view(np.uint32),
             gguf.quants.dequantize(rows, qtype).view(np.uint32),
@@ -83,7 +96,8 @@ def bench_dequant(quick: bool) -> list[dict]:
             {
                 "type": qtype.name,
                 "values": n,
-                "pack_gbps": out_bytes / pack_s / 1e9,
+                "pack_gbps": out_bytes / fresh_s / 1e9,
+                "pack_reused_gbps": out_bytes / reused_s / 1e9,
                 "reference_gbps": out_bytes / reference_s / 1e9,
                 "copy_gbps": out_bytes / copy_s / 1e9,
                 "exact": bool(exact),
@@ -162,17 +176,302 @@ def bench_header(quick: bool) -> dict:
     return {"pack_s": pack_s, "reference_s": reference_s, "tokens": n_tokens, "merges": n_merges}
 
 
+def _geomean(values: list[float]) -> float:
+    return float(np.exp(np.mean(np.log(values))))
+
+
 def format_table(results: list[dict]) -> str:
-    """The dequantization results as an aligned text table, with the geometric mean of the speed-ups."""
-    lines = [f"{'type':8} {'values':>10} {'pack GB/s':>10} {'gguf GB/s':>10} {'ratio':>7} {'copy GB/s':>10}  exact"]
-    ratios = []
+    """The dequantization results as an aligned text table, with the geometric means of the speed-ups."""
+    lines = [
+        f"{'type':8} {'values':>9} {'new out':>8} {'reused':>8} {'gguf':>6} {'ratio new':>10} {'ratio reused':>13}"
+        f" {'copy':>6}  exact",
+        f"{'':8} {'':>9} {'GB/s':>8} {'GB/s':>8} {'GB/s':>6} {'':>10} {'':>13} {'GB/s':>6}",
+    ]
+    fresh, reused = [], []
     for r in results:
-        ratio = r["pack_gbps"] / r["reference_gbps"]
-        ratios.append(ratio)
+        fresh.append(r["pack_gbps"] / r["reference_gbps"])
+        reused.append(r["pack_reused_gbps"] / r["reference_gbps"])
         lines.append(
-            f"{r['type']:8} {r['values']:>10} {r['pack_gbps']:>10.2f} {r['reference_gbps']:>10.2f} "
-            f"{ratio:>6.1f}x {r['copy_gbps']:>10.1f}  {'yes' if r['exact'] else 'NO'}"
+            f"{r['type']:8} {r['values']:>9} {r['pack_gbps']:>8.2f} {r['pack_reused_gbps']:>8.2f} "
+            f"{r['reference_gbps']:>6.2f} {fresh[-1]:>9.1f}x {reused[-1]:>12.1f}x {r['copy_gbps']:>6.1f}  "
+            f"{'yes' if r['exact'] else 'NO'}"
         )
-    if ratios:
-        lines.append(f"geometric mean speed-up: {float(np.exp(np.mean(np.log(ratios)))):.1f}x")
+    if results:
+        lines.append(
+            f"geometric mean speed-up: {_geomean(fresh):.1f}x into new tensors, {_geomean(reused):.1f}x into a reused one"
+        )
+    return "\n".join(lines)
+
+
+# --- loads, each measured in a fresh child process ---------------------------------------------------------
+
+# Q4_K tensors of the synthetic GGUF (shape per tensor, count): FLUX.2 [dev]-sized rows, fewer of them.
+_SYNTHETIC_GGUF = {True: ((3072, 3072), 2), False: ((6144, 6144), 8)}
+
+
+def _proc_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+def _read_bytes() -> int:
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("read_bytes:"))
+
+
+def _evict(paths: list[str]) -> None:
+    """Drop the files from the page cache, so that reading them counts as disk reads."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+class _Measured:
+    """Peak RSS above the RSS at entry (the high-water mark is reset where the kernel allows it), bytes
+    read from disk and seconds, of the code inside the with-block."""
+
+    def __enter__(self) -> _Measured:
+        self.base_rss = _proc_kib("VmRSS") * 1024
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # reset VmHWM to the current RSS
+        except OSError:
+            pass
+        self.read0 = _read_bytes()
+        self.start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.seconds = time.perf_counter() - self.start
+        self.read_bytes = _read_bytes() - self.read0
+        self.peak_rss_bytes = _proc_kib("VmHWM") * 1024 - self.base_rss
+
+
+def _child_tokenizer(folder: str) -> dict:
+    from .tokenizers import resolve_tokenizer
+
+    start = time.perf_counter()
+    first = resolve_tokenizer(folder)
+    first_s = time.perf_counter() - start
+    start = time.perf_counter()
+    second = resolve_tokenizer(folder)
+    second_s = time.perf_counter() - start
+    return {"first_s": first_s, "second_s": second_s, "rung": first.rung, "same_tokenizer": second.tokenizer is first.tokenizer}
+
+
+def _child_encoder(folder: str) -> dict:
+    from .loaders.encoder import load_encoder
+    from .tokenizers import resolve_tokenizer
+
+    resolve_tokenizer(folder)  # the tokenizer is cached per process: measure the weights alone
+    files = [os.path.join(folder, name) for name in sorted(os.listdir(folder)) if name.endswith(".safetensors")]
+    _evict(files)
+    with _Measured() as m:
+        loaded = load_encoder(folder)
+    kept = sum(t.numel() * t.element_size() for t in loaded.state_dict.values())
+    # Weights may be views of the mapped files, resident only once used: touch every byte kept.
+    with _Measured() as touched:
+        for t in loaded.state_dict.values():
+            t.reshape(-1).view(torch.uint8).max()
+    return {
+        "layers_in_file": loaded.layers_in_file,
+        "layers_kept": len({k.split(".")[2] for k in loaded.state_dict if k.startswith("model.layers.")}),
+        "file_bytes": sum(os.path.getsize(p) for p in files),
+        "kept_bytes": kept,
+        "read_bytes": m.read_bytes,
+        "peak_rss_bytes": m.peak_rss_bytes,
+        "seconds": m.seconds,
+        "rss_per_kept_byte": m.peak_rss_bytes / kept,
+        "rss_after_use_bytes": m.peak_rss_bytes + touched.peak_rss_bytes,
+        "rss_after_use_per_kept_byte": (m.peak_rss_bytes + touched.peak_rss_bytes) / kept,
+        "read_after_use_bytes": m.read_bytes + touched.read_bytes,
+        "read_per_kept_byte": m.read_bytes / kept,
+    }
+
+
+def _warm_up(path: str, load) -> None:
+    """One unmeasured load of a copy of the file (whose pages stay apart from the measured file's), so
+    that one-time costs (lazy imports, thread pools) do not count against the file size."""
+    copy = path + ".warm-up"
+    shutil.copyfile(path, copy)
+    try:
+        load(copy)
+        gc.collect()
+    finally:
+        os.remove(copy)
+
+
+def _child_gguf_transformer(path: str) -> dict:
+    from .loaders.gguf_file import parse_count
+    from .loaders.gguf_transformer import load_gguf_transformer
+
+    _warm_up(path, load_gguf_transformer)
+    _evict([path])
+    parses = parse_count()
+    with _Measured() as m:
+        loaded = load_gguf_transformer(path)
+    floats = [t for t in loaded.state_dict.values() if t.is_floating_point()]
+    file_bytes = os.path.getsize(path)
+    largest = max((t.numel() * t.element_size() for t in floats), default=0)
+    return {
+        "file": os.path.basename(path),
+        "file_bytes": file_bytes,
+        "read_bytes": m.read_bytes,
+        "peak_rss_bytes": m.peak_rss_bytes,
+        "seconds": m.seconds,
+        "header_parses": parse_count() - parses,
+        "largest_dequantized_bytes": largest,
+        "rss_budget_bytes": int(1.1 * file_bytes) + largest,
+    }
+
+
+def _child_gguf_read(path: str) -> dict:
+    """open_gguf, then every tensor dequantized to fp16 once, one at a time, as a forward pass does."""
+    from gguf import GGMLQuantizationType
+
+    from .loaders.gguf_dequant import dequantize
+    from .loaders.gguf_file import open_gguf, parse_count
+
+    def read(path: str) -> tuple[int, int]:
+        gfile = open_gguf(path)
+        largest = max(dequantize(t.data, t.qtype, t.shape).nbytes for t in gfile.tensors.values())
+        return len(gfile.tensors), largest
+
+    # warm-up with one small tensor: lazy imports and thread pools, but no large allocation that the
+    # allocator would keep and the measured pass reuse unseen
+    dequantize(torch.zeros(144, dtype=torch.uint8), GGMLQuantizationType.Q4_K, (256,))
+    _evict([path])
+    parses = parse_count()
+    with _Measured() as m:
+        tensors, largest = read(path)
+    file_bytes = os.path.getsize(path)
+    return {
+        "tensors": tensors,
+        "file_bytes": file_bytes,
+        "read_bytes": m.read_bytes,
+        "peak_rss_bytes": m.peak_rss_bytes,
+        "seconds": m.seconds,
+        "header_parses": parse_count() - parses,
+        "largest_dequantized_bytes": largest,
+        "rss_budget_bytes": int(1.1 * file_bytes) + largest,
+    }
+
+
+_CHILD_TASKS = {
+    "tokenizer": _child_tokenizer,
+    "encoder": _child_encoder,
+    "gguf_transformer": _child_gguf_transformer,
+    "gguf_read": _child_gguf_read,
+}
+
+
+def _in_child(task: str, path: str) -> dict:
+    """Run one measurement in a fresh interpreter (tiny test models enabled) and return its result."""
+    code = f"import json, comfyui_flux2dev.bench as b; print(json.dumps(b._CHILD_TASKS[{task!r}]({path!r})))"
+    env = {**os.environ, "FLUX2DEV_TINY_MODELS": "1"}
+    done = subprocess.run([sys.executable, "-P", "-c", code], env=env, capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"bench child {task!r} failed:\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def bench_tokenizer() -> dict:
+    """Seconds of the first and the second tokenizer resolution of a folder holding tekken.json, in one
+    process: the second comes from the cache."""
+    from .tiny.encoders import write_tekken
+
+    with tempfile.TemporaryDirectory() as tmp:
+        write_tekken(tmp)
+        return _in_child("tokenizer", tmp)
+
+
+def bench_encoder_load() -> dict:
+    """A 40-layer tiny-width [dev] encoder (Mistral3 folder of sharded safetensors): peak RSS and disk
+    reads of the load against the bytes it keeps (embeddings and layers 0-29 only)."""
+    from .tiny.encoders import LAYERS, write_hf_mistral3
+
+    with tempfile.TemporaryDirectory() as tmp:
+        write_hf_mistral3(tmp, layers=LAYERS)
+        return _in_child("encoder", tmp)
+
+
+def bench_gguf_load(quick: bool) -> dict:
+    """The tiny [dev] Q4_K transformer GGUF through load_gguf_transformer, and a larger synthetic Q4_K
+    GGUF (not a model) opened and dequantized tensor by tensor: time, peak RSS, reads, header parses."""
+    from gguf import GGMLQuantizationType as Q
+
+    from .tiny.gguf_transformers import SEED, gguf_tensors, tiny_bfl, write_gguf
+
+    shape, count = _SYNTHETIC_GGUF[quick]
+    rng = np.random.default_rng(1)
+    with tempfile.TemporaryDirectory() as tmp:
+        tiny = os.path.join(tmp, "flux2-dev-tiny-Q4_K.gguf")
+        write_gguf(tiny, gguf_tensors(tiny_bfl("dev"), Q.Q4_K, SEED))
+        synthetic = os.path.join(tmp, "synthetic-Q4_K.gguf")
+        blocks = {f"blocks.{i}.weight": (random_blocks(Q.Q4_K, shape[0] * shape[1], rng).reshape(shape[0], -1), Q.Q4_K) for i in range(count)}
+        write_gguf(synthetic, blocks)
+        return {"tiny_transformer": _in_child("gguf_transformer", tiny), "synthetic_read": _in_child("gguf_read", synthetic)}
+
+
+def machine() -> dict:
+    return {
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch_version": torch.__version__,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "load_average": os.getloadavg()[0],  # other work on the machine makes every figure here noisy
+    }
+
+
+def run_all(quick: bool) -> dict:
+    """Every benchmark: small sizes with quick (for CI), realistic ones otherwise."""
+    return {
+        "machine": machine(),
+        "dequant": bench_dequant(quick),
+        "header": bench_header(quick),
+        "tokenizer": bench_tokenizer(),
+        "encoder_load": bench_encoder_load(),
+        "load": bench_gguf_load(quick),
+    }
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def format_report(results: dict) -> str:
+    m, h, t, e, load = (results[k] for k in ("machine", "header", "tokenizer", "encoder_load", "load"))
+    tiny, synthetic = load["tiny_transformer"], load["synthetic_read"]
+    lines = [
+        f"machine: {m['cpu_count']} CPUs, torch {m['torch_version']} with {m['torch_threads']} threads, "
+        f"{m['platform']}, Python {m['python']}, {m['date']}, load average {m['load_average']:.2f}",
+        "",
+        "Dequantization to fp16 (pack: into a new tensor per call / into one reused tensor; gguf: its numpy reference)",
+        format_table(results["dequant"]),
+        "",
+        f"GGUF tokenizer header ({h['tokens']} tokens, {h['merges']} merges): pack {h['pack_s'] * 1e3:.1f} ms, "
+        f"gguf.GGUFReader {h['reference_s'] * 1e3:.1f} ms ({h['reference_s'] / h['pack_s']:.1f}x)",
+        f"tokenizer from tekken.json ({t['rung']}): first resolve {t['first_s']:.2f} s, second {t['second_s'] * 1e3:.2f} ms "
+        f"(same object: {t['same_tokenizer']})",
+        "",
+        f"encoder load (tiny width, {e['layers_kept']} of {e['layers_in_file']} layers kept, safetensors, page cache evicted):",
+        f"  file {_mib(e['file_bytes'])}, kept {_mib(e['kept_bytes'])} ({e['kept_bytes'] / e['file_bytes']:.0%} of the file), "
+        f"read {_mib(e['read_bytes'])}, peak RSS {_mib(e['peak_rss_bytes'])}, {e['seconds']:.2f} s",
+        f"  peak RSS / kept {e['rss_per_kept_byte']:.2f}, read / kept {e['read_per_kept_byte']:.2f}",
+        "",
+        f"GGUF transformer load ({tiny['file']}, load_gguf_transformer): file {_mib(tiny['file_bytes'])}, "
+        f"peak RSS {_mib(tiny['peak_rss_bytes'])}, read {_mib(tiny['read_bytes'])}, {tiny['seconds'] * 1e3:.0f} ms, "
+        f"header parsed {tiny['header_parses']}x",
+        f"synthetic GGUF ({synthetic['tensors']} Q4_K tensors, not a model; open + every tensor dequantized once): "
+        f"file {_mib(synthetic['file_bytes'])}, peak RSS {_mib(synthetic['peak_rss_bytes'])} "
+        f"(budget 1.1 x file + largest dequantized {_mib(synthetic['largest_dequantized_bytes'])} = "
+        f"{_mib(synthetic['rss_budget_bytes'])}), read {_mib(synthetic['read_bytes'])}, {synthetic['seconds']:.2f} s, "
+        f"header parsed {synthetic['header_parses']}x",
+    ]
     return "\n".join(lines)

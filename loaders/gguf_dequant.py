@@ -23,22 +23,28 @@ from ..errors import CorruptFileError, UnsupportedFormatError
 
 log = logging.getLogger(__name__)
 
-# Values per run of unpacked codes (one byte each), and per chunk of float32 arithmetic. On the CPU the
-# float32 scratch stays in L2 and the codes in L3; on a GPU they only bound the temporary memory.
-_CHUNK_VALUES = {"cpu": (1 << 20, 1 << 18), "cuda": (1 << 24, 1 << 24)}
+# Values per chunk: every op of a kernel runs on a whole chunk. On the CPU, large chunks keep the number
+# of ops (each a parallel region whose start costs far more than its work when the cores are shared)
+# small, while the float32 scratch still fits the L3 cache; on a GPU they only bound the temporary memory.
+_CHUNK_VALUES = {"cpu": 1 << 20, "cuda": 1 << 24}
 
 _NIBBLES = (0, 4)
 _CRUMBS = (0, 2, 4, 6)
 _BITS = tuple(range(8))
 _BYTE_LANES = 0x0101010101010101  # a per-byte mask repeated over the eight bytes of an int64
+_SHORT_LANES = 0x0001000100010001  # a per-int16 mask repeated over the four int16 lanes of an int64
 
 # The IQ4 non-linear code book (kvalues_iq4nl in ggml).
 _IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 
 
 @functools.lru_cache(maxsize=None)
-def _code_book(values: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.float32, device=device)
+def _pair_book(values: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """byte -> the float32 values of its low and high nibble, side by side in one float64 slot: one
+    gather then yields two neighbouring values."""
+    book = np.array(values, dtype=np.float32)
+    pairs = np.stack((np.tile(book, 16), np.repeat(book, 16)), axis=1)
+    return torch.from_numpy(pairs.view(np.float64).reshape(256)).to(device)
 
 
 @functools.lru_cache(maxsize=None)
@@ -200,8 +206,10 @@ def _k4_scales(b):
         ),
         dim=1,
     )
-    scaled = d_dmin * sc_mn.view(torch.uint8).view(n, 2, 8).float()
-    return scaled[:, 0].unsqueeze(-1), scaled[:, 1].unsqueeze(-1)
+    # [2, n, 8]: d * scales and dmin * mins each contiguous, which halves the cost of applying them
+    scaled = torch.empty((2, n, 8), device=b.device)
+    torch.mul(d_dmin.transpose(0, 1), sc_mn.view(torch.uint8).view(n, 2, 8).transpose(0, 1), out=scaled)
+    return scaled[0].unsqueeze(-1), scaled[1].unsqueeze(-1)
 
 
 def _times_dl_minus_dm8(v, dl, dm):
@@ -249,8 +257,23 @@ def _q6_k_codes(b):
     return _as_bytes(_interleaved(stacked)).sub_(32).view(torch.int8)
 
 
+def _iq4_pair_codes(qs: torch.Tensor) -> torch.Tensor:
+    """IQ4 bytes [n, 16 * k] (k runs of 32 values: low nibbles first, then high ones) as the int32 index
+    of every pair of neighbouring values, in value order: for the int16 word of bytes 2i and 2i+1, the
+    low pair is their low nibbles and the high pair their high nibbles, each index = first | second << 4.
+    Four int16 words are worked on at once in an int64, as in _unpack."""
+    n = qs.shape[0]
+    words = _words(qs, torch.int64).view(n, -1, 2)
+    low, high = 0x000F * _SHORT_LANES, 0x00F0 * _SHORT_LANES
+    stacked = torch.empty((2, *words.shape), dtype=torch.int64, device=qs.device)
+    torch.bitwise_and(words, low, out=stacked[0]).bitwise_or_((words >> 4).bitwise_and_(high))
+    torch.bitwise_right_shift(words, 4, out=stacked[1]).bitwise_and_(low)
+    stacked[1].bitwise_or_((words >> 8).bitwise_and_(high))
+    return _interleaved(stacked).view(torch.int16).view(n, -1).to(torch.int32)
+
+
 def _iq4_nl_codes(b):
-    return _as_bytes(_unpack(b[:, 2:18], 1, _NIBBLES, 15)).to(torch.int32)
+    return _iq4_pair_codes(b[:, 2:18])
 
 
 def _iq4_xs_scales(b):
@@ -264,7 +287,7 @@ def _iq4_xs_scales(b):
 
 
 def _iq4_xs_codes(b):
-    return _as_bytes(_unpack(b[:, 8:136], 8, _NIBBLES, 15)).to(torch.int32)
+    return _iq4_pair_codes(b[:, 8:136])
 
 
 # Quant type -> (scales, codes, apply, code book): the code book, where there is one, maps codes to
@@ -291,8 +314,12 @@ TORCH_TYPES = (*_FLOATS, *QUANTIZED_TYPES)
 _warned: set[Q] = set()
 
 
-def dequantize(data: torch.Tensor, qtype, shape, dtype: torch.dtype = torch.float16) -> torch.Tensor:
-    """Values of a GGUF tensor from its raw bytes (uint8, on CPU or GPU), shaped `shape` (torch order)."""
+def dequantize(
+    data: torch.Tensor, qtype, shape, dtype: torch.dtype = torch.float16, *, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """Values of a GGUF tensor from its raw bytes (uint8, on CPU or GPU), shaped `shape` (torch order).
+    `out`, a contiguous tensor of that shape, dtype and device, receives them instead of a new tensor:
+    callers that dequantize at every forward reuse one buffer and skip the page faults of fresh memory."""
     qtype = Q(qtype)
     shape = tuple(int(s) for s in shape)
     block_size, type_size = GGML_QUANT_SIZES[qtype]
@@ -303,40 +330,44 @@ def dequantize(data: torch.Tensor, qtype, shape, dtype: torch.dtype = torch.floa
             f"{data.numel()} bytes of {qtype.name} data cannot hold a tensor of shape {list(shape)} "
             f"(blocks of {block_size} values in {type_size} bytes)."
         )
+    if out is None:
+        out = torch.empty(shape, dtype=dtype, device=data.device)
+    elif tuple(out.shape) != shape or out.dtype != dtype or out.device != data.device or not out.is_contiguous():
+        raise ValueError(
+            f"out must be a contiguous {dtype} tensor of shape {list(shape)} on {data.device}, "
+            f"not {out.dtype} {list(out.shape)} on {out.device}"
+        )
     if data.storage_offset() % 8:
         data = data.clone()  # fields are read as fp16 and int64 views, which need aligned memory
     if qtype in _FLOATS:
-        return data.view(_FLOATS[qtype]).reshape(shape).to(dtype, copy=True)
+        return out.copy_(data.view(_FLOATS[qtype]).view(shape))
     if qtype not in _KERNELS:
-        return _numpy_fallback(data, qtype, shape, dtype)
+        return out.copy_(_numpy_fallback(data, qtype, shape))
     scales, codes, apply, code_book = _KERNELS[qtype]
 
     blocks = data.view(-1, type_size)
     n_blocks = blocks.shape[0]
-    out = torch.empty((n_blocks, block_size), dtype=dtype, device=data.device)
-    code_values, math_values = _CHUNK_VALUES.get(data.device.type, _CHUNK_VALUES["cuda"])
-    code_step, math_step = max(1, code_values // block_size), max(1, math_values // block_size)
-    book = None if code_book is None else _code_book(code_book, data.device)
+    values = out.view(n_blocks, block_size)
+    step = max(1, _CHUNK_VALUES.get(data.device.type, _CHUNK_VALUES["cuda"]) // block_size)
+    book = None if code_book is None else _pair_book(code_book, data.device)
     direct = dtype == torch.float32
-    scratch = None if direct else torch.empty((min(math_step, n_blocks), block_size), device=data.device)
+    scratch = None if direct else torch.empty((min(step, n_blocks), block_size), device=data.device)
     per_block = scales(blocks)
-    for run in range(0, n_blocks, code_step):
-        run_codes = codes(blocks[run : run + code_step])
-        for start in range(0, run_codes.shape[0], math_step):
-            chunk = run_codes[start : start + math_step]
-            rows = slice(run + start, run + start + chunk.shape[0])
-            v = out[rows] if direct else scratch[: chunk.shape[0]]
-            if book is None:
-                v.copy_(chunk)
-            else:
-                torch.index_select(book, 0, chunk.reshape(-1), out=v.view(-1))
-            apply(v, *(s[rows] for s in per_block))
-            if not direct:
-                out[rows].copy_(v)
-    return out.reshape(shape)
+    for start in range(0, n_blocks, step):
+        rows = slice(start, min(start + step, n_blocks))
+        chunk = codes(blocks[rows])
+        v = values[rows] if direct else scratch[: chunk.shape[0]]
+        if book is None:
+            v.copy_(chunk)
+        else:
+            torch.index_select(book, 0, chunk.view(-1), out=v.view(torch.float64).view(-1))
+        apply(v, *(s[rows] for s in per_block))
+        if not direct:
+            values[rows].copy_(v)
+    return out
 
 
-def _numpy_fallback(data: torch.Tensor, qtype: Q, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+def _numpy_fallback(data: torch.Tensor, qtype: Q, shape: tuple[int, ...]) -> torch.Tensor:
     from gguf.quants import dequantize as reference
 
     raw = data.cpu().numpy().reshape(-1, GGML_QUANT_SIZES[qtype][1])
@@ -350,4 +381,4 @@ def _numpy_fallback(data: torch.Tensor, qtype: Q, shape: tuple[int, ...], dtype:
     if qtype not in _warned:
         _warned.add(qtype)
         log.warning("GGUF %s tensors are dequantized by gguf's numpy code on the CPU (slow).", qtype.name)
-    return torch.from_numpy(values).reshape(shape).to(device=data.device, dtype=dtype)
+    return torch.from_numpy(values).reshape(shape).to(data.device)
