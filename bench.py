@@ -463,7 +463,9 @@ def format_report(results: dict) -> str:
         f"encoder load (tiny width, {e['layers_kept']} of {e['layers_in_file']} layers kept, safetensors, page cache evicted):",
         f"  file {_mib(e['file_bytes'])}, kept {_mib(e['kept_bytes'])} ({e['kept_bytes'] / e['file_bytes']:.0%} of the file), "
         f"read {_mib(e['read_bytes'])}, peak RSS {_mib(e['peak_rss_bytes'])}, {e['seconds']:.2f} s",
-        f"  peak RSS / kept {e['rss_per_kept_byte']:.2f}, read / kept {e['read_per_kept_byte']:.2f}",
+        f"  peak RSS / kept {e['rss_per_kept_byte']:.2f}, read / kept {e['read_per_kept_byte']:.2f}; after touching "
+        f"every kept byte: RSS {_mib(e['rss_after_use_bytes'])} ({e['rss_after_use_per_kept_byte']:.2f} x kept), "
+        f"read {_mib(e['read_after_use_bytes'])}",
         "",
         f"GGUF transformer load ({tiny['file']}, load_gguf_transformer): file {_mib(tiny['file_bytes'])}, "
         f"peak RSS {_mib(tiny['peak_rss_bytes'])}, read {_mib(tiny['read_bytes'])}, {tiny['seconds'] * 1e3:.0f} ms, "
