@@ -4,29 +4,31 @@ identify a checkpoint and decide what to read before touching any tensor data.""
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from dataclasses import dataclass
 
 import torch
 
-from ..errors import CorruptFileError
+from ..errors import CorruptFileError, UnsupportedFormatError
 
 _MAX_HEADER = 100 * 1024 * 1024
 
 
-# Each safetensors dtype: (the format the pack reports for a weight stored so, bytes per element).
+# Each safetensors dtype: the format the pack reports for a weight stored so, and its torch dtype.
 DTYPES = {
-    "BF16": ("bf16", 2),
-    "F16": ("fp16", 2),
-    "F32": ("fp32", 4),
-    "F64": ("fp64", 8),
-    "F8_E4M3": ("fp8-scaled", 1),
-    "F8_E5M2": ("fp8-scaled", 1),
-    "U8": ("nvfp4", 1),  # packed two E2M1 values a byte; no other uint8 weights occur in these models
-    "I8": ("int8", 1),
-    "I32": ("int32", 4),
-    "I64": ("int64", 8),
+    "BF16": ("bf16", torch.bfloat16),
+    "F16": ("fp16", torch.float16),
+    "F32": ("fp32", torch.float32),
+    "F64": ("fp64", torch.float64),
+    "F8_E4M3": ("fp8-scaled", torch.float8_e4m3fn),
+    "F8_E5M2": ("fp8-scaled", torch.float8_e5m2),
+    "U8": ("nvfp4", torch.uint8),  # packed two E2M1 values a byte; no other uint8 weights occur in these models
+    "I8": ("int8", torch.int8),
+    "I32": ("int32", torch.int32),
+    "I64": ("int64", torch.int64),
+    "BOOL": ("bool", torch.bool),
 }
 
 
@@ -34,17 +36,16 @@ DTYPES = {
 class TensorInfo:
     dtype: str  # the safetensors spelling: "BF16", "F8_E4M3", "U8", ...
     shape: tuple[int, ...]
+    start: int = 0  # byte range in the file
+    end: int = 0
 
     @property
     def format(self) -> str:
-        return DTYPES.get(self.dtype, (self.dtype.lower(), 1))[0]
+        return DTYPES[self.dtype][0] if self.dtype in DTYPES else self.dtype.lower()
 
     @property
     def nbytes(self) -> int:
-        count = DTYPES.get(self.dtype, ("", 1))[1]
-        for d in self.shape:
-            count *= d
-        return count
+        return self.end - self.start
 
 
 def read_header(path: str) -> tuple[dict[str, TensorInfo], dict[str, str]]:
@@ -65,17 +66,27 @@ def read_header(path: str) -> tuple[dict[str, TensorInfo], dict[str, str]]:
         except ValueError as e:
             raise CorruptFileError(f"{path}: the safetensors header is not valid JSON ({e}).") from None
     metadata = header.pop("__metadata__", None) or {}
+    data_start = 8 + length
     tensors = {}
     for name, entry in header.items():
         start, end = entry["data_offsets"]
-        if not 0 <= start <= end <= size - 8 - length:
+        shape = tuple(entry["shape"])
+        if not 0 <= start <= end <= size - data_start:
             raise CorruptFileError(f"{path}: tensor {name} points outside the file; the file is truncated or damaged.")
-        tensors[name] = TensorInfo(entry["dtype"], tuple(entry["shape"]))
+        dtype = DTYPES.get(entry["dtype"], (None, None))[1]
+        if dtype is not None and math.prod(shape) * dtype.itemsize != end - start:
+            raise CorruptFileError(
+                f"{path}: tensor {name} ({entry['dtype']} {list(shape)}) does not fill its {end - start} bytes; "
+                "the file is damaged. Download it again."
+            )
+        tensors[name] = TensorInfo(entry["dtype"], shape, data_start + start, data_start + end)
     return tensors, metadata
 
 
 class SafetensorsFiles:
-    """One or more shards read as one checkpoint; tensors are read only on request."""
+    """One or more shards read as one checkpoint. A tensor is read on request, exactly its own bytes, into
+    memory of its own: nothing else of the file is read (no read-ahead) or kept mapped, so what a load costs
+    in reads and memory is what it keeps."""
 
     def __init__(self, paths: list[str]):
         self.infos: dict[str, TensorInfo] = {}
@@ -87,12 +98,18 @@ class SafetensorsFiles:
             for name, info in infos.items():
                 self.infos[name] = info
                 self._where[name] = path
-        self._handles = {}
 
     def read(self, name: str) -> torch.Tensor:
-        from safetensors import safe_open
-
-        path = self._where[name]
-        if path not in self._handles:
-            self._handles[path] = safe_open(path, framework="pt", device="cpu")
-        return self._handles[path].get_tensor(name)
+        info, path = self.infos[name], self._where[name]
+        if info.dtype not in DTYPES:
+            raise UnsupportedFormatError(
+                f"{path}: tensor {name} is stored as {info.dtype}, a type the pack does not read."
+            )
+        out = torch.empty(info.nbytes, dtype=torch.uint8)
+        with open(path, "rb", buffering=0) as f:
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(f.fileno(), info.start, info.nbytes, os.POSIX_FADV_RANDOM)
+            f.seek(info.start)
+            if f.readinto(out.numpy()) != info.nbytes:
+                raise CorruptFileError(f"{path} ended inside tensor {name}; the file is truncated. Download it again.")
+        return out.view(DTYPES[info.dtype][1]).reshape(info.shape)
