@@ -25,6 +25,9 @@ from importlib import resources
 import numpy as np
 import torch
 
+from .tiny.gguf_blocks import random_blocks
+from .tokenizers.vocab import byte_level_string
+
 # Values per benchmarked tensor. The full size (32 MiB of fp16) is still below most FLUX.2 weights
 # (6144 x 6144 = 38M values), so the output does not fit in cache, as in a real load.
 _DEQUANT_VALUES = {True: 1 << 20, False: 1 << 24}
@@ -40,27 +43,6 @@ def _best(fn, repeats: int) -> float:
         fn()
         best = min(best, time.perf_counter() - start)
     return best
-
-
-# Byte offsets of the fp16 scale fields in each quant type's block (ggml's block_* structs).
-_FP16_FIELDS = {
-    "Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q2_K": (80, 82),
-    "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,),
-}
-
-
-def random_blocks(qtype, n_values: int, rng: np.random.Generator) -> np.ndarray:
-    """Raw bytes (uint8, 1-D) of a quantized tensor of n_values: random blocks whose fp16 scale fields
-    are random but finite (no inf or NaN), as test and benchmark data for the dequantizer."""
-    import gguf
-
-    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
-    blocks = rng.integers(0, 256, size=(n_values // block_size, type_size), dtype=np.uint8)
-    for offset in _FP16_FIELDS[qtype.name]:
-        bits = rng.integers(0, 1 << 16, size=blocks.shape[0], dtype=np.uint16)
-        bits[(bits & 0x7C00) == 0x7C00] &= 0xBFFF  # an all-ones exponent is inf/NaN: clear one of its bits
-        blocks[:, offset : offset + 2] = bits.view(np.uint8).reshape(-1, 2)
-    return blocks.reshape(-1)
 
 
 def bench_dequant(quick: bool) -> list[dict]:
@@ -82,7 +64,7 @@ def bench_dequant(quick: bool) -> list[dict]:
     reused = torch.empty(shape, dtype=torch.float16)
     results = []
     for qtype in QUANTIZED_TYPES:
-        raw = random_blocks(qtype, n, rng)
+        raw = random_blocks(qtype, (n,), rng)
         rows = raw.reshape(shape[0], -1)
         data = torch.from_numpy(raw)
         fresh_s = _best(lambda: dequantize(data, qtype, shape), repeats)
@@ -107,27 +89,14 @@ def bench_dequant(quick: bool) -> list[dict]:
     return results
 
 
-def _byte_to_unicode() -> dict[int, str]:
-    """GPT-2's printable stand-in for each byte, the spelling llama.cpp uses for BPE vocabularies."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    table = {b: chr(b) for b in printable}
-    extra = 0
-    for b in range(256):
-        if b not in table:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return table
-
-
 def _tokenizer_arrays(n_tokens: int, n_merges: int) -> tuple[list[str], list[str]]:
     """Tokens and merges shaped like Mistral-Small's GGUF tokenizer: the real Tekken BPE vocabulary from
     mistral-common's bundled file in GPT-2 spelling, and merges split from those tokens."""
     raw = resources.files("mistral_common").joinpath("data/tekken_240911.json").read_text(encoding="utf-8")
     vocab = json.loads(raw)["vocab"]
-    spell = _byte_to_unicode()
     tokens = [f"<SPECIAL_{i}>" for i in range(_SPECIAL_TOKENS)]
     for entry in vocab[: n_tokens - _SPECIAL_TOKENS]:
-        tokens.append("".join(spell[b] for b in base64.b64decode(entry["token_bytes"])))
+        tokens.append(byte_level_string(base64.b64decode(entry["token_bytes"])))
     merges = []
     for token in tokens[_SPECIAL_TOKENS:]:
         if len(token) > 1:
@@ -425,7 +394,7 @@ def bench_gguf_load(quick: bool) -> dict:
         tiny = os.path.join(tmp, "flux2-dev-tiny-Q4_K.gguf")
         write_gguf(tiny, gguf_tensors(tiny_bfl("dev"), Q.Q4_K, SEED))
         synthetic = os.path.join(tmp, "synthetic-Q4_K.gguf")
-        blocks = {f"blocks.{i}.weight": (random_blocks(Q.Q4_K, shape[0] * shape[1], rng).reshape(shape[0], -1), Q.Q4_K) for i in range(count)}
+        blocks = {f"blocks.{i}.weight": (random_blocks(Q.Q4_K, shape, rng), Q.Q4_K) for i in range(count)}
         write_gguf(synthetic, blocks)
         return {"tiny_transformer": _in_child("gguf_transformer", tiny), "synthetic_read": _in_child("gguf_read", synthetic)}
 

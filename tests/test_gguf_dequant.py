@@ -11,7 +11,7 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from comfyui_flux2dev.bench import random_blocks
+from comfyui_flux2dev.tiny.gguf_blocks import random_blocks
 from comfyui_flux2dev.errors import CorruptFileError, UnsupportedFormatError
 from comfyui_flux2dev.loaders import gguf_dequant
 from comfyui_flux2dev.loaders.gguf_dequant import TORCH_TYPES, dequantize
@@ -28,7 +28,7 @@ def _quantized(qtype: Q, shape: tuple[int, ...], seed: int) -> np.ndarray:
         values = (rng.standard_normal(shape) * rng.uniform(0.01, 10)).astype(np.float32)
         values[..., :3] = (0.0, -1e-9, 3e4)  # zero, a tiny value and a large one in the first block
         return gguf.quants.quantize(values, qtype).view(np.uint8).reshape(-1)
-    return random_blocks(qtype, int(np.prod(shape)), rng)
+    return random_blocks(qtype, (int(np.prod(shape)),), rng)
 
 
 def _reference(raw: np.ndarray, qtype: Q, shape: tuple[int, ...]) -> np.ndarray:

@@ -12,7 +12,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFValueType as V
 
-from comfyui_flux2dev.bench import random_blocks
+from comfyui_flux2dev.tiny.gguf_blocks import random_blocks
 from comfyui_flux2dev.errors import CorruptFileError, UnsupportedFormatError
 from comfyui_flux2dev.loaders import gguf_file
 from comfyui_flux2dev.loaders.gguf_file import open_gguf
@@ -30,11 +30,9 @@ TENSORS = [
 
 def _tensor_bytes(shape, qtype, seed):
     rng = np.random.default_rng(seed)
-    n = int(np.prod(shape))
     if qtype in (Q.F16, Q.F32):
         return rng.standard_normal(shape).astype(np.float16 if qtype == Q.F16 else np.float32)
-    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
-    return random_blocks(qtype, n, rng).reshape(*shape[:-1], shape[-1] // block_size * type_size)
+    return random_blocks(qtype, shape, rng)
 
 
 @pytest.fixture(scope="module")

@@ -349,7 +349,8 @@ def write_gguf(path: str, arch: str, linear: str, embed: str, interleave: bool, 
     rng = np.random.default_rng(SEED)
 
     def add(name: str, t: torch.Tensor, qtype: str) -> None:
-        from .gguf_transformers import K_QUANT_SCALES, random_blocks
+        from .gguf_blocks import random_blocks
+        from .gguf_transformers import K_QUANT_MAGNITUDES
 
         data = t.float().numpy()
         q = gguf.GGMLQuantizationType[qtype]
@@ -357,8 +358,8 @@ def write_gguf(path: str, arch: str, linear: str, embed: str, interleave: bool, 
             writer.add_tensor(name, data.astype(np.float32))
         elif q == gguf.GGMLQuantizationType.F16 or data.shape[-1] % gguf.GGML_QUANT_SIZES[q][0]:
             writer.add_tensor(name, data.astype(np.float16))
-        elif q in K_QUANT_SCALES:
-            writer.add_tensor(name, random_blocks(data.shape, q, rng), raw_dtype=q)
+        elif q in K_QUANT_MAGNITUDES:
+            writer.add_tensor(name, random_blocks(q, data.shape, rng, K_QUANT_MAGNITUDES[q]), raw_dtype=q)
         else:
             writer.add_tensor(name, gguf.quants.quantize(data, q), raw_dtype=q)
 

@@ -17,18 +17,14 @@ from gguf.quants import quantize
 
 from ..loaders.transformer import diffusers_to_bfl
 from ..loaders.variants import TINY_VARIANTS
+from .gguf_blocks import random_blocks
 from .transformers import make_transformer
 
 Q = GGMLQuantizationType
 ARCHITECTURE = "flux"
 SEED = 2100
-# K-quant -> (byte offset of an fp16 scale field in a block, its magnitude). The magnitudes keep the
-# random weights near the size of an initialised layer's.
-K_QUANT_SCALES = {
-    Q.Q4_K: ((0, 2e-4), (2, 2e-4)),
-    Q.Q5_K: ((0, 1e-4), (2, 1e-4)),
-    Q.Q6_K: ((208, 5e-5),),
-}
+# The size of the random K-quant scales: weights near those of an initialised layer.
+K_QUANT_MAGNITUDES = {Q.Q4_K: 2e-4, Q.Q5_K: 1e-4, Q.Q6_K: 5e-5}
 # (variant key, GGUF types of the weights): one file each.
 FILES = (
     ("dev", Q.F16),
@@ -41,17 +37,6 @@ FILES = (
 )
 
 
-def random_blocks(shape: tuple[int, ...], qtype: GGMLQuantizationType, rng: np.random.Generator) -> np.ndarray:
-    """Random K-quant blocks for a tensor of `shape` (gguf cannot quantize K types), with finite fp16 scale
-    fields of a size that keeps the values near those of an initialised layer."""
-    block_size, type_size = GGML_QUANT_SIZES[qtype]
-    blocks = rng.integers(0, 256, (int(np.prod(shape)) // block_size, type_size), dtype=np.uint8)
-    for offset, magnitude in K_QUANT_SCALES[qtype]:
-        scale = (rng.uniform(0.5, 1.5, blocks.shape[0]) * magnitude).astype(np.float16)
-        blocks[:, offset : offset + 2] = scale.view(np.uint8).reshape(-1, 2)
-    return blocks.reshape(*shape[:-1], shape[-1] // block_size * type_size)
-
-
 def gguf_tensors(state_dict: dict[str, torch.Tensor], qtype: GGMLQuantizationType, seed: int) -> dict[str, tuple[np.ndarray, GGMLQuantizationType]]:
     """name -> (array to write, its GGUF type), as a FLUX GGUF converter would choose them."""
     rng = np.random.default_rng(seed)
@@ -62,8 +47,8 @@ def gguf_tensors(state_dict: dict[str, torch.Tensor], qtype: GGMLQuantizationTyp
             out[name] = (values, Q.F32)
         elif values.shape[-1] % GGML_QUANT_SIZES[qtype][0]:
             out[name] = (values.astype(np.float16), Q.F16)
-        elif qtype in K_QUANT_SCALES:
-            out[name] = (random_blocks(values.shape, qtype, rng), qtype)
+        elif qtype in K_QUANT_MAGNITUDES:
+            out[name] = (random_blocks(qtype, values.shape, rng, K_QUANT_MAGNITUDES[qtype]), qtype)
         elif qtype == Q.F16:
             out[name] = (values.astype(np.float16), Q.F16)
         else:

@@ -1,0 +1,33 @@
+"""Random quantized GGUF blocks: data for the types gguf-py can dequantize but not quantize (K and IQ
+types), for the tests, the benchmark and the tiny models. gguf's numpy dequantizer is their reference."""
+
+from __future__ import annotations
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+Q = GGMLQuantizationType
+
+# Byte offsets of the fp16 scale fields (d, dmin) in each type's block, as ggml's block_* structs lay them out.
+FP16_FIELDS = {
+    Q.Q8_0: (0,), Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2),
+    Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,),
+    Q.IQ4_NL: (0,), Q.IQ4_XS: (0,),
+}
+
+
+def random_blocks(qtype: GGMLQuantizationType, shape: tuple[int, ...], rng: np.random.Generator,
+                  magnitude: float | None = None) -> np.ndarray:
+    """uint8 rows of random whole blocks for a tensor of `shape` ([..., bytes per row]). The fp16 scale
+    fields are finite: random bit patterns when magnitude is None (every value the format can hold, for
+    bit-exactness tests), else within 0.5-1.5 x magnitude (weights of a plausible size, for models)."""
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    blocks = rng.integers(0, 256, size=(int(np.prod(shape)) // block_size, type_size), dtype=np.uint8)
+    for offset in FP16_FIELDS[qtype]:
+        if magnitude is None:
+            bits = rng.integers(0, 1 << 16, size=blocks.shape[0], dtype=np.uint16)
+            bits[(bits & 0x7C00) == 0x7C00] &= 0xBFFF  # an all-ones exponent is inf/NaN: clear one of its bits
+        else:
+            bits = (rng.uniform(0.5, 1.5, blocks.shape[0]) * magnitude).astype(np.float16).view(np.uint16)
+        blocks[:, offset : offset + 2] = bits.view(np.uint8).reshape(-1, 2)
+    return blocks.reshape(*shape[:-1], shape[-1] // block_size * type_size)
