@@ -142,9 +142,9 @@ class HeadlessComfy:
     def run(self, graph: dict, timeout: float = 600.0) -> dict:
         return self.wait(self.submit(graph), timeout)
 
-    def output_file(self, image: dict) -> Path:
-        """Where an image that SaveImage reported lies on disk."""
-        return self.base_dir / "output" / image.get("subfolder", "") / image["filename"]
+    def output_file(self, saved: dict) -> Path:
+        """Where a file an output node reported (SaveImage's images, SaveLatent's latents) lies on disk."""
+        return self.base_dir / "output" / saved.get("subfolder", "") / saved["filename"]
 
 
 def _refusal_text(body: dict) -> str:

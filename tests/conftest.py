@@ -52,8 +52,8 @@ def tiny_manifest(tiny_root) -> list[dict]:
 @pytest.fixture(scope="session")
 def server_extras(tiny_root, tmp_path_factory) -> dict[str, Path]:
     """Files the server lists beside the tiny weights: parts of the wrong kind in text_encoders (for the
-    encoder loader's errors), and the tiny [dev] Q4_K GGUF dequantized by gguf's own numpy code into a
-    plain safetensors file (the reference for the GGUF loader through the server)."""
+    encoder loader's errors), and each tiny [dev] GGUF dequantized by gguf's own numpy code into a plain
+    float32 safetensors file (the references for the GGUF loader through the server)."""
     import gguf
     import torch
     from safetensors.torch import save_file
@@ -66,13 +66,14 @@ def server_extras(tiny_root, tmp_path_factory) -> dict[str, Path]:
     (wrong / "flux2-vae.safetensors").symlink_to(tiny_root / "vae/flux2-ae.safetensors")
     reference = extras / "diffusion_models"
     reference.mkdir()
-    reader = gguf.GGUFReader(tiny_root / "unet/flux2-dev-tiny-Q4_K.gguf")
-    tensors = {
-        t.name: torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).astype("float32").copy())
-        .reshape(tuple(reversed([int(d) for d in t.shape])))
-        for t in reader.tensors
-    }
-    save_file(tensors, reference / "flux2-dev-tiny-Q4_K-dequantized.safetensors")
+    for gguf_file in sorted((tiny_root / "unet").glob("flux2-dev-tiny-*.gguf")):
+        reader = gguf.GGUFReader(gguf_file)
+        tensors = {
+            t.name: torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).astype("float32").copy())
+            .reshape(tuple(reversed([int(d) for d in t.shape])))
+            for t in reader.tensors
+        }
+        save_file(tensors, reference / f"{gguf_file.stem}-dequantized.safetensors")
     return {"text_encoders": wrong, "diffusion_models": reference}
 
 

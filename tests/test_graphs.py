@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from PIL import Image
+from safetensors.torch import load_file
 
 from comfyui_flux2dev.errors import GraphError
 from comfyui_flux2dev.workflows import node, official_dev_graph
@@ -60,15 +62,24 @@ def test_official_graph_writes_an_image_with_each_encoder_layout(comfy_server, l
     assert image.std() > 0  # a decoded latent, not a blank canvas
 
 
-def test_gguf_through_the_server_equals_its_dequantized_weights(comfy_server):
+def sampled_latent(server, graph) -> torch.Tensor:
+    """Run `graph` with its sampler's output saved as a latent file instead of decoded, and read it back."""
+    graph = {k: v for k, v in graph.items() if k not in ("decode", "save", "vae")}
+    graph["save"] = node("SaveLatent", samples=["sample", 0], filename_prefix="flux2dev-latent")
+    latents = server.run(graph)["save"]["latents"]
+    return load_file(server.output_file(latents[0]))["latent_tensor"]
+
+
+@pytest.mark.parametrize("qtype", ["F16", "Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K"])
+def test_gguf_through_the_server_equals_its_dequantized_weights(comfy_server, qtype):
     clip = encoder("mistral_3_small_flux2_bf16.safetensors")
-    packed = official_dev_graph(gguf_model("flux2-dev-tiny-Q4_K.gguf"), clip, vae(), seed=7)
-    plain = official_dev_graph(
-        node("Flux2DevTransformerSource", transformer="flux2-dev-tiny-Q4_K-dequantized.safetensors"), clip, vae(), seed=7
-    )
-    a = image_of(comfy_server, comfy_server.run(packed)).astype(int)
-    b = image_of(comfy_server, comfy_server.run(plain)).astype(int)
-    assert np.abs(a - b).max() <= 1  # the same float32 model; at most a rounding step apart in 8-bit pixels
+    name = f"flux2-dev-tiny-{qtype}"
+    packed = sampled_latent(comfy_server, official_dev_graph(gguf_model(f"{name}.gguf"), clip, vae(), seed=7))
+    plain = sampled_latent(comfy_server, official_dev_graph(
+        node("Flux2DevTransformerSource", transformer=f"{name}-dequantized.safetensors"), clip, vae(), seed=7
+    ))
+    assert packed.dtype == plain.dtype == torch.float32 and packed.shape == plain.shape
+    assert (packed - plain).abs().max().item() <= 1e-5
 
 
 def test_three_source_nodes_on_one_dev_pipeline(comfy_server):
