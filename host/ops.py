@@ -92,7 +92,8 @@ class PackedLayer:
 
     def _patched(self, value: torch.Tensor, functions: list, dtype: torch.dtype) -> torch.Tensor:
         if functions:
-            value = value.to(self.settings.patch_dtype)
+            # A copy: the host's patch functions add in place, and a float weight is the layer's own tensor.
+            value = value.to(self.settings.patch_dtype, copy=True)
             for f in functions:
                 value = f(value)
         return value.to(dtype)

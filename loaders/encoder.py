@@ -107,10 +107,9 @@ LAYOUTS: dict[str, tuple[KeyScheme, bool]] = {
     "gguf-cow": (GGUF_SCHEME, False),  # gguf-org's files keep HF row order (FACTS: unverified; as documented)
 }
 GGUF_ARCH_LAYOUTS = {"llama": "gguf-llama", "mistral3": "gguf-mistral3", "cow": "gguf-cow"}
-EMBEDDED_TEKKEN = "tekken_model"
-GGUF_FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
-GGUF_TYPE = quant.GGUF_TYPE  # companion of a packed GGUF weight: its GGMLQuantizationType number  # ComfyUI single files and gguf-org files carry tekken.json as a tensor
-
+EMBEDDED_TEKKEN = "tekken_model"  # ComfyUI single files and gguf-org files carry tekken.json as a tensor
+# The companions each packed format needs beside its weight; a weight without them cannot be dequantized.
+REQUIRED_COMPANIONS = {"fp8-scaled": ("weight_scale",), "nvfp4": ("weight_scale", "weight_scale_2")}
 
 
 @dataclass
@@ -122,7 +121,12 @@ class Source:
     nbytes: Callable[[str], int]
     metadata: dict
     architecture: str | None = None  # GGUF only
-    qtypes: dict[str, int] = field(default_factory=dict)  # GGUF only
+    # The state-dict entries (host name -> tensor) of a stored tensor: the tensor as read, or for GGUF the
+    # tensor and its packing companion (quant.from_gguf).
+    entries_of: Callable[[str, str], dict[str, torch.Tensor]] | None = None
+
+    def state_entries(self, host: str, stored: str) -> dict[str, torch.Tensor]:
+        return self.entries_of(host, stored) if self.entries_of else {host: self.read(stored)}
 
 
 @dataclass
@@ -175,20 +179,14 @@ def _gguf_source(path: str) -> Source:
 
     gguf = open_gguf(path)
     entries = {name: (f"gguf-{t.qtype.name}", tuple(t.shape)) for name, t in gguf.tensors.items()}
-    qtypes = {name: int(t.qtype) for name, t in gguf.tensors.items()}
     return Source(
-        entries, lambda name: _read_gguf(gguf, name), lambda name: gguf.tensors[name].nbytes, gguf.metadata, gguf.architecture, qtypes
+        entries,
+        lambda name: quant.from_gguf(name, gguf.tensors[name])[name],
+        lambda name: gguf.tensors[name].nbytes,
+        gguf.metadata,
+        gguf.architecture,
+        entries_of=lambda host, name: quant.from_gguf(host, gguf.tensors[name]),
     )
-
-
-def _read_gguf(gguf, name: str) -> torch.Tensor:
-    """Float tensors as stored; quantized ones stay packed, one row of whole blocks per output row."""
-    from .gguf_dequant import dequantize
-
-    t = gguf.tensors[name]
-    if t.qtype.name in GGUF_FLOAT_TYPES:
-        return dequantize(t.data, t.qtype, t.shape, GGUF_FLOAT_TYPES[t.qtype.name])
-    return t.data.reshape(t.shape[0], -1).clone()
 
 
 # --- finding the layout ---------------------------------------------------------------------------------
@@ -492,8 +490,7 @@ def _check_complete(path, geometry, mapping, shapes, source) -> None:
             continue
         if shapes[stored] != shape:
             wrong.append(f"{stored} {list(shapes[stored])} (expected {list(shape)})")
-        companions = {"fp8-scaled": ("weight_scale",), "nvfp4": ("weight_scale", "weight_scale_2")}
-        for suffix in companions.get(source.entries[stored][0], ()):
+        for suffix in REQUIRED_COMPANIONS.get(source.entries[stored][0], ()):
             companion = host[: -len("weight")] + suffix
             if companion not in mapping:
                 missing.append(companion)
@@ -519,14 +516,11 @@ def load_encoder(path: str, *, allow_network: bool = False) -> LoadedEncoder:
     plan = plan_encoder(path)
     state_dict = {}
     for host, stored in plan.mapping.items():
-        tensor = plan.source.read(stored)
+        entries = plan.source.state_entries(host, stored)
         module = host.split(".")[3] + "." + host.split(".")[4] if host.startswith("model.layers.") else ""
         if module in plan.unpermute_heads and host.endswith(".weight"):
-            tensor = undo_rotary_permute(tensor, plan.unpermute_heads[module])
-        state_dict[host] = tensor
-        fmt = plan.source.entries[stored][0]
-        if fmt.startswith("gguf-") and fmt[5:] not in GGUF_FLOAT_TYPES:
-            state_dict[host[: -len("weight")] + GGUF_TYPE] = torch.tensor(plan.source.qtypes[stored])
+            entries[host] = undo_rotary_permute(entries[host], plan.unpermute_heads[module])
+        state_dict.update(entries)
     tokenizer = resolve_plan_tokenizer(plan, allow_network=allow_network)
     return LoadedEncoder(
         path=plan.path,

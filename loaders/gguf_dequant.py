@@ -307,9 +307,9 @@ _KERNELS = {
     Q.IQ4_XS: (_iq4_xs_scales, _iq4_xs_codes, _times_dl8, _IQ4_VALUES),
 }
 # Types stored as plain floats: a view and a cast.
-_FLOATS = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}
+FLOAT_TYPES = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}  # stored as plain floats
 QUANTIZED_TYPES = tuple(_KERNELS)
-TORCH_TYPES = (*_FLOATS, *QUANTIZED_TYPES)
+TORCH_TYPES = (*FLOAT_TYPES, *QUANTIZED_TYPES)
 
 _warned: set[Q] = set()
 
@@ -339,8 +339,8 @@ def dequantize(
         )
     if data.storage_offset() % 8:
         data = data.clone()  # fields are read as fp16 and int64 views, which need aligned memory
-    if qtype in _FLOATS:
-        return out.copy_(data.view(_FLOATS[qtype]).view(shape))
+    if qtype in FLOAT_TYPES:
+        return out.copy_(data.view(FLOAT_TYPES[qtype]).view(shape))
     if qtype not in _KERNELS:
         return out.copy_(_numpy_fallback(data, qtype, shape))
     scales, codes, apply, code_book = _KERNELS[qtype]

@@ -1,24 +1,21 @@
 """FLUX.2 transformers from GGUF files (city96-style conversions: BFL key names, general.architecture
 "flux", "pig" or none), read once over a memory map and left packed.
 
-Weights of two or more dimensions stay as their raw GGUF blocks (zero-copy uint8 views of the file) with
-their GGUF type beside them as "<layer>.weight_gguf_type" (the companion form loaders.quant reads), to be
-dequantized per layer at forward time by the host's packed ops; everything else (norm scales, biases) is
-turned into float tensors here. The variant comes from the tensor shapes, as for safetensors files.
+Quantized weights stay as their raw GGUF blocks (zero-copy uint8 views of the file) with their GGUF type
+beside them as "<layer>.weight_gguf_type" (loaders.quant.from_gguf, shared with the encoder loader), to be
+dequantized per layer at forward time by the host's packed ops; float tensors are views of the file as
+they are. The variant comes from the tensor shapes, as for safetensors files.
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
-
-import torch
-from gguf import GGMLQuantizationType
+from collections import Counter
+from dataclasses import dataclass, field
 
 from ..errors import UnknownModelError, UnsupportedFormatError, WrongModelError
-from .gguf_dequant import dequantize
 from .gguf_file import GGUFFile, open_gguf
-from .quant import GGUF_TYPE
+from .quant import from_gguf
 from .transformer import BFL, LoadedTransformer, geometry_from_shapes, variant_for_geometry
 
 # general.architecture values FLUX.2 transformer GGUFs carry (None: the key is absent).
@@ -44,11 +41,6 @@ OTHER_ARCHITECTURES = {
 }
 # Key prefixes some converters keep from the checkpoint they started from.
 KEY_PREFIXES = ("model.diffusion_model.", "diffusion_model.")
-FLOAT_TYPES = {
-    GGMLQuantizationType.F32: torch.float32,
-    GGMLQuantizationType.F16: torch.float16,
-    GGMLQuantizationType.BF16: torch.bfloat16,
-}
 
 
 @dataclass
@@ -56,16 +48,7 @@ class LoadedGGUFTransformer(LoadedTransformer):
     """A LoadedTransformer whose state dict holds raw GGUF blocks (uint8 rows) beside their GGUF types."""
 
     path: str = ""
-
-    @property
-    def quant_types(self) -> dict[str, int]:
-        """How many packed tensors each GGUF type holds (for messages and logs)."""
-        counts: dict[str, int] = {}
-        for key, value in self.state_dict.items():
-            if key.endswith("." + GGUF_TYPE):
-                name = GGMLQuantizationType(int(value)).name
-                counts[name] = counts.get(name, 0) + 1
-        return counts
+    formats: dict[str, int] = field(default_factory=dict)  # "gguf-<type>" -> how many tensors the file stores so
 
 
 def check_architecture(gfile: GGUFFile) -> None:
@@ -93,13 +76,6 @@ def _strip_prefix(names) -> dict[str, str]:
     return out
 
 
-def _float_tensor(t) -> torch.Tensor:
-    """A float tensor of a GGUF tensor that is not kept packed (zero-copy for float types)."""
-    if t.qtype in FLOAT_TYPES:
-        return t.data.view(FLOAT_TYPES[t.qtype]).reshape(t.shape)
-    return dequantize(t.data, t.qtype, t.shape, dtype=torch.float32)
-
-
 def load_gguf_transformer(path: str | os.PathLike) -> LoadedGGUFTransformer:
     """Read a FLUX.2 transformer GGUF (its header parsed once) into BFL keys, weights left packed."""
     gfile = open_gguf(path)
@@ -115,10 +91,6 @@ def load_gguf_transformer(path: str | os.PathLike) -> LoadedGGUFTransformer:
     variant = variant_for_geometry(geometry, layout)
     state_dict = {}
     for key, name in names.items():
-        t = gfile.tensors[name]
-        if key.endswith(".weight") and len(t.shape) >= 2:
-            state_dict[key] = t.data.view(*t.shape[:-1], -1)  # rows of raw blocks, as the file stores them
-            state_dict[key[: -len("weight")] + GGUF_TYPE] = torch.tensor(int(t.qtype))
-        else:
-            state_dict[key] = _float_tensor(t)
-    return LoadedGGUFTransformer(state_dict, variant, geometry, layout.name, path=gfile.path)
+        state_dict.update(from_gguf(key, gfile.tensors[name]))
+    formats = Counter(f"gguf-{t.qtype.name}" for t in gfile.tensors.values())
+    return LoadedGGUFTransformer(state_dict, variant, geometry, layout.name, path=gfile.path, formats=dict(formats))

@@ -54,13 +54,9 @@ def _gguf_transformer(path: Path) -> dict:
     loaded = load_gguf_transformer(path)  # views of the mapped file: nothing is dequantized
     g = loaded.geometry
     weights = {k: t for k, t in loaded.state_dict.items() if not is_companion(k)}
-    formats = {f"gguf-{name}": count for name, count in loaded.quant_types.items()}
-    unpacked = len(weights) - sum(formats.values())
-    if unpacked:
-        formats["fp32"] = unpacked  # 1-D tensors, expanded at load
     return {"kind": "transformer", "layout": "gguf", "variant": loaded.variant.key,
             "layers": g.double_blocks + g.single_blocks, "reads": len(weights), "skips": 0,
-            "formats": formats, "memory_bytes": sum(t.numel() * t.element_size() for t in weights.values())}
+            "formats": loaded.formats, "memory_bytes": sum(t.numel() * t.element_size() for t in weights.values())}
 
 
 def _vae(path: Path) -> dict:

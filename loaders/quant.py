@@ -31,6 +31,20 @@ def is_companion(key: str) -> bool:
     return key.rpartition(".")[2] in COMPANIONS
 
 
+def from_gguf(key: str, tensor) -> dict[str, torch.Tensor]:
+    """State-dict entries for the GGUF tensor (gguf_file.GGUFTensor) stored under `key`: float types as
+    float tensors, a quantized weight kept packed (rows of whole blocks, a view of the mapped file) with its
+    type beside it, and any other quantized tensor (1-D ones, rare) dequantized, as no layer reads those
+    packed."""
+    from .gguf_dequant import FLOAT_TYPES, dequantize as gguf_dequantize
+
+    if tensor.qtype in FLOAT_TYPES:
+        return {key: tensor.data.view(FLOAT_TYPES[tensor.qtype]).reshape(tensor.shape)}
+    if len(tensor.shape) < 2 or not key.endswith(".weight"):
+        return {key: gguf_dequantize(tensor.data, tensor.qtype, tensor.shape, torch.float32)}
+    return {key: tensor.data.view(*tensor.shape[:-1], -1), key[: -len("weight")] + GGUF_TYPE: torch.tensor(int(tensor.qtype))}
+
+
 def stored_shape(shape, weight_dtype: torch.dtype, companions) -> tuple[int, ...]:
     """The shape a weight of logical `shape` is stored in: GGUF rows of whole blocks, NVFP4 two values a
     byte, fp8 one value an element."""
