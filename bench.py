@@ -297,15 +297,19 @@ def _child_gguf_transformer(path: str) -> dict:
     with _Measured() as m:
         loaded = load_gguf_transformer(path)
     floats = [t for t in loaded.state_dict.values() if t.is_floating_point()]
-    file_bytes = os.path.getsize(path)
     largest = max((t.numel() * t.element_size() for t in floats), default=0)
+    return {"file": os.path.basename(path), **_gguf_figures(path, m, parse_count() - parses, largest)}
+
+
+def _gguf_figures(path: str, m: _Measured, header_parses: int, largest: int) -> dict:
+    """A GGUF measurement against the memory budget: 1.1 x the file plus the largest dequantized tensor."""
+    file_bytes = os.path.getsize(path)
     return {
-        "file": os.path.basename(path),
         "file_bytes": file_bytes,
         "read_bytes": m.read_bytes,
         "peak_rss_bytes": m.peak_rss_bytes,
         "seconds": m.seconds,
-        "header_parses": parse_count() - parses,
+        "header_parses": header_parses,
         "largest_dequantized_bytes": largest,
         "rss_budget_bytes": int(1.1 * file_bytes) + largest,
     }
@@ -330,17 +334,7 @@ def _child_gguf_read(path: str) -> dict:
     parses = parse_count()
     with _Measured() as m:
         tensors, largest = read(path)
-    file_bytes = os.path.getsize(path)
-    return {
-        "tensors": tensors,
-        "file_bytes": file_bytes,
-        "read_bytes": m.read_bytes,
-        "peak_rss_bytes": m.peak_rss_bytes,
-        "seconds": m.seconds,
-        "header_parses": parse_count() - parses,
-        "largest_dequantized_bytes": largest,
-        "rss_budget_bytes": int(1.1 * file_bytes) + largest,
-    }
+    return {"tensors": tensors, **_gguf_figures(path, m, parse_count() - parses, largest)}
 
 
 _CHILD_TASKS = {

@@ -72,35 +72,40 @@ def _mistral_with(state_dict: dict) -> torch.nn.Module:
     return model
 
 
-def _fp8_reference(path):
+def _dequantized_weights(path, dequantize) -> dict:
+    """The file's model.* weights in transformers' MistralModel names, each through `dequantize(weight,
+    companions by suffix)`, an implementation independent of the pack's."""
     from safetensors.torch import load_file
 
     sd = load_file(path)
     out = {}
     for k, v in sd.items():
-        if not k.startswith("model.") or not k.endswith(".weight"):
-            continue
-        stem = k[: -len("weight")]
-        scale = sd.get(stem + "weight_scale", sd.get(stem + "scale_weight"))
-        w = v.float() if scale is None else v.float() * scale.float().reshape(-1, 1) if scale.numel() > 1 else v.float() * scale.float()
-        out[k[len("model."):]] = w
+        if k.startswith("model.") and k.endswith(".weight"):
+            stem = k[: -len("weight")]
+            companions = {name[len(stem):]: t for name, t in sd.items() if name.startswith(stem) and name != k}
+            out[k[len("model."):]] = dequantize(v, companions).float()
     return out
+
+
+def _fp8_reference(path):
+    def dequantize(weight, companions):
+        scale = companions.get("weight_scale", companions.get("scale_weight"))
+        if scale is None:
+            return weight
+        return weight.float() * (scale.float().reshape(-1, 1) if scale.numel() > 1 else scale.float())
+
+    return _dequantized_weights(path, dequantize)
 
 
 def _nvfp4_reference(path):
     from comfy_kitchen.backends.eager.quantization import dequantize_nvfp4
-    from safetensors.torch import load_file
 
-    sd = load_file(path)
-    out = {}
-    for k, v in sd.items():
-        if not k.startswith("model.") or not k.endswith(".weight"):
-            continue
-        stem = k[: -len("weight")]
-        if v.dtype == torch.uint8:
-            v = dequantize_nvfp4(v, sd[stem + "weight_scale_2"], sd[stem + "weight_scale"], output_type=torch.float32)
-        out[k[len("model."):]] = v.float()
-    return out
+    def dequantize(weight, companions):
+        if weight.dtype != torch.uint8:
+            return weight
+        return dequantize_nvfp4(weight, companions["weight_scale_2"], companions["weight_scale"], output_type=torch.float32)
+
+    return _dequantized_weights(path, dequantize)
 
 
 def _gguf_reference(path):
