@@ -50,3 +50,15 @@ def test_requirements_txt_lists_exactly_the_pyproject_dependencies():
     declared = tomllib.loads((root / "pyproject.toml").read_text())["project"]["dependencies"]
     listed = [line.strip() for line in (root / "requirements.txt").read_text().splitlines()]
     assert [line for line in listed if line and not line.startswith("#")] == declared
+
+
+@pytest.mark.server
+def test_the_demo_writes_an_image(tmp_path):
+    """The README's first command runs `flux2dev demo`: its own headless server, the pack's three loaders."""
+    from PIL import Image
+
+    out = subprocess.run([sys.executable, "-P", "-m", "comfyui_flux2dev.cli", "demo", "--out", str(tmp_path)],
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr[-4000:]
+    image = Image.open(tmp_path / "flux2dev-demo.png")
+    assert image.size == (256, 256) and image.mode == "RGB"
