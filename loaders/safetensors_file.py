@@ -65,12 +65,24 @@ def read_header(path: str) -> tuple[dict[str, TensorInfo], dict[str, str]]:
             header = json.loads(f.read(length))
         except ValueError as e:
             raise CorruptFileError(f"{path}: the safetensors header is not valid JSON ({e}).") from None
+    if not isinstance(header, dict):
+        raise CorruptFileError(f"{path}: the safetensors header is not a JSON object; the file is damaged.")
     metadata = header.pop("__metadata__", None) or {}
     data_start = 8 + length
     tensors = {}
     for name, entry in header.items():
-        start, end = entry["data_offsets"]
-        shape = tuple(entry["shape"])
+        try:
+            if not (isinstance(entry["data_offsets"], list) and isinstance(entry["shape"], list)):
+                raise TypeError("data_offsets and shape must be lists")
+            start, end = (int(o) for o in entry["data_offsets"])
+            shape = tuple(int(d) for d in entry["shape"])
+            if min(shape, default=0) < 0:
+                raise ValueError("negative dimension")
+        except (KeyError, TypeError, ValueError) as e:
+            raise CorruptFileError(
+                f"{path}: the header entry of tensor {name} is malformed ({type(e).__name__}: {e}); the file is "
+                "damaged. Download it again."
+            ) from None
         if not 0 <= start <= end <= size - data_start:
             raise CorruptFileError(f"{path}: tensor {name} points outside the file; the file is truncated or damaged.")
         dtype = DTYPES.get(entry["dtype"], (None, None))[1]
