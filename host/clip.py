@@ -17,6 +17,7 @@ import inspect
 
 import torch
 
+from ..errors import HostError
 from ..loaders.encoder import LoadedEncoder, load_encoder
 from . import ensure_comfy
 
@@ -155,24 +156,26 @@ def clip_from_encoder(encoder: LoadedEncoder, *, padding: str = "reference", dty
     }
     tokenizer_data = {TOKENIZER_KEY: encoder.tokenizer.tokenizer, PADDING_KEY: padding}
     parameters = sum(t.numel() for t in encoder.state_dict.values())
-    # Newer releases take the weights in the constructor; 0.3.75 loads them afterwards.
-    takes_weights = "state_dict" in inspect.signature(comfy.sd.CLIP).parameters
+    # The weights are loaded here rather than in the constructor (which newer releases offer, logging
+    # missing keys only), so that a missing one stops the load. disable_dynamic (newer releases) keeps the
+    # host's plain ModelPatcher, which the pack's patcher extends; older releases have no such option.
     clip = _call_with_known(
         comfy.sd.CLIP,
         target=Target,
         embedding_directory=embedding_directory,
         tokenizer_data=tokenizer_data,
         parameters=parameters,
-        state_dict=[encoder.state_dict],
         model_options=model_options,
+        disable_dynamic=True,
     )
-    if not takes_weights:
-        missing, _ = clip.load_sd(encoder.state_dict)
-        # The pruned host model has exactly the 30 layers + embeddings the loader reads.
-        if missing:
-            raise RuntimeError(f"the host encoder has weights the loader did not provide: {missing[:5]}")
-    # The host builds (and may already have loaded) the CLIP's patcher itself: the same object, given the
-    # pack's patching of packed weights. PackedModelPatcher adds behaviour only, no state.
+    missing, _ = clip.load_sd(encoder.state_dict)
+    if missing:  # the pruned host model has exactly the 30 layers + embeddings the loader reads
+        raise HostError(
+            f"This ComfyUI's FLUX.2 text encoder has weights the pack does not provide ({', '.join(missing[:5])}); "
+            "its encoder differs from the one the pack was built for. Report it with your ComfyUI version."
+        )
+    # The CLIP's patcher, given the pack's patching of packed weights: PackedModelPatcher adds behaviour
+    # only, no state, so the host's own object is kept.
     clip.patcher.__class__ = PackedModelPatcher
     clip.flux2dev_encoder = {"layout": encoder.layout, "formats": encoder.formats, "tokenizer": encoder.tokenizer.rung}
     return clip

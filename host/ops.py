@@ -98,12 +98,17 @@ class PackedLayer:
                 value = f(value)
         return value.to(dtype)
 
+    def _functions(self, name: str) -> list:
+        # Newer releases' dynamic-VRAM patcher hands patches over as "<name>_lowvram_function" too.
+        lowvram = getattr(self, f"{name}_lowvram_function", None)
+        return ([lowvram] if lowvram is not None else []) + getattr(self, f"{name}_function")
+
     def weight_bias(self, device: torch.device, dtype: torch.dtype):
         weight = _to_device(self.weight, device)
         if self.companions:
             weight = self._dequantized(weight, self.weight_shape, device, dtype)
-        weight = self._patched(weight, self.lazy_patches + self.weight_function, dtype)
-        bias = None if self.bias is None else self._patched(_to_device(self.bias, device), self.bias_function, dtype)
+        weight = self._patched(weight, self.lazy_patches + self._functions("weight"), dtype)
+        bias = None if self.bias is None else self._patched(_to_device(self.bias, device), self._functions("bias"), dtype)
         return weight, bias
 
     def forward(self, *args, **kwargs):
@@ -176,7 +181,13 @@ class PackedModelPatcher(comfy.model_patcher.ModelPatcher):
         layer = _packed_layer(self.model, key)
         if layer is None:
             return super().patch_weight_to_device(key, device_to, *args, **kwargs)
-        layer.lazy_patches = [comfy.model_patcher.LowVramPatch(key, self.patches)] if key in self.patches else []
+        patches = [comfy.model_patcher.LowVramPatch(key, self.patches)] if key in self.patches else []
+        if kwargs.get("return_weight"):
+            # Newer releases ask for the patched weight itself (to save a model): give its real values.
+            device = device_to or layer.weight.device
+            weight = layer._dequantized(_to_device(layer.weight, device), layer.weight_shape, device, layer.settings.patch_dtype)
+            return layer._patched(weight, patches, layer.settings.patch_dtype)
+        layer.lazy_patches = patches
 
     def unpatch_model(self, device_to=None, unpatch_weights=True):
         if unpatch_weights:

@@ -280,3 +280,49 @@ def test_conv_and_embedding_weights_stay_packed(comfy_host):
     assert torch.equal(net.conv(x), torch.nn.functional.conv2d(x, values["conv.weight"], bias))
     ids = torch.tensor([[1, 7, 3]])
     assert torch.equal(net.emb(ids, out_dtype=torch.float32), torch.nn.functional.embedding(ids, values["emb.weight"]))
+
+
+def test_patched_weight_comes_back_dequantized_when_the_host_asks_for_it(gguf_dir, ops, comfy_host):
+    """Newer hosts ask patch_weight_to_device(..., return_weight=True) for the real values (to save a model)."""
+    path = gguf_dir[1][("dev", "Q4_0")]
+    model, reference = load(ops, path), reference_model(path)
+    lora = tiny_lora(reference)
+    patched, _ = comfy_host.load_lora_for_models(model, None, lora, 1.0, 0.0)
+    patched_reference, _ = comfy_host.load_lora_for_models(reference, None, lora, 1.0, 0.0)
+    key = "diffusion_model.double_blocks.0.img_attn.qkv.weight"
+    got = patched.patch_weight_to_device(key, CPU, return_weight=True)
+    patched_reference.patch_model(device_to=CPU)
+    try:
+        want = _attr(patched_reference.model, key)
+    finally:
+        patched_reference.unpatch_model(device_to=CPU)
+    assert got.shape == want.shape and (got.float() - want.float()).abs().max().item() <= 1e-5
+    assert not torch.equal(want, _attr(reference.model, key))  # the LoRA is in it
+
+
+def test_patches_handed_over_as_lowvram_functions_apply_after_dequantization(gguf_dir, ops, comfy_host):
+    """Newer hosts' dynamic patcher sets "weight_lowvram_function" on layers instead of weight_function."""
+    import comfy.model_patcher
+
+    path = gguf_dir[1][("dev", "Q6_K")]
+    model, reference = load(ops, path), reference_model(path)
+    lora = tiny_lora(reference)
+    patched, _ = comfy_host.load_lora_for_models(model, None, lora, 1.0, 0.0)
+    patched_reference, _ = comfy_host.load_lora_for_models(reference, None, lora, 1.0, 0.0)
+    expected = run(patched_reference)
+    layers = []
+    for key in patched.patches:
+        layer = _attr(patched.model, key.rpartition(".")[0])
+        layer.weight_lowvram_function = comfy.model_patcher.LowVramPatch(key, patched.patches)
+        layers.append(layer)
+    try:
+        assert (forward(patched) - expected).abs().max().item() <= 1e-5
+    finally:
+        for layer in layers:
+            del layer.weight_lowvram_function
+
+
+def _attr(obj, dotted: str):
+    import comfy.utils
+
+    return comfy.utils.get_attr(obj, dotted)
