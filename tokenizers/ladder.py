@@ -95,35 +95,35 @@ _outcomes: dict[tuple, Flux2Tokenizer | _Failed] = {}
 _by_vocab: dict[str, Flux2Tokenizer | _Failed] = {}
 
 
+def _cached(cache: dict, key, make: Callable[[], Flux2Tokenizer]) -> Flux2Tokenizer:
+    """cache[key], made once; a failure is kept as its reason and raised again on every later look-up."""
+    value = cache.get(key)
+    if value is None:
+        try:
+            value = make()
+        except Exception as exc:
+            value = _Failed(_reason(exc))
+        cache[key] = value
+    if isinstance(value, _Failed):
+        raise _FailedBefore(value.reason)
+    return value
+
+
+def _self_tested(tokenizer: Flux2Tokenizer) -> Flux2Tokenizer:
+    self_test(tokenizer)
+    return tokenizer
+
+
 def _build(load: Callable[[], TekkenVocab]) -> Flux2Tokenizer:
     vocab = load()
-    built = _by_vocab.get(vocab.digest)
-    if built is None:
-        try:
-            built = Flux2Tokenizer(vocab)
-            self_test(built)
-        except Exception as exc:
-            built = _Failed(_reason(exc))
-        _by_vocab[vocab.digest] = built
-    if isinstance(built, _Failed):
-        raise _FailedBefore(built.reason)
-    return built
+    return _cached(_by_vocab, vocab.digest, lambda: _self_tested(Flux2Tokenizer(vocab)))
 
 
 def _outcome(candidate: _Candidate) -> Flux2Tokenizer:
     with _lock:
         if candidate.key is None:
             return _build(candidate.load)
-        outcome = _outcomes.get(candidate.key)
-        if outcome is None:
-            try:
-                outcome = _build(candidate.load)
-            except Exception as exc:
-                outcome = _Failed(_reason(exc))
-            _outcomes[candidate.key] = outcome
-    if isinstance(outcome, _Failed):
-        raise _FailedBefore(outcome.reason)
-    return outcome
+        return _cached(_outcomes, candidate.key, lambda: _build(candidate.load))
 
 
 def _reason(exc: BaseException) -> str:
