@@ -114,13 +114,19 @@ def test_header_parsed_once_per_load(gguf_dir, ops):
     assert gguf_file.parse_count() == before + 1
 
 
-@pytest.mark.parametrize("fmt", ("Q4_0", "Q6_K"))
-def test_lora_matches_lora_on_dequantized_model(gguf_dir, ops, comfy_host, fmt):
+def with_lora(gguf_dir, ops, comfy_host, fmt):
+    """(GGUF model, its dequantized reference, and each with the same tiny LoRA applied by the host)."""
     path = gguf_dir[1][("dev", fmt)]
     model, reference = load(ops, path), reference_model(path)
     lora = tiny_lora(reference)
     patched, _ = comfy_host.load_lora_for_models(model, None, lora, 1.0, 0.0)
     patched_reference, _ = comfy_host.load_lora_for_models(reference, None, lora, 1.0, 0.0)
+    return model, reference, patched, patched_reference
+
+
+@pytest.mark.parametrize("fmt", ("Q4_0", "Q6_K"))
+def test_lora_matches_lora_on_dequantized_model(gguf_dir, ops, comfy_host, fmt):
+    model, reference, patched, patched_reference = with_lora(gguf_dir, ops, comfy_host, fmt)
     assert len(patched.patches) == 3
     expected = run(patched_reference)
     assert (expected - run(reference)).abs().max() > 1e-3  # the LoRA changes the output
@@ -284,11 +290,7 @@ def test_conv_and_embedding_weights_stay_packed(comfy_host):
 
 def test_patched_weight_comes_back_dequantized_when_the_host_asks_for_it(gguf_dir, ops, comfy_host):
     """Newer hosts ask patch_weight_to_device(..., return_weight=True) for the real values (to save a model)."""
-    path = gguf_dir[1][("dev", "Q4_0")]
-    model, reference = load(ops, path), reference_model(path)
-    lora = tiny_lora(reference)
-    patched, _ = comfy_host.load_lora_for_models(model, None, lora, 1.0, 0.0)
-    patched_reference, _ = comfy_host.load_lora_for_models(reference, None, lora, 1.0, 0.0)
+    _, reference, patched, patched_reference = with_lora(gguf_dir, ops, comfy_host, "Q4_0")
     key = "diffusion_model.double_blocks.0.img_attn.qkv.weight"
     got = patched.patch_weight_to_device(key, CPU, return_weight=True)
     patched_reference.patch_model(device_to=CPU)
@@ -304,11 +306,7 @@ def test_patches_handed_over_as_lowvram_functions_apply_after_dequantization(ggu
     """Newer hosts' dynamic patcher sets "weight_lowvram_function" on layers instead of weight_function."""
     import comfy.model_patcher
 
-    path = gguf_dir[1][("dev", "Q6_K")]
-    model, reference = load(ops, path), reference_model(path)
-    lora = tiny_lora(reference)
-    patched, _ = comfy_host.load_lora_for_models(model, None, lora, 1.0, 0.0)
-    patched_reference, _ = comfy_host.load_lora_for_models(reference, None, lora, 1.0, 0.0)
+    _, _, patched, patched_reference = with_lora(gguf_dir, ops, comfy_host, "Q6_K")
     expected = run(patched_reference)
     layers = []
     for key in patched.patches:
