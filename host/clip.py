@@ -13,7 +13,6 @@ pruned FLUX.2 encoder (comfy.text_encoders.flux.flux2_te) with three pack parts 
 from __future__ import annotations
 
 import functools
-import inspect
 
 import torch
 
@@ -104,12 +103,6 @@ def _model_class():
     return Flux2DevMistral3
 
 
-def _call_with_known(fn, **kwargs):
-    """Call a host function with the keyword arguments its signature (in this release) accepts."""
-    accepted = inspect.signature(fn).parameters
-    return fn(**{k: v for k, v in kwargs.items() if k in accepted})
-
-
 def model_config(encoder: LoadedEncoder) -> dict:
     """The host Mistral config entries that follow from the checkpoint (head_dim is 128 in the host)."""
     g = encoder.geometry
@@ -129,8 +122,10 @@ def _compute_dtype(encoder: LoadedEncoder) -> torch.dtype:
     return stored if stored in (torch.bfloat16, torch.float16, torch.float32) else torch.bfloat16
 
 
-def clip_from_encoder(encoder: LoadedEncoder, *, padding: str = "reference", dtype: torch.dtype | None = None, embedding_directory=None):
-    """A host CLIP holding `encoder`. dtype: the weights' dtype in the host (default: as stored)."""
+def clip_from_encoder(encoder: LoadedEncoder, *, padding: str = "reference", dtype: torch.dtype | None = None,
+                      embedding_directory=None, disable_dynamic: bool = False):
+    """A host CLIP holding `encoder`. dtype: the weights' dtype in the host (default: as stored). The host
+    picks the CLIP's patcher class as for its own encoders (disable_dynamic: the plain one)."""
     from ..tokenizers import PADDING_MODES
 
     if padding not in PADDING_MODES:
@@ -139,13 +134,14 @@ def clip_from_encoder(encoder: LoadedEncoder, *, padding: str = "reference", dty
     import comfy.sd
     import comfy.text_encoders.flux
 
-    from .ops import PackedModelPatcher, packed_operations
+    from . import compat
+    from .ops import packed_operations, packed_patcher
 
     dtype = dtype or _compute_dtype(encoder)
 
     class Target:
         params = {}
-        clip = _call_with_known(comfy.text_encoders.flux.flux2_te, dtype_llama=dtype, pruned=True)
+        clip = compat.call_with_known(comfy.text_encoders.flux.flux2_te, dtype_llama=dtype, pruned=True)
         tokenizer = Flux2DevTokenizer
 
     model_options = {
@@ -156,17 +152,16 @@ def clip_from_encoder(encoder: LoadedEncoder, *, padding: str = "reference", dty
     }
     tokenizer_data = {TOKENIZER_KEY: encoder.tokenizer.tokenizer, PADDING_KEY: padding}
     parameters = sum(t.numel() for t in encoder.state_dict.values())
-    # The weights are loaded here rather than in the constructor (which newer releases offer, logging
-    # missing keys only), so that a missing one stops the load. disable_dynamic (newer releases) keeps the
-    # host's plain ModelPatcher, which the pack's patcher extends; older releases have no such option.
-    clip = _call_with_known(
+    # The weights are loaded here rather than in the constructor (which only logs missing keys), so that a
+    # missing one stops the load.
+    clip = compat.call_with_known(
         comfy.sd.CLIP,
         target=Target,
         embedding_directory=embedding_directory,
         tokenizer_data=tokenizer_data,
         parameters=parameters,
         model_options=model_options,
-        disable_dynamic=True,
+        disable_dynamic=disable_dynamic,
     )
     missing, _ = clip.load_sd(encoder.state_dict)
     if missing:  # the pruned host model has exactly the 30 layers + embeddings the loader reads
@@ -174,14 +169,25 @@ def clip_from_encoder(encoder: LoadedEncoder, *, padding: str = "reference", dty
             f"This ComfyUI's FLUX.2 text encoder has weights the pack does not provide ({', '.join(missing[:5])}); "
             "its encoder differs from the one the pack was built for. Report it with your ComfyUI version."
         )
-    # The CLIP's patcher, given the pack's patching of packed weights: PackedModelPatcher adds behaviour
-    # only, no state, so the host's own object is kept.
-    clip.patcher.__class__ = PackedModelPatcher
+    packed_patcher(clip.patcher)
     clip.flux2dev_encoder = {"layout": encoder.layout, "formats": encoder.formats, "tokenizer": encoder.tokenizer.rung}
     return clip
 
 
-def load_clip(path: str, *, padding: str = "reference", allow_network: bool = False, dtype: torch.dtype | None = None, embedding_directory=None):
-    """Load a FLUX.2 [dev] text encoder from any supported layout as a host CLIP."""
+def load_clip(path: str, *, padding: str = "reference", allow_network: bool = False, dtype: torch.dtype | None = None,
+              embedding_directory=None, disable_dynamic: bool = False):
+    """Load a FLUX.2 [dev] text encoder from any supported layout as a host CLIP, which the host's device
+    nodes can load again from the same path and options."""
+    from . import compat
+
     encoder = load_encoder(path, allow_network=allow_network)
-    return clip_from_encoder(encoder, padding=padding, dtype=dtype, embedding_directory=embedding_directory)
+    clip = clip_from_encoder(encoder, padding=padding, dtype=dtype, embedding_directory=embedding_directory,
+                             disable_dynamic=disable_dynamic)
+    options = {"padding": padding, "allow_network": allow_network, "dtype": dtype, "embedding_directory": embedding_directory}
+    compat.set_reload(clip.patcher, load_clip_patcher, (path, options))
+    return clip
+
+
+def load_clip_patcher(path: str, options: dict, disable_dynamic: bool = False):
+    """The reload factory the device nodes call: a fresh load's patcher."""
+    return load_clip(path, **options, disable_dynamic=disable_dynamic).patcher

@@ -10,12 +10,18 @@ from . import ensure_comfy
 ensure_comfy()
 
 from ..loaders.gguf_transformer import load_gguf_transformer  # noqa: E402
+from . import compat  # noqa: E402
 from .model import build_model  # noqa: E402
 
 DEQUANT_DTYPES = {"default": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PATCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def load_gguf_model(path, dequant_dtype: torch.dtype | None = None, patch_dtype: torch.dtype = torch.float32, dtype: torch.dtype | None = None):
-    """The FLUX.2 transformer GGUF at `path` as a host MODEL whose weights stay packed."""
-    return build_model(load_gguf_transformer(path), dtype=dtype, dequant_dtype=dequant_dtype, patch_dtype=patch_dtype)
+def load_gguf_model(path, dequant_dtype: torch.dtype | None = None, patch_dtype: torch.dtype = torch.float32,
+                    dtype: torch.dtype | None = None, disable_dynamic: bool = False):
+    """The FLUX.2 transformer GGUF at `path` as a host MODEL whose weights stay packed, which the host's device
+    nodes can load again from the same file."""
+    patcher = build_model(load_gguf_transformer(path), dtype=dtype, dequant_dtype=dequant_dtype,
+                          patch_dtype=patch_dtype, disable_dynamic=disable_dynamic)
+    compat.set_reload(patcher, load_gguf_model, (str(path), dequant_dtype, patch_dtype, dtype))
+    return patcher

@@ -22,7 +22,8 @@ import comfy.utils  # noqa: E402
 from ..errors import HostError, MissingWeightsError, UnknownModelError  # noqa: E402
 from ..loaders import quant  # noqa: E402
 from ..loaders.transformer import LoadedTransformer, check_conditioning_width, load_transformer  # noqa: E402
-from .ops import PackedModelPatcher, packed_operations  # noqa: E402
+from . import compat  # noqa: E402
+from .ops import packed_operations, packed_patcher  # noqa: E402
 
 # unet_config entries the pack fills from its own detection; the host's sniffing fixes num_heads at 48.
 def _geometry_config(loaded: LoadedTransformer) -> dict:
@@ -81,9 +82,9 @@ def _expected_keys(diffusion_model) -> set[str]:
     return expected
 
 
-def _check_keys(model, state_dict: dict) -> None:
+def _check_keys(model, keys: set[str]) -> None:
     expected = _expected_keys(model.diffusion_model)
-    given = {k for k in state_dict if not quant.is_companion(k)}
+    given = {k for k in keys if not quant.is_companion(k)}
     missing, extra = sorted(expected - given), sorted(given - expected)
     if missing:
         raise MissingWeightsError(
@@ -102,10 +103,12 @@ def build_model(
     dtype: torch.dtype | None = None,
     dequant_dtype: torch.dtype | None = None,
     patch_dtype: torch.dtype = torch.float32,
+    disable_dynamic: bool = False,
 ):
     """A host MODEL (ModelPatcher) from a loaded transformer. Packed weights (scaled fp8, GGUF blocks: a
     weight with companions beside it) stay as stored and are dequantized per layer by the pack's ops, with
-    dequant_dtype and patch_dtype as their settings (host/ops.py); float models get the host's own ops."""
+    dequant_dtype and patch_dtype as their settings (host/ops.py); float models get the host's own ops. The
+    patcher is the class the host's own loaders would use now (disable_dynamic: the plain one)."""
     sd = loaded.state_dict
     unet_config = comfy.model_detection.detect_unet_config(sd, "")
     if not unet_config or unet_config.get("image_model") != "flux2":
@@ -128,17 +131,25 @@ def build_model(
             weight_dtype=stored if stored in supported else None,  # fp8 / packed weights: the host picks
         )
     manual_cast = comfy.model_management.unet_manual_cast(dtype, load_device, supported)
-    model_config.set_inference_dtype(dtype, manual_cast)
+    compat.call_with_known(model_config.set_inference_dtype, dtype=dtype, manual_cast_dtype=manual_cast, device=load_device)
     packed = any(quant.is_companion(k) for k in sd)
     model_config.custom_operations = packed_operations(dequant_dtype, patch_dtype) if packed else None
 
-    model = model_config.get_model(sd, "").to(offload_device)
-    _check_keys(model, sd)
-    model.load_model_weights(dict(sd), "")
-    patcher = PackedModelPatcher if packed else comfy.model_patcher.ModelPatcher
-    return patcher(model, load_device=load_device, offload_device=offload_device)
+    model = model_config.get_model(sd, "")
+    patcher = compat.new_patcher(model, load_device, offload_device, disable_dynamic)
+    if packed:
+        packed_patcher(patcher)
+    if not comfy.model_management.is_device_cpu(offload_device):
+        model.to(offload_device)
+    # The check sees the keys after the host's own conversion: what load_model_weights will really load.
+    _check_keys(model, compat.unet_keys_as_loaded(model_config, sd))
+    compat.load_unet_weights(model, dict(sd), dynamic=compat.is_dynamic(patcher))
+    return patcher
 
 
-def load_model(path: str | Path, dtype: torch.dtype | None = None):
-    """The FLUX.2 transformer at `path` (BFL file, diffusers transformer folder or pipeline folder) as a MODEL."""
-    return build_model(load_transformer(path), dtype=dtype)
+def load_model(path: str | Path, dtype: torch.dtype | None = None, disable_dynamic: bool = False):
+    """The FLUX.2 transformer at `path` (BFL file, diffusers transformer folder or pipeline folder) as a MODEL
+    that the host's device nodes can load again from the same file."""
+    patcher = build_model(load_transformer(path), dtype=dtype, disable_dynamic=disable_dynamic)
+    compat.set_reload(patcher, load_model, (str(path), dtype))
+    return patcher

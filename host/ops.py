@@ -8,7 +8,7 @@ weight goes through the one dequantizer, loaders.quant.dequantize.
 
 - packed_operations(...) -> a comfy.ops-style class for custom_operations, fresh per load so one load's
   settings never reach another;
-- PackedModelPatcher: the host's ModelPatcher, except that patches (LoRAs) of packed weights are applied to
+- packed_patcher(...): the host's patcher, whichever class it is, except that patches (LoRAs) of packed weights are applied to
   the dequantized weight at forward time instead of being baked into the stored weight, which would
   unpack it. In low-VRAM mode the host itself adds them as weight functions, which run at the same place.
 The host's memory accounting reads the parameters and scales, which are the stored bytes.
@@ -16,6 +16,7 @@ The host's memory accounting reads the parameters and scales, which are the stor
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -59,7 +60,7 @@ class PackedLayer:
                 setattr(self, name, torch.nn.Parameter(placeholder, requires_grad=False))
         self.weight_shape = tuple(self.weight.shape)  # the logical shape; a packed weight is stored in another
         self.companions: tuple[str, ...] = ()  # names of the weight's companions: non-empty when it is packed
-        self.lazy_patches: list = []  # weight patches PackedModelPatcher did not bake in
+        self.lazy_patches: list = []  # weight patches PackedPatching did not bake in
         self.weight_function = []
         self.bias_function = []
 
@@ -170,12 +171,16 @@ def _packed_layer(model, key: str):
     return layer if isinstance(layer, PackedLayer) and name == "weight" and layer.companions else None
 
 
-class PackedModelPatcher(comfy.model_patcher.ModelPatcher):
-    """Where the host would bake a patch into a stored weight, a packed weight gets it as a lazy patch,
-    applied after dequantization; float weights are patched the host's way."""
+class PackedPatching:
+    """Mixed into the host's patcher class: where the host would bake a patch into a stored weight, a packed
+    weight gets it as a lazy patch, applied after dequantization; float weights are patched the host's way."""
 
     def _packed_layers(self):
         return (m for m in self.model.modules() if isinstance(m, PackedLayer))
+
+    def clone(self, *args, **kwargs):
+        # Newer releases clone a dynamic patcher into the plain class (disable_dynamic, the CPU fallback).
+        return packed_patcher(super().clone(*args, **kwargs))
 
     def patch_weight_to_device(self, key, device_to=None, *args, **kwargs):
         layer = _packed_layer(self.model, key)
@@ -202,3 +207,16 @@ class PackedModelPatcher(comfy.model_patcher.ModelPatcher):
             if getattr(layer, "comfy_patched_weights", None) is False:
                 layer.lazy_patches = []
         return freed
+
+
+@functools.cache
+def _packed_class(host_class: type) -> type:
+    return type(f"Packed{host_class.__name__}", (PackedPatching, host_class), {})
+
+
+def packed_patcher(patcher):
+    """The host's own patcher (whichever class it chose: plain, dynamic-VRAM, or a subclass), given the
+    pack's patching of packed weights. PackedPatching adds behaviour only, no state, so the object is kept."""
+    if not isinstance(patcher, PackedPatching):
+        patcher.__class__ = _packed_class(type(patcher))
+    return patcher

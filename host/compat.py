@@ -1,0 +1,120 @@
+"""Every ComfyUI internal the pack relies on, named and probed in one place.
+
+The pack builds the host's own objects, so it calls into comfy below the node API. Those internals move
+between releases; REQUIRED lists each one, and `missing_internals()` (run by one test) names whatever a new
+release dropped, instead of many tests failing deep inside a load. Features that only newer releases have
+(dynamic VRAM, reload factories for the device nodes, the host's key conversions) are used through the
+functions below, which fall back to the older behaviour where the host lacks them.
+"""
+
+from __future__ import annotations
+
+import ast
+import contextlib
+import importlib
+import inspect
+import logging
+
+from . import ensure_comfy
+
+# (what the pack uses it for, "module:attribute.path")
+REQUIRED = (
+    ("the FLUX.2 model class the pack's MODEL extends", "comfy.model_base:Flux2.extra_conds"),
+    ("the FLUX.2 model config (dtypes, key conversion)", "comfy.supported_models:Flux2.process_unet_state_dict"),
+    ("loading a state dict into a model", "comfy.model_base:BaseModel.load_model_weights"),
+    ("FLUX.2 transformer detection", "comfy.model_detection:detect_unet_config"),
+    ("the model patcher", "comfy.model_patcher:ModelPatcher.patch_weight_to_device"),
+    ("patches applied at forward time", "comfy.model_patcher:LowVramPatch"),
+    ("the layers packed weights plug into", "comfy.ops:manual_cast.Linear"),
+    ("the per-op hook of the host's layers", "comfy.ops:run_every_op"),
+    ("moving weights to the compute device", "comfy.model_management:cast_to"),
+    ("the CLIP object", "comfy.sd:CLIP.load_sd"),
+    ("the VAE object", "comfy.sd:VAE.throw_exception_if_invalid"),
+    ("the pruned FLUX.2 text encoder", "comfy.text_encoders.flux:flux2_te"),
+    ("the Mistral encoder class the pack masks left padding in", "comfy.text_encoders.flux:Mistral3_24BModel.process_tokens"),
+    ("the host's own FLUX.2 tokenizer (comfy padding follows it)", "comfy.text_encoders.flux:Flux2Tokenizer"),
+)
+
+
+def _lookup(spec: str):
+    module, _, path = spec.partition(":")
+    obj = importlib.import_module(module)
+    for name in path.split("."):
+        obj = getattr(obj, name)
+    return obj
+
+
+def missing_internals() -> list[str]:
+    """One line per internal in REQUIRED that the running host lacks; empty when all are there."""
+    ensure_comfy()
+    missing = []
+    for what, spec in REQUIRED:
+        try:
+            _lookup(spec)
+        except (ImportError, AttributeError) as e:
+            missing.append(f"{spec} ({what}): {e}")
+    return missing
+
+
+def call_with_known(fn, **kwargs):
+    """Call a host function with the keyword arguments its signature (in this release) accepts."""
+    accepted = inspect.signature(fn).parameters
+    return fn(**{k: v for k, v in kwargs.items() if k in accepted})
+
+
+def new_patcher(model, load_device, offload_device, disable_dynamic: bool = False):
+    """The patcher the host's own loaders would build for `model` right now: CoreModelPatcher, which newer
+    releases point at their dynamic-VRAM patcher on NVIDIA GPUs (falling back to the plain one on the CPU),
+    or the plain ModelPatcher when asked (disable_dynamic) or on releases without it."""
+    import comfy.model_patcher
+
+    plain = comfy.model_patcher.ModelPatcher
+    cls = plain if disable_dynamic else getattr(comfy.model_patcher, "CoreModelPatcher", plain)
+    return cls(model, load_device=load_device, offload_device=offload_device)
+
+
+def is_dynamic(patcher) -> bool:
+    return bool(getattr(patcher, "is_dynamic", lambda: False)())
+
+
+def load_unet_weights(model, state_dict: dict, dynamic: bool) -> None:
+    """Load a transformer's weights the host's way (its key conversion included). A dynamic patcher wants
+    them assigned, not copied, as the host's own loader does."""
+    call_with_known(model.load_model_weights, sd=state_dict, unet_prefix="", assign=dynamic)
+
+
+def unet_keys_as_loaded(model_config, state_dict: dict) -> set[str]:
+    """The keys the host will load a transformer state dict under, after its own conversion (newer releases
+    rename FLUX RMSNorm scales to weights there)."""
+    return set(model_config.process_unet_state_dict(dict(state_dict)))
+
+
+@contextlib.contextmanager
+def keys_the_host_logs_missing(message: str):
+    """Collect the keys the host reports missing while building a model, where it only logs them (its VAE:
+    "Missing VAE keys [...]") after its own key conversion, and then goes on with uninitialised weights."""
+    found: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            text = record.getMessage()
+            if text.startswith(message):
+                found.extend(ast.literal_eval(text[len(message):].strip()))
+
+    root = logging.getLogger()
+    handler, level = Collect(logging.WARNING), root.level
+    root.addHandler(handler)
+    if level > logging.WARNING:  # a user's --verbose ERROR would drop the record before any handler
+        root.setLevel(logging.WARNING)
+    try:
+        yield found
+    finally:
+        root.removeHandler(handler)
+        root.setLevel(level)
+
+
+def set_reload(patcher, factory, args: tuple) -> None:
+    """Register how to load this model again (newer releases' `cached_patcher_init`). The device nodes and
+    the multi-GPU clone rebuild a model with factory(*args) or factory(*args, disable_dynamic=True), which
+    must return a patcher. Releases without device nodes never call it."""
+    patcher.cached_patcher_init = (factory, args)
