@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from .canonical import Flux2Tokenizer
 
 SYSTEM_PROMPT = (
@@ -17,15 +19,33 @@ SYSTEM_PROMPT_END_ID = 18
 MAX_LENGTH = 512
 IMAGE_MARKER = "[IMG]"  # removed from prompts before templating, as BFL and diffusers do
 
-# "reference": as BFL and diffusers: truncate to 512, left-pad with <pad>, mask 0 on the pads.
-# "comfy": as ComfyUI core: no padding (its model left-pads the conditioning with zeros instead).
+# "reference": as BFL and diffusers: [IMG] removed, truncate to 512, left-pad with <pad>, mask 0 on the pads.
+# "comfy": the ids ComfyUI's own FLUX.2 tokenizer gives: no padding (its model left-pads the conditioning
+# with zeros instead), [IMG] kept as its id, and the host's prompt syntax applied (below).
 PADDING_MODES = ("reference", "comfy")
+
+# ComfyUI tokenizes the template as text (markers become their ids) through its generic prompt tokenizer:
+# "\(" and "\)" lose the backslash that escapes its weight syntax, and the text is tokenized in pieces, a new
+# piece starting at each "embedding:" that follows whitespace (its embedding syntax).
+COMFY_TEMPLATE = "[SYSTEM_PROMPT]" + SYSTEM_PROMPT + "[/SYSTEM_PROMPT][INST]{}[/INST]"
+COMFY_EMBEDDING_MARK = "embedding:"
+
+
+def _comfy_pieces(prompt: str) -> list[str]:
+    text = COMFY_TEMPLATE.format(prompt)
+    # The host's escape and unescape, in its order: placeholders keep the two replacements apart.
+    text = text.replace("\\)", "\0\1").replace("\\(", "\0\2").replace("\0\1", ")").replace("\0\2", "(")
+    first, *rest = re.split(r"(?<=\s)" + re.escape(COMFY_EMBEDDING_MARK), text)
+    return [p for p in (first, *(COMFY_EMBEDDING_MARK + r for r in rest)) if p]
 
 
 def prompt_ids(tokenizer: Flux2Tokenizer, prompt: str, padding: str) -> tuple[list[int], list[int]]:
     """Token ids of <s>[SYSTEM_PROMPT]...[/SYSTEM_PROMPT][INST]prompt[/INST] and their attention mask."""
     if padding not in PADDING_MODES:
         raise ValueError(f"padding must be one of {PADDING_MODES}, got {padding!r}")
+    if padding == "comfy":
+        ids = [BOS_ID, *(i for piece in _comfy_pieces(prompt) for i in tokenizer.encode(piece))]
+        return ids, [1] * len(ids)
     ids = [
         BOS_ID,
         SYSTEM_PROMPT_ID,
@@ -34,9 +54,6 @@ def prompt_ids(tokenizer: Flux2Tokenizer, prompt: str, padding: str) -> tuple[li
         INST_ID,
         *tokenizer.encode(prompt.replace(IMAGE_MARKER, "")),
         INST_END_ID,
-    ]
-    if padding == "comfy":
-        return ids, [1] * len(ids)
-    ids = ids[:MAX_LENGTH]
+    ][:MAX_LENGTH]
     pads = MAX_LENGTH - len(ids)
     return [PAD_ID] * pads + ids, [0] * pads + [1] * len(ids)
