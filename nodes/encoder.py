@@ -5,15 +5,8 @@ from __future__ import annotations
 from comfy_api.latest import io
 
 from ..tokenizers import PADDING_MODES
-from . import CATEGORY
-from .choices import chosen_path, has_config, model_choices
-
-ENCODER_FILES = (".safetensors", ".gguf")
-
-
-def encoder_choices() -> dict[str, str]:
-    """Encoder files and folders in models/text_encoders and models/clip."""
-    return model_choices("text_encoders", ENCODER_FILES, has_config)
+from . import CATEGORY, CLIP_TOOLTIP, PADDING_TOOLTIP
+from ..host.menus import chosen_path, model_choices
 
 
 class Flux2DevEncoderLoader(io.ComfyNode):
@@ -27,18 +20,31 @@ class Flux2DevEncoderLoader(io.ComfyNode):
             "diffusers folder, Mistral native, fp8, NVFP4, GGUF). 'reference' padding matches BFL/diffusers; "
             "'comfy' matches ComfyUI's own loader.",
             inputs=[
-                io.Combo.Input("encoder", options=list(encoder_choices())),
-                io.Combo.Input("padding", options=list(PADDING_MODES), default="reference"),
-                io.Boolean.Input("allow_network", default=False, tooltip="Let the tokenizer ladder download from the hub as a last resort."),
+                io.Combo.Input(
+                    "encoder",
+                    options=list(model_choices("encoder")),
+                    tooltip="The Mistral-Small text encoder of FLUX.2 [dev], from models/text_encoders (or models/clip): "
+                    "a single file such as mistral_3_small_flux2_bf16.safetensors or its fp8 / NVFP4 versions, a .gguf "
+                    "quantization, or a folder (Hugging Face, diffusers text_encoder/, Mistral native; shown with a "
+                    "trailing /). Not the Qwen3 encoder of FLUX.2 Klein.",
+                ),
+                io.Combo.Input("padding", options=list(PADDING_MODES), default="reference", tooltip=PADDING_TOOLTIP),
+                io.Boolean.Input(
+                    "allow_network",
+                    default=False,
+                    tooltip="Only if no tokenizer is found on disk (none is embedded in the file, beside it, or bundled "
+                    "with mistral-common): let the pack download FLUX.2 [dev]'s tokenizer from Hugging Face. Off: "
+                    "nothing is ever downloaded.",
+                ),
             ],
-            outputs=[io.Clip.Output()],
+            outputs=[io.Clip.Output(tooltip=CLIP_TOOLTIP)],
         )
 
     @classmethod
     def execute(cls, encoder, padding, allow_network) -> io.NodeOutput:
         from ..host.clip import load_clip
 
-        path = chosen_path(encoder_choices(), encoder, "The text encoder")
+        path = chosen_path("encoder", encoder, "The text encoder")
         return io.NodeOutput(load_clip(path, padding=padding, allow_network=allow_network))
 
 

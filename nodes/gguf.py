@@ -5,13 +5,8 @@ from __future__ import annotations
 from comfy_api.latest import io
 
 from ..host import gguf_ops
-from . import CATEGORY
-from .choices import chosen_path, model_choices
-
-
-def gguf_choices() -> dict[str, str]:
-    """The .gguf files in models/diffusion_models and models/unet."""
-    return model_choices("diffusion_models", (".gguf",))
+from . import CATEGORY, MODEL_TOOLTIP
+from ..host.menus import chosen_path, model_choices
 
 
 class Flux2DevGGUFTransformerLoader(io.ComfyNode):
@@ -27,26 +22,33 @@ class Flux2DevGGUFTransformerLoader(io.ComfyNode):
                 "layer at a time while sampling; LoRAs apply on top as usual."
             ),
             inputs=[
-                io.Combo.Input("gguf_name", options=list(gguf_choices())),
+                io.Combo.Input(
+                    "gguf_name",
+                    options=list(model_choices("gguf")),
+                    tooltip="A FLUX.2 transformer quantized as .gguf (for example flux2-dev-Q4_K_M.gguf), from "
+                    "models/diffusion_models or models/unet. Not a text encoder .gguf: those go to the text encoder loader.",
+                ),
                 io.Combo.Input(
                     "dequant_dtype",
                     options=list(gguf_ops.DEQUANT_DTYPES),
                     default="default",
-                    tooltip="The dtype each layer is expanded to; default: the model's compute dtype.",
+                    tooltip="The precision each layer's weights are expanded to while sampling. default: the model's "
+                    "own compute precision (best for most); float32 uses more memory for no visible gain.",
                 ),
                 io.Combo.Input(
                     "patch_dtype",
                     options=list(gguf_ops.PATCH_DTYPES),
                     default="float32",
-                    tooltip="The dtype LoRA patches are computed in, on each expanded layer.",
+                    tooltip="The precision LoRAs are added in, on each expanded layer. float32 (the default) is exact; "
+                    "bfloat16 or float16 save a little memory with large LoRAs.",
                 ),
             ],
-            outputs=[io.Model.Output()],
+            outputs=[io.Model.Output(tooltip=MODEL_TOOLTIP)],
         )
 
     @classmethod
     def execute(cls, gguf_name, dequant_dtype, patch_dtype) -> io.NodeOutput:
-        path = chosen_path(gguf_choices(), gguf_name, "The GGUF file")
+        path = chosen_path("gguf", gguf_name, "The GGUF file")
         model = gguf_ops.load_gguf_model(
             path, dequant_dtype=gguf_ops.DEQUANT_DTYPES[dequant_dtype], patch_dtype=gguf_ops.PATCH_DTYPES[patch_dtype]
         )

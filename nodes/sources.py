@@ -5,29 +5,8 @@ from __future__ import annotations
 
 from comfy_api.latest import io
 
-from . import CATEGORY
-from .choices import chosen_path, has_config, model_choices
-
-SAFETENSORS = (".safetensors",)
-
-
-def _is_pipeline(path: str) -> bool:
-    from ..loaders.pipeline import pipeline_class
-
-    return pipeline_class(path) is not None
-
-
-def _pipelines() -> dict[str, str]:
-    """The FLUX.2 pipeline folders in models/diffusers."""
-    return model_choices("diffusers", (), _is_pipeline)
-
-
-def _vaes() -> dict[str, str]:
-    return {**_pipelines(), **model_choices("vae", SAFETENSORS, has_config)}
-
-
-def _transformers() -> dict[str, str]:
-    return {**_pipelines(), **model_choices("diffusion_models", SAFETENSORS, has_config)}
+from . import CATEGORY, CLIP_TOOLTIP, MODEL_TOOLTIP, PADDING_TOOLTIP
+from ..host.menus import chosen_path, model_choices
 
 
 class Flux2DevVAESource(io.ComfyNode):
@@ -41,15 +20,22 @@ class Flux2DevVAESource(io.ComfyNode):
                 "The FLUX.2 VAE from any FLUX.2 pipeline folder in models/diffusers ([dev] and Klein share one VAE, "
                 "so a Klein pipeline serves [dev] too) or from an ae.safetensors in models/vae."
             ),
-            inputs=[io.Combo.Input("vae", options=list(_vaes()))],
-            outputs=[io.Vae.Output()],
+            inputs=[
+                io.Combo.Input(
+                    "vae",
+                    options=list(model_choices("vae")),
+                    tooltip="A FLUX.2 pipeline folder from models/diffusers ([dev] or Klein: they share the VAE), or "
+                    "from models/vae the FLUX.2 ae.safetensors or a diffusers vae/ folder. Not the FLUX.1 VAE.",
+                )
+            ],
+            outputs=[io.Vae.Output(tooltip="The FLUX.2 VAE: connect it to VAE Decode (and VAE Encode for reference images).")],
         )
 
     @classmethod
     def execute(cls, vae) -> io.NodeOutput:
         from ..host.vae import load_vae
 
-        return io.NodeOutput(load_vae(chosen_path(_vaes(), vae, "The VAE")))
+        return io.NodeOutput(load_vae(chosen_path("vae", vae, "The VAE")))
 
 
 class Flux2DevEncoderSource(io.ComfyNode):
@@ -66,15 +52,16 @@ class Flux2DevEncoderSource(io.ComfyNode):
                 "Klein pipelines carry a Qwen3 encoder that cannot condition [dev] and are refused before loading."
             ),
             inputs=[
-                io.Combo.Input("pipeline", options=list(_pipelines())),
                 io.Combo.Input(
-                    "padding",
-                    options=list(PADDING_MODES),
-                    default=PADDING_MODES[0],
-                    tooltip="reference: left-pad to 512 as BFL/diffusers do; comfy: ComfyUI's own FLUX.2 conditioning.",
+                    "pipeline",
+                    options=list(model_choices("pipeline")),
+                    tooltip="A FLUX.2 [dev] pipeline folder from models/diffusers (a copy of black-forest-labs/FLUX.2-dev "
+                    "with model_index.json, text_encoder/ and tokenizer/). Klein pipelines are refused: their text "
+                    "encoder cannot condition [dev].",
                 ),
+                io.Combo.Input("padding", options=list(PADDING_MODES), default=PADDING_MODES[0], tooltip=PADDING_TOOLTIP),
             ],
-            outputs=[io.Clip.Output()],
+            outputs=[io.Clip.Output(tooltip=CLIP_TOOLTIP)],
         )
 
     @classmethod
@@ -82,7 +69,7 @@ class Flux2DevEncoderSource(io.ComfyNode):
         from ..host.clip import load_clip
         from ..loaders.pipeline import dev_encoder_folder
 
-        folder = dev_encoder_folder(chosen_path(_pipelines(), pipeline, "The pipeline folder"))
+        folder = dev_encoder_folder(chosen_path("pipeline", pipeline, "The pipeline folder"))
         return io.NodeOutput(load_clip(str(folder), padding=padding))
 
 
@@ -99,15 +86,23 @@ class Flux2DevTransformerSource(io.ComfyNode):
                 "models/diffusion_models (BFL keys, bf16 or scaled fp8). Conditioning from another variant's text "
                 "encoder is refused when sampling starts."
             ),
-            inputs=[io.Combo.Input("transformer", options=list(_transformers()))],
-            outputs=[io.Model.Output()],
+            inputs=[
+                io.Combo.Input(
+                    "transformer",
+                    options=list(model_choices("transformer")),
+                    tooltip="A FLUX.2 pipeline folder from models/diffusers, or from models/diffusion_models a FLUX.2 "
+                    "transformer .safetensors (such as flux2_dev_fp8mixed.safetensors) or a diffusers transformer/ "
+                    "folder. For .gguf files use the GGUF transformer loader.",
+                )
+            ],
+            outputs=[io.Model.Output(tooltip=MODEL_TOOLTIP)],
         )
 
     @classmethod
     def execute(cls, transformer) -> io.NodeOutput:
         from ..host.model import load_model
 
-        return io.NodeOutput(load_model(chosen_path(_transformers(), transformer, "The transformer")))
+        return io.NodeOutput(load_model(chosen_path("transformer", transformer, "The transformer")))
 
 
 NODES = [Flux2DevVAESource, Flux2DevEncoderSource, Flux2DevTransformerSource]

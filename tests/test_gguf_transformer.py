@@ -227,14 +227,14 @@ def test_flux1_and_unknown_geometry_are_refused(gguf_dir, tmp_path):
 def test_combo_lists_gguf_files_of_the_diffusion_model_folders(tmp_path, comfy_host):
     import folder_paths
 
-    from comfyui_flux2dev.nodes.gguf import gguf_choices
+    from comfyui_flux2dev.host.menus import model_choices
 
     (tmp_path / "a.gguf").write_bytes(b"")
     (tmp_path / "b.safetensors").write_bytes(b"")
     extensions = set(folder_paths.folder_names_and_paths["diffusion_models"][1])
     folder_paths.add_model_folder_path("diffusion_models", str(tmp_path))
     try:
-        choices = gguf_choices()
+        choices = model_choices("gguf")
         assert choices["a.gguf"] == str(tmp_path / "a.gguf") and "b.safetensors" not in choices
         assert "b.safetensors" in folder_paths.get_filename_list("diffusion_models")
         assert "a.gguf" not in folder_paths.get_filename_list("diffusion_models")

@@ -1,0 +1,98 @@
+"""The model menus of the pack's nodes, over the host's model folders (folder_paths, so extra_model_paths.yaml
+counts). Entries are named as the host names them: the path relative to the model folder with '/'
+separators; a model kept as a folder ends with '/'. A menu is listed by walking its folders once per request
+(symlinks followed, each real folder visited once, so a looping models folder cannot hang the UI); a chosen
+name is found again directly, without a walk."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from ..errors import ModelNotFoundError
+
+FOLDER_MARK = "/"
+CONFIG_FILES = ("config.json", "params.json", "model_index.json")
+
+
+def has_config(path: str) -> bool:
+    """A model kept as a folder: a Hugging Face / diffusers folder or a Mistral native one."""
+    return any(os.path.isfile(os.path.join(path, name)) for name in CONFIG_FILES)
+
+
+def is_pipeline(path: str) -> bool:
+    """A FLUX.2 diffusers pipeline folder (model_index.json naming a FLUX.2 pipeline class)."""
+    from ..loaders.pipeline import pipeline_class
+
+    return pipeline_class(path) is not None
+
+
+@dataclass(frozen=True)
+class Source:
+    folder: str  # the host's model folder key
+    extensions: tuple[str, ...] = ()  # files listed
+    is_model_folder: Callable[[str], bool] | None = None  # folders listed as one model
+
+
+# Each node's menu: its sources in order; a name found in more than one comes from the first.
+MENUS = {
+    "encoder": (Source("text_encoders", (".safetensors", ".gguf"), has_config),),
+    "gguf": (Source("diffusion_models", (".gguf",)),),
+    "pipeline": (Source("diffusers", (), is_pipeline),),
+    "vae": (Source("diffusers", (), is_pipeline), Source("vae", (".safetensors",), has_config)),
+    "transformer": (Source("diffusers", (), is_pipeline), Source("diffusion_models", (".safetensors",), has_config)),
+}
+
+
+def _roots(folder: str) -> list[str]:
+    import folder_paths
+
+    return folder_paths.get_folder_paths(folder)
+
+
+def _walk(root: str, source: Source, found: dict[str, str]) -> None:
+    visited: set[str] = set()
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
+        real = os.path.realpath(dirpath)
+        if real in visited:
+            dirnames.clear()
+            continue
+        visited.add(real)
+        rel = os.path.relpath(dirpath, root)
+        if rel != "." and source.is_model_folder is not None and source.is_model_folder(dirpath):
+            found.setdefault(rel.replace(os.sep, "/") + FOLDER_MARK, dirpath)
+            dirnames.clear()
+            continue
+        dirnames.sort()
+        for name in filenames:
+            if name.lower().endswith(source.extensions):
+                found.setdefault(os.path.normpath(os.path.join(rel, name)).replace(os.sep, "/"), os.path.join(dirpath, name))
+
+
+def model_choices(menu: str) -> dict[str, str]:
+    """{menu name: path} of every file and model folder the menu's sources hold, in every root of each."""
+    found: dict[str, str] = {}
+    for source in MENUS[menu]:
+        for root in _roots(source.folder):
+            if os.path.isdir(root):
+                _walk(root, source, found)
+    return dict(sorted(found.items()))
+
+
+def _is_entry(path: str, name: str, source: Source) -> bool:
+    if name.endswith(FOLDER_MARK):
+        return source.is_model_folder is not None and os.path.isdir(path) and source.is_model_folder(path)
+    return os.path.isfile(path) and name.lower().endswith(source.extensions) and bool(source.extensions)
+
+
+def chosen_path(menu: str, name: str, what: str) -> str:
+    """The path of the entry `name` of a menu, found as the menu would list it; `what` names it for the user."""
+    relative = os.path.normpath(name.rstrip(FOLDER_MARK)) if name else ""
+    if relative and not os.path.isabs(relative) and relative.split(os.sep)[0] != "..":
+        for source in MENUS[menu]:
+            for root in _roots(source.folder):
+                path = os.path.join(root, relative)
+                if _is_entry(path, name, source):
+                    return path
+    raise ModelNotFoundError(f"{what} {name!r} is no longer there; refresh the node list (press R) and choose again.")
