@@ -5,13 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from . import ensure_comfy
-
-ensure_comfy()
-
-from ..loaders.gguf_transformer import load_gguf_transformer  # noqa: E402
-from . import compat  # noqa: E402
-from .model import build_model  # noqa: E402
+from ..loaders.gguf_transformer import load_gguf_transformer
+from . import compat
+from .model import build_model
 
 DEQUANT_DTYPES = {"default": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 PATCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

@@ -4,26 +4,17 @@ deep in the first step with a matmul error."""
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import torch
 
-from . import ensure_comfy
+from ..errors import HostError, MissingWeightsError, UnknownModelError
+from ..loaders import quant
+from ..loaders.transformer import LoadedTransformer, check_conditioning_width, load_transformer
+from . import compat, ensure_comfy
+from .ops import packed_operations, packed_patcher
 
-ensure_comfy()
-
-import comfy.model_base  # noqa: E402
-import comfy.model_detection  # noqa: E402
-import comfy.model_management  # noqa: E402
-import comfy.model_patcher  # noqa: E402
-import comfy.supported_models  # noqa: E402
-import comfy.utils  # noqa: E402
-
-from ..errors import HostError, MissingWeightsError, UnknownModelError  # noqa: E402
-from ..loaders import quant  # noqa: E402
-from ..loaders.transformer import LoadedTransformer, check_conditioning_width, load_transformer  # noqa: E402
-from . import compat  # noqa: E402
-from .ops import packed_operations, packed_patcher  # noqa: E402
 
 # unet_config entries the pack fills from its own detection; the host's sniffing fixes num_heads at 48.
 def _geometry_config(loaded: LoadedTransformer) -> dict:
@@ -39,31 +30,40 @@ def _geometry_config(loaded: LoadedTransformer) -> dict:
     }
 
 
-class GuardedFlux2(comfy.model_base.Flux2):
-    """The host's FLUX.2 model, refusing conditioning of another width when the sampler prepares its conds."""
+@functools.cache
+def flux2_classes():
+    """(model class, config class): the host's FLUX.2 ones, with the wiring guard. Made on first use, so that
+    importing this module leaves comfy alone."""
+    ensure_comfy()
+    import comfy.model_base
+    import comfy.supported_models
 
-    def __init__(self, model_config, device=None):
-        super().__init__(model_config, device=device)
-        self.flux2_variant = model_config.flux2_variant
+    class GuardedFlux2(comfy.model_base.Flux2):
+        """The host's FLUX.2 model, refusing conditioning of another width when the sampler prepares its conds."""
 
-    def concat_cond(self, **kwargs):
-        # No FLUX.2 variant takes extra image channels beside the latent (in_channels equals out_channels).
-        # The host would infer them from img_in.weight's stored shape, which for a packed weight (GGUF rows)
-        # is a byte count, and would then concatenate a phantom image.
-        return None
+        def __init__(self, model_config, device=None):
+            super().__init__(model_config, device=device)
+            self.flux2_variant = model_config.flux2_variant
 
-    def extra_conds(self, **kwargs):
-        cross_attn = kwargs.get("cross_attn")
-        if cross_attn is not None:
-            check_conditioning_width(cross_attn.shape[-1], self.flux2_variant)
-        return super().extra_conds(**kwargs)
+        def concat_cond(self, **kwargs):
+            # No FLUX.2 variant takes extra image channels beside the latent (in_channels equals out_channels).
+            # The host would infer them from img_in.weight's stored shape, which for a packed weight (GGUF rows)
+            # is a byte count, and would then concatenate a phantom image.
+            return None
 
+        def extra_conds(self, **kwargs):
+            cross_attn = kwargs.get("cross_attn")
+            if cross_attn is not None:
+                check_conditioning_width(cross_attn.shape[-1], self.flux2_variant)
+            return super().extra_conds(**kwargs)
 
-class Flux2Config(comfy.supported_models.Flux2):
-    flux2_variant = None
+    class Flux2Config(comfy.supported_models.Flux2):
+        flux2_variant = None
 
-    def get_model(self, state_dict, prefix="", device=None):
-        return GuardedFlux2(self, device=device)
+        def get_model(self, state_dict, prefix="", device=None):
+            return GuardedFlux2(self, device=device)
+
+    return GuardedFlux2, Flux2Config
 
 
 # Layers that always own a weight; one that is None has not been created yet.
@@ -109,6 +109,11 @@ def build_model(
     weight with companions beside it) stay as stored and are dequantized per layer by the pack's ops, with
     dequant_dtype and patch_dtype as their settings (host/ops.py); float models get the host's own ops. The
     patcher is the class the host's own loaders would use now (disable_dynamic: the plain one)."""
+    _, flux2_config = flux2_classes()
+    import comfy.model_detection
+    import comfy.model_management
+    import comfy.utils
+
     sd = loaded.state_dict
     unet_config = comfy.model_detection.detect_unet_config(sd, "")
     if not unet_config or unet_config.get("image_model") != "flux2":
@@ -117,7 +122,7 @@ def build_model(
             f"{unet_config and unet_config.get('image_model')!r}); FLUX.2 needs ComfyUI 0.3.75 or newer."
         )
     unet_config.update(_geometry_config(loaded))
-    model_config = Flux2Config(unet_config)
+    model_config = flux2_config(unet_config)
     model_config.flux2_variant = loaded.variant
 
     load_device = comfy.model_management.get_torch_device()

@@ -24,13 +24,6 @@ import torch
 from ..loaders import quant
 from . import ensure_comfy
 
-ensure_comfy()
-
-import comfy.model_management  # noqa: E402
-import comfy.model_patcher  # noqa: E402
-import comfy.ops  # noqa: E402
-import comfy.utils  # noqa: E402
-
 
 @dataclass(frozen=True)
 class PackedSettings:
@@ -39,6 +32,8 @@ class PackedSettings:
 
 
 def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    import comfy.model_management
+
     non_blocking = comfy.model_management.device_supports_non_blocking(device)
     return comfy.model_management.cast_to(tensor, None, device, non_blocking=non_blocking, copy=False)
 
@@ -113,6 +108,8 @@ class PackedLayer:
         return weight, bias
 
     def forward(self, *args, **kwargs):
+        import comfy.ops
+
         comfy.ops.run_every_op()
         return self.forward_comfy_cast_weights(*args, **kwargs)
 
@@ -139,6 +136,9 @@ class PackedEmbedding(PackedLayer):
 def packed_operations(dequant_dtype: torch.dtype | None = None, patch_dtype: torch.dtype = torch.float32):
     """A fresh comfy.ops class for one load: packed weights (those with companions) stay as stored, float
     weights load as the model's float tensors."""
+    ensure_comfy()
+    import comfy.ops
+
     settings = PackedSettings(dequant_dtype, patch_dtype)
     base = comfy.ops.manual_cast
 
@@ -166,6 +166,8 @@ def packed_operations(dequant_dtype: torch.dtype | None = None, patch_dtype: tor
 
 def _packed_layer(model, key: str):
     """The layer whose packed weight `key` names, else None."""
+    import comfy.utils
+
     path, _, name = key.rpartition(".")
     layer = comfy.utils.get_attr(model, path) if path else None
     return layer if isinstance(layer, PackedLayer) and name == "weight" and layer.companions else None
@@ -186,6 +188,8 @@ class PackedPatching:
         layer = _packed_layer(self.model, key)
         if layer is None:
             return super().patch_weight_to_device(key, device_to, *args, **kwargs)
+        import comfy.model_patcher
+
         patches = [comfy.model_patcher.LowVramPatch(key, self.patches)] if key in self.patches else []
         if kwargs.get("return_weight"):
             # Newer releases ask for the patched weight itself (to save a model): give its real values.

@@ -5,24 +5,21 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from . import ensure_comfy
-
-ensure_comfy()
-
-import comfy.sd  # noqa: E402
-
-from . import compat  # noqa: E402
-from ..errors import HostError, MissingWeightsError  # noqa: E402
-from ..loaders.vae import LATENT_CHANNELS, load_vae_state_dict  # noqa: E402
+from ..errors import HostError, MissingWeightsError
+from ..loaders.vae import LATENT_CHANNELS, load_vae_state_dict
+from . import compat, ensure_comfy
 
 PATCH = 2  # the host packs 2x2 latent pixels into channels for FLUX.2
 MISSING_VAE_KEYS = "Missing VAE keys"  # what the host logs, with the list, after its own key conversion
 TRAINING_COUNTER = "num_batches_tracked"  # a batch norm's training step count; files may leave it out
 
 
-def load_vae(path: str | Path) -> comfy.sd.VAE:
-    """The FLUX.2 VAE of a pipeline folder ([dev] or Klein), a vae/ folder or an ae.safetensors file, which
-    the host's device nodes can load again from the same path."""
+def load_vae(path: str | Path):
+    """The FLUX.2 VAE of a pipeline folder ([dev] or Klein), a vae/ folder or an ae.safetensors file, as the
+    host's VAE, which the host's device nodes can load again from the same path."""
+    ensure_comfy()
+    import comfy.sd
+
     with compat.keys_the_host_logs_missing(MISSING_VAE_KEYS) as missing:
         vae = comfy.sd.VAE(sd=load_vae_state_dict(path))
     vae.throw_exception_if_invalid()
