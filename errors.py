@@ -2,8 +2,20 @@
 what was found, what was expected, and what to do."""
 
 
+# ComfyUI imports the pack under its folder's path, and its error reports name an exception by its module:
+# every error type names the installed package instead, whatever the folder is called.
+MODULE = "comfyui_flux2dev.errors"
+
+
 class Flux2DevError(Exception):
     """Base of every error the pack raises on purpose; catch this to catch them all."""
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        cls.__module__ = MODULE
+
+
+Flux2DevError.__module__ = MODULE
 
 
 class ModelNotFoundError(Flux2DevError, FileNotFoundError):

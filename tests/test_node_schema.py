@@ -1,6 +1,12 @@
-"""The nodes as the real server describes them to the UI (/object_info)."""
+"""The nodes as the real server shows them to the UI: their schema (/object_info) and their errors."""
 
 from __future__ import annotations
+
+import time
+
+from test_graphs import encoder, gguf_model, vae
+
+from comfyui_flux2dev.workflows import official_dev_graph
 
 NODE_IDS = ("Flux2DevEncoderLoader", "Flux2DevGGUFTransformerLoader", "Flux2DevVAESource", "Flux2DevEncoderSource",
             "Flux2DevTransformerSource")
@@ -21,3 +27,17 @@ def test_every_input_and_output_has_a_tooltip(comfy_server):
             if i >= len(tooltips) or not tooltips[i] or len(tooltips[i]) < 20:
                 untold.append(f"{node_id} output {name}")
     assert untold == []
+
+
+def test_error_reports_name_the_package_not_the_install_path(comfy_server):
+    """The server loads the pack from a folder with another name; the error type still reads as the package's."""
+    prompt_id = comfy_server.submit(official_dev_graph(gguf_model(), encoder("flux2-vae.safetensors"), vae()))
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        status = comfy_server.get(f"/history/{prompt_id}").get(prompt_id, {}).get("status", {})
+        errors = [data for kind, data in status.get("messages", []) if kind == "execution_error"]
+        if errors:
+            assert errors[0]["exception_type"] == "comfyui_flux2dev.errors.WrongModelError"
+            return
+        time.sleep(0.2)
+    raise AssertionError("the graph did not fail")
