@@ -13,8 +13,8 @@ from comfyui_flux2dev.errors import VariantMismatchError, WrongModelError
 from comfyui_flux2dev.loaders.pipeline import (
     describe_pipeline,
     dev_encoder_folder,
-    find_pipelines,
     klein_encoder_error,
+    pipeline_class,
     pipeline_variant,
 )
 from comfyui_flux2dev.loaders.variants import TINY_VARIANTS, VARIANTS
@@ -27,11 +27,10 @@ def pipelines(tiny_part):
 
 def test_pipelines_are_found_and_identified(pipelines, tmp_path):
     root, entries = pipelines
-    (tmp_path / "not-a-pipeline").mkdir()
-    found = find_pipelines([root, tmp_path])
-    assert [p.name for p in found] == [e["path"] for e in entries]
-    for path, entry in zip(found, entries):
-        assert describe_pipeline(path).variant.key == entry["variant"]
+    assert pipeline_class(tmp_path) is None
+    for entry in entries:
+        assert pipeline_class(root / entry["path"]) in ("Flux2Pipeline", "Flux2KleinPipeline")
+        assert describe_pipeline(root / entry["path"]).variant.key == entry["variant"]
 
 
 def test_tiny_pipelines_load_in_diffusers(pipelines):
@@ -120,7 +119,7 @@ def test_other_pipelines_are_not_flux2(tmp_path):
     (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "FluxPipeline"}))
     with pytest.raises(WrongModelError, match=r"is a diffusers FluxPipeline pipeline, not a FLUX.2 one"):
         describe_pipeline(tmp_path)
-    assert find_pipelines([tmp_path]) == []
+    assert pipeline_class(tmp_path) is None
 
 
 # --- the nodes, in the host --------------------------------------------------------------------------
