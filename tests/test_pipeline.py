@@ -25,6 +25,13 @@ def pipelines(tiny_part):
     return tiny_part("diffusers")
 
 
+def refusal(call, *args) -> str:
+    """The message of the VariantMismatchError `call(*args)` raises."""
+    with pytest.raises(VariantMismatchError) as e:
+        call(*args)
+    return str(e.value)
+
+
 def test_pipelines_are_found_and_identified(pipelines, tmp_path):
     root, entries = pipelines
     assert pipeline_class(tmp_path) is None
@@ -55,9 +62,7 @@ def test_klein_pipeline_is_refused_as_dev_encoder_before_any_weight_is_read(pipe
     shutil.copytree(root / "flux2-klein-4b-tiny-pipeline", klein)
     for weights in (klein / "text_encoder").glob("*.safetensors"):
         weights.write_bytes(b"")  # nothing to read: the refusal must come from the JSON and headers alone
-    with pytest.raises(VariantMismatchError) as e:
-        dev_encoder_folder(klein)
-    assert str(e.value) == (
+    assert refusal(dev_encoder_folder, klein) == (
         "FLUX.2-klein-4B is a FLUX.2 Klein 4B (tiny test model) pipeline (Flux2KleinPipeline). Its tiny Qwen3 text "
         "encoder gives 96-wide conditioning, but FLUX.2 [dev] (tiny test model) needs 192 (the tiny Mistral encoder). "
         "Use this pipeline only for its VAE (Flux2DevVAESource: the VAE is shared); for the text encoder choose a "
@@ -84,9 +89,7 @@ def test_a_pipeline_that_contradicts_itself_says_which_part_says_what(pipelines,
     shutil.copytree(root / "flux2-klein-4b-tiny-pipeline", mixed)
     shutil.rmtree(mixed / "transformer")
     shutil.copytree(root / "flux2-dev-tiny-pipeline" / "transformer", mixed / "transformer")
-    with pytest.raises(VariantMismatchError) as e:
-        describe_pipeline(mixed)
-    assert str(e.value) == (
+    assert refusal(describe_pipeline, mixed) == (
         "The pipeline folder mixed contradicts itself: model_index.json names Flux2KleinPipeline; transformer/config.json "
         "(joint_attention_dim 192, 2 heads x 128, guidance_embeds True) describes FLUX.2 [dev] (tiny test model); the "
         "transformer weights (hidden 256, context 192) are FLUX.2 [dev] (tiny test model); text_encoder/config.json is "
