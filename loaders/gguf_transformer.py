@@ -15,30 +15,10 @@ from dataclasses import dataclass, field
 
 from ..errors import UnknownModelError, UnsupportedFormatError, WrongModelError
 from .gguf_file import GGUFFile, open_gguf
-from .quant import from_gguf
+from .kinds import GGUF_ARCHITECTURES, gguf_architectures, gguf_kind
+from .quant import from_gguf, gguf_label
 from .transformer import BFL, LoadedTransformer, geometry_from_shapes, variant_for_geometry
 
-# general.architecture values FLUX.2 transformer GGUFs carry (None: the key is absent).
-TRANSFORMER_ARCHITECTURES = (None, "flux", "pig")
-# Architectures of other models people pick by mistake, in the user's words.
-OTHER_ARCHITECTURES = {
-    "llama": "a Mistral/Llama text encoder (older llama.cpp conversions of Mistral-Small use this name)",
-    "mistral3": "a Mistral-Small text encoder (FLUX.2 [dev]'s)",
-    "qwen3": "a Qwen3 text encoder (FLUX.2 Klein's)",
-    "t5": "a T5 text encoder",
-    "t5encoder": "a T5 text encoder",
-    "sd1": "a Stable Diffusion 1.x model",
-    "sdxl": "a Stable Diffusion XL model",
-    "sd3": "a Stable Diffusion 3 model",
-    "aura": "an AuraFlow model",
-    "hidream": "a HiDream model",
-    "cosmos": "a Cosmos model",
-    "ltxv": "an LTX-Video model",
-    "hyvid": "a HunyuanVideo model",
-    "wan": "a Wan video model",
-    "lumina2": "a Lumina 2 model",
-    "qwen_image": "a Qwen-Image model",
-}
 # Key prefixes some converters keep from the checkpoint they started from.
 KEY_PREFIXES = ("model.diffusion_model.", "diffusion_model.")
 
@@ -53,16 +33,18 @@ class LoadedGGUFTransformer(LoadedTransformer):
 
 def check_architecture(gfile: GGUFFile) -> None:
     arch = gfile.architecture
-    if arch in TRANSFORMER_ARCHITECTURES:
+    kind = gguf_kind(arch)
+    if kind == "transformer":
         return
     name = os.path.basename(gfile.path)
-    if arch in OTHER_ARCHITECTURES:
+    if kind is not None:
         raise WrongModelError(
-            f"{name} is {OTHER_ARCHITECTURES[arch]} (general.architecture {arch!r}), not a FLUX.2 transformer. "
+            f"{name} is {GGUF_ARCHITECTURES[arch][1]} (general.architecture {arch!r}), not a FLUX.2 transformer. "
             "Choose a FLUX.2 transformer GGUF here; text encoders go into the pack's text encoder loader."
         )
+    known = ", ".join(repr(a) if a else "none" for a in gguf_architectures("transformer"))
     raise UnknownModelError(
-        f"{name} has general.architecture {arch!r}; FLUX.2 transformer GGUFs have 'flux', 'pig' or none. "
+        f"{name} has general.architecture {arch!r}; FLUX.2 transformer GGUFs have {known}. "
         "The pack does not guess what this file is; choose a FLUX.2 transformer GGUF."
     )
 
@@ -92,5 +74,5 @@ def load_gguf_transformer(path: str | os.PathLike) -> LoadedGGUFTransformer:
     state_dict = {}
     for key, name in names.items():
         state_dict.update(from_gguf(key, gfile.tensors[name]))
-    formats = Counter(f"gguf-{t.qtype.name}" for t in gfile.tensors.values())
+    formats = Counter(gguf_label(t.qtype) for t in gfile.tensors.values())
     return LoadedGGUFTransformer(state_dict, variant, geometry, layout.name, path=gfile.path, formats=dict(formats))

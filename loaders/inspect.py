@@ -1,30 +1,20 @@
 """`flux2dev inspect`: what the pack sees in a file or folder, from headers alone (no weights are read).
 
-The kind of a checkpoint is told by its stored tensor names (KIND_BY_NAMES); each kind then has one
-describer, which runs the same identification as that kind's loader, so inspect fails where a load
-would, with the same message."""
+The kind of a checkpoint is told by loaders/kinds.py (tensor names, GGUF architectures); each kind then
+has one describer, which runs the same identification as that kind's loader, so inspect fails where a
+load would, with the same message."""
 
 from __future__ import annotations
 
-import re
 from collections import Counter
 from pathlib import Path
 
 from ..errors import ModelNotFoundError
-from .pipeline import MODEL_INDEX, describe_pipeline
+from . import quant
+from .files import is_pipeline
+from .kinds import gguf_kind, kind_from_names
+from .pipeline import describe_pipeline
 from .safetensors_file import SafetensorsFiles
-
-# (kind, pattern on a stored tensor name); the first kind any name matches wins, else "encoder".
-KIND_BY_NAMES = (
-    ("transformer", re.compile(r"^(?:model\.diffusion_model\.)?(?:double_blocks|single_blocks|transformer_blocks|single_transformer_blocks)\.")),
-    ("vae", re.compile(r"^(?:first_stage_model\.|vae\.)?(?:(?:decoder|encoder)\..*conv|bn\.running_mean)")),
-)
-def kind_from_names(names) -> str | None:
-    """"transformer" or "vae" when the stored names say so; None for anything else."""
-    for kind, pattern in KIND_BY_NAMES:
-        if any(pattern.match(name) for name in names):
-            return kind
-    return None
 
 
 def _safetensors(path: Path) -> SafetensorsFiles:
@@ -33,7 +23,7 @@ def _safetensors(path: Path) -> SafetensorsFiles:
 
 
 def _header_figures(files: SafetensorsFiles) -> dict:
-    formats = Counter(info.format for info in files.infos.values())
+    formats = Counter(quant.labels(files).values())
     nbytes = sum(info.nbytes for info in files.infos.values())
     return {"reads": len(files.infos), "skips": 0, "formats": dict(formats), "memory_bytes": nbytes}
 
@@ -49,11 +39,10 @@ def _transformer(path: Path) -> dict:
 
 def _gguf_transformer(path: Path) -> dict:
     from .gguf_transformer import load_gguf_transformer
-    from .quant import is_companion
 
     loaded = load_gguf_transformer(path)  # views of the mapped file: nothing is dequantized
     g = loaded.geometry
-    weights = {k: t for k, t in loaded.state_dict.items() if not is_companion(k)}
+    weights = {k: t for k, t in loaded.state_dict.items() if not quant.is_companion(k)}
     return {"kind": "transformer", "layout": "gguf", "variant": loaded.variant.key,
             "layers": g.double_blocks + g.single_blocks, "reads": len(weights), "skips": 0,
             "formats": loaded.formats, "memory_bytes": sum(t.numel() * t.element_size() for t in weights.values())}
@@ -81,18 +70,30 @@ def _encoder(path: Path) -> dict:
     return inspect_encoder(str(path))
 
 
+def _kind(path: Path) -> str:
+    """The describer's key: the kind of model at `path`, GGUF transformers apart."""
+    if path.is_dir() and is_pipeline(path):
+        return "pipeline"
+    if path.suffix == ".gguf":
+        from .gguf_file import open_gguf
+
+        with open_gguf(path) as gguf:
+            return "encoder" if gguf_kind(gguf.architecture) == "encoder" else "gguf-transformer"
+    has_weights = path.is_file() or any(path.glob("*.safetensors"))
+    return (kind_from_names(_safetensors(path).infos) if has_weights else None) or "encoder"
+
+
+DESCRIBERS = {
+    "pipeline": _pipeline,
+    "encoder": _encoder,
+    "gguf-transformer": _gguf_transformer,
+    "transformer": _transformer,
+    "vae": _vae,
+}
+
+
 def inspect_path(path) -> dict:
     path = Path(path)
     if not path.exists():
         raise ModelNotFoundError(f"{path} does not exist. Give a model file or folder that exists on this machine.")
-    if path.is_dir() and (path / MODEL_INDEX).is_file():
-        return _pipeline(path)
-    if path.suffix == ".gguf":
-        from .encoder import GGUF_ARCH_LAYOUTS
-        from .gguf_file import open_gguf
-
-        with open_gguf(path) as gguf:
-            architecture = gguf.architecture
-        return _encoder(path) if architecture in GGUF_ARCH_LAYOUTS else _gguf_transformer(path)
-    kind = kind_from_names(_safetensors(path).infos) if path.is_file() or any(path.glob("*.safetensors")) else None
-    return {"transformer": _transformer, "vae": _vae}.get(kind, _encoder)(path)
+    return DESCRIBERS[_kind(path)](path)

@@ -7,17 +7,15 @@ encoder's config, when present, must have the width of that variant's encoder.""
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Mapping
+from typing import Mapping
 
-from ..errors import CorruptFileError, UnknownModelError, VariantMismatchError, WrongModelError
+from ..errors import UnknownModelError, VariantMismatchError, WrongModelError
+from .files import MODEL_INDEX, read_json
 from .transformer import geometry_from_shapes, transformer_files, variant_for_geometry
 from .safetensors_file import SafetensorsFiles
 from .variants import Flux2Variant, variant_by_key, variant_for_transformer
-
-MODEL_INDEX = "model_index.json"
 
 # diffusers' FLUX.2 pipeline classes (0.42) and the variants each may hold.
 PIPELINE_CLASSES = {
@@ -35,29 +33,13 @@ class PipelineInfo:
     variant: Flux2Variant
 
 
-def _read_json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except ValueError as e:
-        raise CorruptFileError(f"{path} is not valid JSON ({e}); download the pipeline again.") from None
-
-
 def pipeline_class(folder: str | Path) -> str | None:
     """The FLUX.2 pipeline class model_index.json names, or None when the folder is not a FLUX.2 pipeline."""
     index = Path(folder) / MODEL_INDEX
     if not index.is_file():
         return None
-    name = _read_json(index).get("_class_name")
+    name = read_json(index).get("_class_name")
     return name if name in PIPELINE_CLASSES else None
-
-
-def find_pipelines(folders: Iterable[str | Path]) -> list[Path]:
-    """FLUX.2 pipeline folders among `folders` and their direct subfolders."""
-    found = []
-    for folder in map(Path, folders):
-        candidates = [folder] + (sorted(p for p in folder.iterdir() if p.is_dir()) if folder.is_dir() else [])
-        found += [p for p in candidates if pipeline_class(p)]
-    return found
 
 
 def _config_variant(config: Mapping) -> tuple[Flux2Variant | None, str]:
@@ -122,7 +104,7 @@ def describe_pipeline(path: str | Path) -> PipelineInfo:
     path = Path(path)
     if not (path / MODEL_INDEX).is_file():
         raise WrongModelError(f"{path} is not a diffusers pipeline folder (it has no {MODEL_INDEX}).")
-    class_name = _read_json(path / MODEL_INDEX).get("_class_name", "")
+    class_name = read_json(path / MODEL_INDEX).get("_class_name", "")
     _allowed_variants(path.name, class_name)
     config_path = path / "transformer" / "config.json"
     if not config_path.is_file():
@@ -132,9 +114,9 @@ def describe_pipeline(path: str | Path) -> PipelineInfo:
     variant = pipeline_variant(
         path.name,
         class_name,
-        _read_json(config_path),
+        read_json(config_path),
         {k: i.shape for k, i in files.infos.items()},
-        _read_json(encoder_config) if encoder_config.is_file() else None,
+        read_json(encoder_config) if encoder_config.is_file() else None,
     )
     return PipelineInfo(path, class_name, variant)
 

@@ -1,34 +1,190 @@
-"""Exact dequantization of the packed weight formats of encoder and transformer checkpoints.
+"""The packed weight formats of encoder and transformer checkpoints, in one table (FORMATS): how each is
+detected, the shape it is stored in, the companions it needs (the tensors stored beside the weight, in every
+spelling met in the wild), its exact dequantization and the word the pack reports for it.
 
-The loaders keep packed weights as stored, each with its companions (the tensors stored beside it, by
-suffix), and the host's layers (host/ops.py) call `dequantize` per layer at run time, so a fp8 model costs
-fp8 memory. Formats are told apart by the companions and the stored weight dtype.
+The loaders keep packed weights as stored, each with its companions under the host's suffixes, and the
+host's layers (host/ops.py) call `dequantize` per layer at run time, so a fp8 model costs fp8 memory.
 
 - Scaled fp8: float8 weight [out, in] times a float32 scale, per tensor (one value) or per output
   channel ([out] or [out, 1]).
+- NVFP4 (ComfyUI/comfy-kitchen packing, declared by its comfy_quant tensor): uint8 weight [out, in/2], two
+  E2M1 codes per byte, the even-indexed element in the high nibble; float8_e4m3fn block scales, one per
+  16 inputs, stored in cuBLAS' 128x4 tiled layout padded to [roundup(out,128), roundup(in/16,4)]; a
+  float32 per-tensor scale.
 - GGUF: uint8 rows of the file's raw blocks along the last dimension, with the GGMLQuantizationType
   number as weight_gguf_type (loaders/gguf_dequant.py).
-- NVFP4 ("fp4_mixed", ComfyUI/comfy-kitchen packing): uint8 weight [out, in/2], two E2M1 codes per byte,
-  the even-indexed element in the high nibble; float8_e4m3fn block scales, one per 16 inputs, stored in
-  cuBLAS' 128x4 tiled layout padded to [roundup(out,128), roundup(in/16,4)]; a float32 per-tensor scale.
+
+A safetensors weight's format is the one its `<layer>.comfy_quant` tensor declares (ComfyUI's JSON
+{"format": ...}); only where nothing is declared is it guessed from the stored dtype, and only for dtypes
+that one format alone uses (float8). Other packed bytes without a declaration are refused: 4-bit
+packings differ between writers, and a wrong guess would give a model that runs and is wrong.
 """
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass, field
+from typing import Callable
+
 import torch
 
+from ..errors import CorruptFileError, UnsupportedFormatError
+from .safetensors_file import DTYPES
+
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-COMPANIONS = ("weight_scale", "weight_scale_2", "weight_gguf_type")  # stored beside a packed weight
 GGUF_TYPE = "weight_gguf_type"
+DECLARATION = "comfy_quant"  # ComfyUI's per-layer JSON naming the layer's packed format
 NVFP4_BLOCK = 16
 
 # The 16 E2M1 code points, indexed by the 4-bit code (sign in bit 3).
 _E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
+Shape = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class PackedFormat:
+    label: str  # what the pack reports ("gguf-<type>" for GGUF)
+    dtypes: tuple[torch.dtype, ...]  # the stored weight's dtype
+    companions: tuple[str, ...]  # needed beside the weight to dequantize it, by the host's suffix
+    # stored suffix -> the host's companion suffix, or None for a companion that is read past (fp8 input
+    # scales only serve fp8 matmuls; the pack computes in the model's float dtype)
+    spellings: dict[str, str | None]
+    stored_shape: Callable[[Shape, dict], Shape]
+    dequantize: Callable[[torch.Tensor, dict, torch.dtype, Shape], torch.Tensor]
+    declared: tuple[str, ...] = ()  # comfy_quant "format" values that name it
+    guessed: bool = False  # an undeclared weight of one of its dtypes is taken for it
+    logical_shape: Callable[[Shape], Shape] = field(default=lambda shape: shape)
+
+    @property
+    def stored_companions(self) -> tuple[str, ...]:
+        """The companions a file stores (GGUF's type is the loader's, from the file's own type field)."""
+        return tuple(c for c in self.companions if c in self.spellings.values())
+
+
+def _gguf_stored_shape(shape: Shape, companions: dict) -> Shape:
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    block_size, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(int(companions[GGUF_TYPE]))]
+    return (*shape[:-1], shape[-1] // block_size * type_size)
+
+
+def _gguf_dequantize(weight: torch.Tensor, companions: dict, dtype: torch.dtype, shape: Shape) -> torch.Tensor:
+    from .gguf_dequant import dequantize as gguf_dequantize
+
+    return gguf_dequantize(weight, int(companions[GGUF_TYPE]), shape, dtype)
+
+
+def _fp8_dequantize(weight: torch.Tensor, companions: dict, dtype: torch.dtype, shape: Shape) -> torch.Tensor:
+    return dequantize_fp8(weight, companions["weight_scale"], dtype)
+
+
+def _nvfp4_dequantize(weight: torch.Tensor, companions: dict, dtype: torch.dtype, shape: Shape) -> torch.Tensor:
+    return dequantize_nvfp4(weight, companions["weight_scale"], companions["weight_scale_2"], dtype)
+
+
+GGUF = PackedFormat(
+    "gguf", (torch.uint8,), (GGUF_TYPE,), {}, _gguf_stored_shape, _gguf_dequantize,
+)
+NVFP4 = PackedFormat(
+    "nvfp4", (torch.uint8,), ("weight_scale", "weight_scale_2"),
+    {"weight_scale": "weight_scale", "weight_scale_2": "weight_scale_2", "input_scale": None},
+    lambda shape, companions: (*shape[:-1], shape[-1] // 2), _nvfp4_dequantize,
+    declared=("nvfp4",), logical_shape=lambda shape: (*shape[:-1], shape[-1] * 2),
+)
+FP8_SCALED = PackedFormat(
+    "fp8-scaled", FP8_DTYPES, ("weight_scale",),
+    {"weight_scale": "weight_scale", "scale_weight": "weight_scale", "input_scale": None, "scale_input": None},
+    lambda shape, companions: shape, _fp8_dequantize,
+    declared=("float8_e4m3fn", "float8_e5m2"), guessed=True,
+)
+FORMATS = (GGUF, NVFP4, FP8_SCALED)
+BY_LABEL = {f.label: f for f in FORMATS}
+
+COMPANIONS = tuple(dict.fromkeys(c for f in FORMATS for c in f.companions))  # stored beside a packed weight
+# Every stored companion suffix -> the host's suffix (None: dropped); the declaration is read, never kept.
+SPELLINGS: dict[str, str | None] = {
+    **{stored: host for f in FORMATS for stored, host in f.spellings.items()},
+    DECLARATION: None,
+}
+
 
 def is_companion(key: str) -> bool:
     """Whether a state-dict key names a companion of a packed weight rather than a weight."""
     return key.rpartition(".")[2] in COMPANIONS
+
+
+def packed_format(label: str) -> PackedFormat | None:
+    """The row of a reported format word ("gguf-Q8_0" is GGUF's), or None for a plain float format."""
+    return BY_LABEL.get(label.split("-")[0] if label.startswith("gguf-") else label)
+
+
+def gguf_label(qtype) -> str:
+    return f"{GGUF.label}-{qtype.name}"
+
+
+def _stored_format(weight_dtype: torch.dtype, companions) -> PackedFormat | None:
+    """The format of a stored weight from its dtype and the companions beside it (what the loader kept)."""
+    for f in FORMATS:
+        if weight_dtype in f.dtypes and all(c in companions for c in f.companions):
+            return f
+    return None
+
+
+# --- safetensors: what a file declares, and the format word of each stored tensor -------------------------
+
+
+def declarations(files) -> dict[str, str]:
+    """{layer prefix ("model.layers.1.self_attn.q_proj."): declared format} from a file's comfy_quant tensors."""
+    out = {}
+    for name in files.infos:
+        layer, _, suffix = name.rpartition(".")
+        if suffix != DECLARATION:
+            continue
+        try:
+            out[layer + "."] = str(json.loads(bytes(files.read(name).numpy()))["format"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise CorruptFileError(
+                f"{name} is not ComfyUI's quantization declaration (JSON with a \"format\"): {e}. The file is damaged."
+            ) from None
+    return out
+
+
+def label(name: str, dtype: str, plain: str, declared: str | None) -> str:
+    """The format word of stored tensor `name` (safetensors dtype `dtype`, plainly called `plain`): the format
+    its comfy_quant declares, else the one its dtype alone implies, else its plain dtype."""
+    if declared is not None:
+        found = next((f for f in FORMATS if declared in f.declared), None)
+        if found is None:
+            known = ", ".join(d for f in FORMATS for d in f.declared)
+            raise UnsupportedFormatError(
+                f"{name} is declared as {declared!r} quantization (its comfy_quant tensor); the pack reads {known}. "
+                "Use a bf16, fp8 or NVFP4 file of this model."
+            )
+        if DTYPES.get(dtype, (None, None))[1] not in found.dtypes:
+            raise CorruptFileError(f"{name} is declared {declared!r} but stored as {dtype}; the file is damaged.")
+        return found.label
+    torch_dtype = DTYPES.get(dtype, (None, None))[1]
+    guessed = next((f for f in FORMATS if f.guessed and torch_dtype in f.dtypes), None)
+    if guessed is not None:
+        return guessed.label
+    if name.endswith(".weight") and torch_dtype is not None and not torch_dtype.is_floating_point:
+        raise UnsupportedFormatError(
+            f"{name} is stored as {dtype} with no comfy_quant tensor saying how it is packed. Packed 4-bit weights "
+            "differ between writers, so the pack does not guess: use a file written by ComfyUI (NVFP4 with its "
+            "comfy_quant declarations), or a bf16 or fp8 file of this model."
+        )
+    return plain
+
+
+def labels(files) -> dict[str, str]:
+    """{stored name: format word} for every tensor of a SafetensorsFiles, from its headers and declarations."""
+    declared = declarations(files)
+    out = {}
+    for name, info in files.infos.items():
+        layer = name.rpartition(".")[0] + "."
+        out[name] = label(name, info.dtype, info.plain, declared.get(layer) if name.endswith(".weight") else None)
+    return out
 
 
 def from_gguf(key: str, tensor) -> dict[str, torch.Tensor]:
@@ -45,27 +201,29 @@ def from_gguf(key: str, tensor) -> dict[str, torch.Tensor]:
     return {key: tensor.data.view(*tensor.shape[:-1], -1), key[: -len("weight")] + GGUF_TYPE: torch.tensor(int(tensor.qtype))}
 
 
+# --- the host's calls -------------------------------------------------------------------------------------
+
+
 def stored_shape(shape, weight_dtype: torch.dtype, companions) -> tuple[int, ...]:
-    """The shape a weight of logical `shape` is stored in: GGUF rows of whole blocks, NVFP4 two values a
-    byte, fp8 one value an element."""
+    """The shape a weight of logical `shape` is stored in, given its dtype and companions: GGUF rows of
+    whole blocks, NVFP4 two values a byte, fp8 and plain weights one value an element."""
     shape = tuple(int(s) for s in shape)
-    if GGUF_TYPE in companions:
-        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
-        block_size, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(int(companions[GGUF_TYPE]))]
-        return (*shape[:-1], shape[-1] // block_size * type_size)
-    if weight_dtype == torch.uint8:
-        return (*shape[:-1], shape[-1] // 2)
-    return shape
+    found = _stored_format(weight_dtype, companions)
+    return found.stored_shape(shape, companions) if found else shape
 
 
-def weight_format(weight: torch.Tensor) -> str:
-    """The format name of a stored linear weight, as reported to the user."""
-    if weight.dtype in FP8_DTYPES:
-        return "fp8-scaled"
-    if weight.dtype == torch.uint8:
-        return "nvfp4"
-    return {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}.get(weight.dtype, str(weight.dtype))
+def dequantize(weight: torch.Tensor, companions: dict[str, torch.Tensor], dtype: torch.dtype, shape) -> torch.Tensor:
+    """A weight of logical `shape` as `dtype`, whatever its stored format; `companions` holds the tensors
+    stored beside it by suffix (weight_scale, weight_scale_2, weight_gguf_type)."""
+    found = _stored_format(weight.dtype, companions)
+    if found is not None:
+        return found.dequantize(weight, companions, dtype, tuple(shape))
+    if any(weight.dtype in f.dtypes for f in FORMATS):
+        raise UnsupportedFormatError(
+            f"A {weight.dtype} weight {list(weight.shape)} came without the companions its packing needs "
+            f"(given: {', '.join(companions) or 'none'}); it cannot be dequantized. Load the model again."
+        )
+    return weight.to(dtype)
 
 
 def dequantize_fp8(weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -104,18 +262,3 @@ def dequantize_nvfp4(
     scales = scales * tensor_scale.to(device=packed.device, dtype=torch.float32)
     values = values.reshape(rows, cols // NVFP4_BLOCK, NVFP4_BLOCK) * scales.unsqueeze(-1)
     return values.reshape(rows, cols).to(dtype)
-
-
-def dequantize(weight: torch.Tensor, companions: dict[str, torch.Tensor], dtype: torch.dtype, shape) -> torch.Tensor:
-    """A weight of logical `shape` as `dtype`, whatever its stored format; `companions` holds the tensors
-    stored beside it by suffix (weight_scale, weight_scale_2, weight_gguf_type). Packed GGUF rows (uint8
-    with a weight_gguf_type) go to the GGUF dequantizer."""
-    if GGUF_TYPE in companions:
-        from .gguf_dequant import dequantize as gguf_dequantize
-
-        return gguf_dequantize(weight, int(companions[GGUF_TYPE]), shape, dtype)
-    if weight.dtype in FP8_DTYPES:
-        return dequantize_fp8(weight, companions["weight_scale"], dtype)
-    if weight.dtype == torch.uint8:
-        return dequantize_nvfp4(weight, companions["weight_scale"], companions["weight_scale_2"], dtype)
-    return weight.to(dtype)

@@ -16,15 +16,15 @@ from ..errors import CorruptFileError, UnsupportedFormatError
 _MAX_HEADER = 100 * 1024 * 1024
 
 
-# Each safetensors dtype: the format the pack reports for a weight stored so, and its torch dtype.
+# Each safetensors dtype: its plain name (packed formats are told apart by loaders/quant.py) and torch dtype.
 DTYPES = {
     "BF16": ("bf16", torch.bfloat16),
     "F16": ("fp16", torch.float16),
     "F32": ("fp32", torch.float32),
     "F64": ("fp64", torch.float64),
-    "F8_E4M3": ("fp8-scaled", torch.float8_e4m3fn),
-    "F8_E5M2": ("fp8-scaled", torch.float8_e5m2),
-    "U8": ("nvfp4", torch.uint8),  # packed two E2M1 values a byte; no other uint8 weights occur in these models
+    "F8_E4M3": ("float8_e4m3fn", torch.float8_e4m3fn),
+    "F8_E5M2": ("float8_e5m2", torch.float8_e5m2),
+    "U8": ("uint8", torch.uint8),
     "I8": ("int8", torch.int8),
     "I32": ("int32", torch.int32),
     "I64": ("int64", torch.int64),
@@ -40,7 +40,8 @@ class TensorInfo:
     end: int = 0
 
     @property
-    def format(self) -> str:
+    def plain(self) -> str:
+        """The dtype's plain name ("bf16", "uint8"); see loaders/quant.py for what a packed weight is."""
         return DTYPES[self.dtype][0] if self.dtype in DTYPES else self.dtype.lower()
 
     @property

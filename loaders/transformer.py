@@ -8,7 +8,6 @@ weight is read. diffusers keys are renamed to the host's BFL keys through one ta
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping
@@ -22,7 +21,8 @@ from ..errors import (
     VariantMismatchError,
     WrongModelError,
 )
-from .quant import FP8_DTYPES
+from . import quant
+from .files import part_files
 from .safetensors_file import SafetensorsFiles
 from .variants import Flux2Variant, known_variants, variant_for_conditioning, variant_for_transformer
 
@@ -89,14 +89,9 @@ LAYOUTS = (
 )
 BFL, DIFFUSERS = LAYOUTS
 
-# Scaled-fp8 companions of a BFL weight, in every spelling met in the wild, and what the pack keeps of
-# each: the weight scale (as "<layer>.weight_scale") or nothing (input scales only serve fp8 matmuls,
-# and the pack computes in the model's float dtype).
-FP8_COMPANIONS = {"weight_scale": "weight_scale", "scale_weight": "weight_scale", "input_scale": None, "scale_input": None}
 FP8_MARKERS = ("scaled_fp8",)  # whole-file flags some fp8 writers add; they carry no weights
-
-DIFFUSERS_WEIGHTS = "diffusion_pytorch_model.safetensors"
-DIFFUSERS_INDEX = DIFFUSERS_WEIGHTS + ".index.json"
+# The packed formats (loaders/quant.py) the pack reads in a BFL transformer file.
+READ_FORMATS = (quant.FP8_SCALED,)
 
 
 @dataclass(frozen=True)
@@ -226,29 +221,42 @@ def _refuse_leftovers(leftover: set[str], layout: str) -> None:
 
 
 def _bfl_state_dict(files: SafetensorsFiles) -> dict[str, torch.Tensor]:
-    """Read a BFL file, giving fp8 scales one spelling (the companion form loaders.quant reads)."""
+    """Read a BFL file, packed weights as stored with their companions under the host's suffixes (the
+    spellings of loaders/quant.py); a packed format the pack does not read is refused before any read."""
+    packed = {}
+    for name, label in quant.labels(files).items():
+        found = quant.packed_format(label)
+        if found is not None and name not in FP8_MARKERS:
+            packed[name] = found
+    other = sorted({f"{f.label} ({name})" for name, f in packed.items() if f not in READ_FORMATS})
+    if other:
+        raise UnsupportedFormatError(
+            f"The transformer holds {other[0]} weights; the pack reads bf16, fp16, fp32 and scaled fp8 FLUX.2 "
+            "transformers. Use one of those."
+        )
     out = {}
     for name in files.infos:
         if name in FP8_MARKERS:
             continue
         layer, _, suffix = name.rpartition(".")
-        if suffix in FP8_COMPANIONS:
-            if FP8_COMPANIONS[suffix] is not None:
-                out[f"{layer}.{FP8_COMPANIONS[suffix]}"] = files.read(name).to(torch.float32)
+        if suffix in quant.SPELLINGS:
+            if quant.SPELLINGS[suffix] is not None:
+                out[f"{layer}.{quant.SPELLINGS[suffix]}"] = files.read(name).to(torch.float32)
             continue
         out[name] = files.read(name)
-    fp8 = [k for k, t in out.items() if t.dtype in FP8_DTYPES]
-    unscaled = [k for k in fp8 if f"{k.rpartition('.')[0]}.weight_scale" not in out]
-    if unscaled:
-        raise UnsupportedFormatError(
-            f"{len(unscaled)} fp8 weight(s) have no scale beside them (e.g. {unscaled[0]}); the pack reads scaled fp8 "
-            "(.weight_scale or .scale_weight) only, since unscaled fp8 from an unknown writer may be off by a factor."
-        )
-    odd = [k for k, t in out.items() if not (t.is_floating_point())]
+    for f in READ_FORMATS:
+        lacking = [k for k, g in packed.items() if g is f and any(f"{k.rpartition('.')[0]}.{c}" not in out for c in f.companions)]
+        if lacking:
+            spellings = " or ".join(f".{s}" for s, host in f.spellings.items() if host in f.companions)
+            raise UnsupportedFormatError(
+                f"{len(lacking)} {f.label} weight(s) have no scale beside them (e.g. {lacking[0]}); the pack reads "
+                f"them with {spellings} only, since unscaled weights from an unknown writer may be off by a factor."
+            )
+    odd = [k for k, t in out.items() if not t.is_floating_point()]
     if odd:
         raise UnsupportedFormatError(
-            f"The transformer holds packed integer weights (e.g. {odd[0]}, {out[odd[0]].dtype}), such as NVFP4; "
-            "the pack reads bf16, fp16, fp32 and scaled fp8 FLUX.2 transformers."
+            f"The transformer holds integer tensors (e.g. {odd[0]}, {out[odd[0]].dtype}); the pack reads bf16, fp16, "
+            "fp32 and scaled fp8 FLUX.2 transformers."
         )
     return out
 
@@ -256,28 +264,9 @@ def _bfl_state_dict(files: SafetensorsFiles) -> dict[str, torch.Tensor]:
 def transformer_files(path: str | Path) -> list[Path]:
     """The safetensors files of a transformer: a single file, a diffusers transformer folder (single or
     sharded with an index), or a pipeline folder's transformer/."""
-    path = Path(path)
-    if path.is_dir() and (path / "model_index.json").is_file():
-        path = path / "transformer"
-    if path.is_file():
-        if path.suffix != ".safetensors":
-            raise UnsupportedFormatError(
-                f"{path.name} is not a .safetensors file. The pack never unpickles .ckpt/.pt/.bin files; "
-                "use a .safetensors FLUX.2 transformer (GGUF files have their own node)."
-            )
-        return [path]
-    if (path / DIFFUSERS_INDEX).is_file():
-        weight_map = json.loads((path / DIFFUSERS_INDEX).read_text())["weight_map"]
-        shards = [path / name for name in sorted(set(weight_map.values()))]
-        missing = [s.name for s in shards if not s.is_file()]
-        if missing:
-            raise MissingWeightsError(f"{path} names shards that are not there: {', '.join(missing)}. Download them.")
-        return shards
-    if (path / DIFFUSERS_WEIGHTS).is_file():
-        return [path / DIFFUSERS_WEIGHTS]
-    raise MissingWeightsError(
-        f"{path} holds no FLUX.2 transformer weights ({DIFFUSERS_WEIGHTS} or its index); choose a .safetensors "
-        "transformer file, a diffusers transformer folder or a pipeline folder."
+    return part_files(
+        path, "transformer", "Choose a .safetensors FLUX.2 transformer file, a diffusers transformer folder or a "
+        "pipeline folder (GGUF files have their own node)."
     )
 
 

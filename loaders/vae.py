@@ -8,31 +8,17 @@ from pathlib import Path
 
 import torch
 
-from ..errors import MissingWeightsError, UnsupportedFormatError, WrongModelError
+from ..errors import WrongModelError
+from .files import part_files
 from .safetensors_file import SafetensorsFiles
 
 LATENT_CHANNELS = 32  # AutoencoderKLFlux2; the transformer sees them 2x2-patchified (128)
 BATCH_NORM_KEY = "bn.running_mean"  # the latent batch-norm statistics only the FLUX.2 VAE has
 DECODER_IN_KEY = "decoder.conv_in.weight"  # [channels, latent channels, 3, 3] in both layouts
-VAE_WEIGHTS = "diffusion_pytorch_model.safetensors"
 
 
 def vae_files(path: str | Path) -> list[Path]:
-    path = Path(path)
-    if path.is_dir() and (path / "model_index.json").is_file():
-        path = path / "vae"
-    if path.is_file():
-        if path.suffix != ".safetensors":
-            raise UnsupportedFormatError(
-                f"{path.name} is not a .safetensors file; the pack never unpickles .ckpt/.pt files. Use ae.safetensors "
-                "or a diffusers vae/ folder."
-            )
-        return [path]
-    if (path / VAE_WEIGHTS).is_file():
-        return [path / VAE_WEIGHTS]
-    raise MissingWeightsError(
-        f"{path} holds no VAE weights ({VAE_WEIGHTS}); choose a FLUX.2 pipeline folder, its vae/ folder or ae.safetensors."
-    )
+    return part_files(path, "vae", "Choose a FLUX.2 pipeline folder, its vae/ folder or ae.safetensors.")
 
 
 def check_flux2_vae(shapes: dict[str, tuple[int, ...]], where: str) -> None:

@@ -95,12 +95,5 @@ def variant_by_key(key: str, tiny: bool = False) -> Flux2Variant:
     raise KeyError(key)
 
 
-def mistral_encoder_for_width(width: int) -> MistralEncoderGeometry | None:
-    for g in known_mistral_encoders():
-        if g.width == width:
-            return g
-    return None
-
-
 def dev_variant_for_encoder(geometry: MistralEncoderGeometry) -> Flux2Variant:
     return variant_by_key("dev", tiny=geometry is TINY_MISTRAL)

@@ -1,7 +1,6 @@
 """The `flux2dev` command as a user runs it: its output contract and its one-sentence failures."""
 
 import json
-import os
 import subprocess
 import sys
 
@@ -19,10 +18,7 @@ def tekken_folder(tmp_path):
     """A folder holding only the bundled tekken.json, as a user's tokenizer folder would."""
     import shutil
 
-    import mistral_common
-
-    source = os.path.join(os.path.dirname(mistral_common.__file__), "data", "tekken_240911.json")
-    shutil.copyfile(source, tmp_path / "tekken.json")
+    shutil.copyfile(tokenizers.bundled_tekken_path(), tmp_path / "tekken.json")
     return tmp_path
 
 

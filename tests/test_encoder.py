@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from comfyui_flux2dev.errors import MissingWeightsError, UnknownModelError, WrongModelError
+from comfyui_flux2dev.errors import MissingWeightsError, UnknownModelError, UnsupportedFormatError, WrongModelError
 from comfyui_flux2dev.loaders import encoder as enc
 from comfyui_flux2dev.tiny import encoders as tiny
 
@@ -111,18 +111,14 @@ def _nvfp4_reference(path):
 def _gguf_reference(path):
     import gguf
 
-    names = {v: k for k, v in tiny.GGUF.items()}
+    hf_names = {tiny.gguf_names().get_name(k, try_suffixes=(".weight",)): k for k in tiny.base_model()}
     reader = gguf.GGUFReader(path)
     arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
     heads = {"self_attn.q_proj": tiny.TINY_MISTRAL.heads, "self_attn.k_proj": tiny.TINY_MISTRAL.kv_heads}
     out = {}
     for t in reader.tensors:
-        if t.name == "token_embd.weight":
-            key = "embed_tokens.weight"
-        elif t.name.startswith("blk.") and int(t.name.split(".")[1]) < tiny.PRUNED:
-            _, i, part, _ = t.name.split(".")
-            key = f"layers.{i}.{names[part]}.weight"
-        else:
+        key = hf_names.get(t.name, "").removeprefix("model.")
+        if not (key == "embed_tokens.weight" or key.startswith("layers.") and int(key.split(".")[1]) < tiny.PRUNED):
             continue
         w = torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32))
         w = w.reshape(tuple(int(d) for d in reversed(t.shape)))
@@ -265,11 +261,22 @@ def test_inspect_reports_layout_formats_and_tokenizer(encoders):
     assert info["memory_bytes"] < 131072 * 64 * 2 + 30 * 73728 * 1.2
 
 
-def test_native_and_gguf_rows_are_unpermuted(encoders):
-    hf = enc.load_encoder(os.path.join(encoders, "mistral_3_small_flux2_bf16.safetensors")).state_dict
-    native = enc.load_encoder(os.path.join(encoders, "native")).state_dict
+# Files whose Q/K rows are stored interleaved, and how far their stored values may be from the model's
+# (F16 rounding; Q8_0 blocks): far below what rows in the wrong order would give.
+INTERLEAVED = {"native": 0.0, "mistral3-q4_k.gguf": 1e-3, "llama-q8_0.gguf": 2e-2}
+
+
+@pytest.mark.parametrize("name", sorted(INTERLEAVED))
+def test_native_and_gguf_rows_are_unpermuted(encoders, name):
+    from comfyui_flux2dev.loaders import quant
+
+    loaded = enc.load_encoder(os.path.join(encoders, name)).state_dict
     for k in ("model.layers.3.self_attn.q_proj.weight", "model.layers.3.self_attn.k_proj.weight"):
-        assert torch.equal(hf[k], native[k])
+        stem = k[: -len("weight")]
+        companions = {c: loaded[stem + c] for c in quant.COMPANIONS if stem + c in loaded}
+        want = tiny.base_model()[k].float()
+        got = quant.dequantize(loaded[k], companions, torch.float32, want.shape)
+        assert (got - want).abs().max() <= INTERLEAVED[name] * want.abs().max(), k
 
 
 # --- what the loader says about files that are not a [dev] encoder -------------------------------------------
@@ -282,68 +289,80 @@ def _save(path, tensors):
     return path
 
 
-def test_klein_encoder_shapes_name_the_klein_model(monkeypatch):
+@pytest.mark.parametrize("width, klein", [(2560, "Qwen3-4B text encoder of FLUX.2 Klein 4B"), (4096, "Qwen3-8B text encoder of FLUX.2 Klein 9B")])
+def test_klein_encoder_shapes_name_the_klein_model(monkeypatch, width, klein):
     monkeypatch.delenv("FLUX2DEV_TINY_MODELS")
-    shapes = {"model.embed_tokens.weight": (151936, 2560), "model.layers.0.self_attn.q_proj.weight": (4096, 2560),
+    shapes = {"model.embed_tokens.weight": (151936, width), "model.layers.0.self_attn.q_proj.weight": (4096, width),
               "model.layers.0.self_attn.q_norm.weight": (128,)}
-    with pytest.raises(WrongModelError) as e:
-        enc.identify(shapes)
-    assert str(e.value) == (
-        "This is the Qwen3-4B text encoder of FLUX.2 Klein 4B (hidden size 2560, attention q_norm present), not the "
-        "Mistral-Small 24B encoder FLUX.2 [dev] needs. Use it with the matching FLUX.2 Klein model, or pick a FLUX.2 "
-        "[dev] encoder (mistral_3_small_flux2_*.safetensors or a Mistral-Small-3.x folder) here."
-    )
-    shapes["model.embed_tokens.weight"] = (151936, 4096)
-    with pytest.raises(WrongModelError, match=r"^This is the Qwen3-8B text encoder of FLUX.2 Klein 9B \(hidden size 4096"):
+    with pytest.raises(WrongModelError, match=rf"^This is the {klein} \(hidden size {width}, attention q_norm present\)"):
         enc.identify(shapes)
 
 
-def test_wrong_files_are_named(tmp_path):
-    t = torch.zeros
-    klein = _save(str(tmp_path / "qwen.safetensors"), {"model.embed_tokens.weight": t(151936, 32),
-                                                        "model.layers.0.self_attn.q_norm.weight": t(128)})
-    with pytest.raises(WrongModelError, match=r"^This is the tiny Qwen3 text encoder of FLUX.2 Klein 4B \(tiny test model\)"):
-        enc.load_encoder(klein)
-    dit = _save(str(tmp_path / "flux2.safetensors"), {"double_blocks.0.img_attn.qkv.weight": t(12, 4)})
-    with pytest.raises(WrongModelError) as e:
-        enc.load_encoder(dit)
-    assert str(e.value) == (
-        "This is a FLUX.2 diffusion transformer, not a text encoder. Load it with FLUX.2 transformer source or Load "
-        "FLUX.2 GGUF transformer, and pick a Mistral-Small text encoder (e.g. mistral_3_small_flux2_bf16.safetensors) "
-        "here."
-    )
-    vae = _save(str(tmp_path / "ae.safetensors"), {"decoder.conv_in.weight": t(4, 4, 3, 3), "bn.running_mean": t(128)})
-    with pytest.raises(WrongModelError) as e:
-        enc.load_encoder(vae)
-    assert str(e.value) == (
-        "This is a VAE (autoencoder), not a text encoder. Load it with FLUX.2 VAE source or Load VAE, and pick a "
-        "Mistral-Small text encoder (e.g. mistral_3_small_flux2_bf16.safetensors) here."
-    )
-    llama = _save(str(tmp_path / "llama.safetensors"), {"model.embed_tokens.weight": t(32000, 64)})
-    with pytest.raises(WrongModelError, match=r"^This is a Llama-family model with a 32000-token vocabulary"):
-        enc.load_encoder(llama)
-    odd = _save(str(tmp_path / "odd.safetensors"), {"something.weight": t(3)})
-    with pytest.raises(UnknownModelError):
-        enc.load_encoder(odd)
+def _declared(fmt: str) -> torch.Tensor:
+    return torch.frombuffer(bytearray(f'{{"format": "{fmt}"}}'.encode()), dtype=torch.uint8)
 
 
-def test_missing_weights_are_named_never_filled(encoders, tmp_path):
+Z = torch.zeros
+# file -> (tensors, the error, how its message starts)
+WRONG_FILES = {
+    "qwen": ({"model.embed_tokens.weight": Z(151936, 32), "model.layers.0.self_attn.q_norm.weight": Z(128)},
+             WrongModelError, r"This is the tiny Qwen3 text encoder of FLUX.2 Klein 4B \(tiny test model\)"),
+    "flux2": ({"double_blocks.0.img_attn.qkv.weight": Z(12, 4)}, WrongModelError, r"This is a FLUX.2 diffusion transformer"),
+    "ae": ({"decoder.conv_in.weight": Z(4, 4, 3, 3), "bn.running_mean": Z(128)}, WrongModelError, r"This is a VAE"),
+    "llama": ({"model.embed_tokens.weight": Z(32000, 64)}, WrongModelError,
+              r"This is a Llama-family model with a 32000-token vocabulary"),
+    "odd": ({"something.weight": Z(3)}, UnknownModelError, r"This file is not a Mistral text encoder"),
+    "undeclared-u8": ({"model.layers.0.mlp.up_proj.weight": Z(4, 8, dtype=torch.uint8)}, UnsupportedFormatError,
+                      r"model.layers.0.mlp.up_proj.weight is stored as U8 with no comfy_quant tensor"),
+    "declared-mxfp8": ({"model.layers.0.mlp.up_proj.weight": Z(4, 8, dtype=torch.float8_e4m3fn),
+                        "model.layers.0.mlp.up_proj.comfy_quant": _declared("mxfp8")}, UnsupportedFormatError,
+                       r"model.layers.0.mlp.up_proj.weight is declared as 'mxfp8' quantization"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(WRONG_FILES))
+def test_wrong_files_are_named(tmp_path, name):
+    tensors, error, message = WRONG_FILES[name]
+    with pytest.raises(error, match="^" + message):
+        enc.load_encoder(_save(str(tmp_path / f"{name}.safetensors"), tensors))
+
+
+@pytest.mark.parametrize(
+    "architecture, error, message",
+    [("flux", WrongModelError, r"x.gguf is a FLUX transformer GGUF, not a text encoder"),
+     ("qwen3", WrongModelError, r"x.gguf is a Qwen3 text encoder \(FLUX.2 Klein's\)"),
+     ("mamba", UnknownModelError, r".*x.gguf is a GGUF file of architecture 'mamba'; .* cow, llama, mistral3\.$")],
+)
+def test_gguf_files_of_other_architectures_are_named(tmp_path, architecture, error, message):
+    import gguf
+
+    from comfyui_flux2dev.tiny.gguf_blocks import write_and_close
+
+    writer = gguf.GGUFWriter(str(tmp_path / "x.gguf"), architecture)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+    write_and_close(writer)
+    with pytest.raises(error, match=message):
+        enc.load_encoder(str(tmp_path / "x.gguf"))
+
+
+@pytest.mark.parametrize(
+    "name, cut, missing",
+    [
+        ("mistral_3_small_flux2_bf16.safetensors", "model.layers.17.mlp.down_proj.weight",
+         r"lacks 1 tensor\(s\) the FLUX.2 \[dev\] encoder needs: model.layers.17.mlp.down_proj.weight\."),
+        ("mistral_3_small_flux2_fp8.safetensors", "model.layers.2.self_attn.q_proj.scale_weight",
+         r"needs: model.layers.2.self_attn.q_proj.weight_scale\."),
+        ("mistral_3_small_flux2_fp4_mixed.safetensors", "model.layers.4.mlp.up_proj.weight_scale_2",
+         r"needs: model.layers.4.mlp.up_proj.weight_scale_2\."),
+    ],
+)
+def test_missing_weights_are_named_never_filled(encoders, tmp_path, name, cut, missing):
     from safetensors.torch import load_file
 
-    sd = load_file(os.path.join(encoders, "mistral_3_small_flux2_bf16.safetensors"))
-    del sd["model.layers.17.mlp.down_proj.weight"]
+    sd = load_file(os.path.join(encoders, name))
+    del sd[cut]
     path = _save(str(tmp_path / "cut.safetensors"), sd)
-    with pytest.raises(MissingWeightsError, match=r"lacks 1 tensor\(s\) the FLUX.2 \[dev\] encoder needs: model.layers.17.mlp.down_proj.weight\."):
-        enc.load_encoder(path)
-
-
-def test_fp8_without_scale_is_missing(encoders, tmp_path):
-    from safetensors.torch import load_file
-
-    sd = load_file(os.path.join(encoders, "mistral_3_small_flux2_fp8.safetensors"))
-    del sd["model.layers.2.self_attn.q_proj.scale_weight"]
-    path = _save(str(tmp_path / "noscale.safetensors"), sd)
-    with pytest.raises(MissingWeightsError, match=r"model.layers.2.self_attn.q_proj.weight_scale"):
+    with pytest.raises(MissingWeightsError, match=missing):
         enc.load_encoder(path)
 
 

@@ -12,7 +12,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFValueType as V
 
-from comfyui_flux2dev.tiny.gguf_blocks import random_blocks
+from comfyui_flux2dev.tiny.gguf_blocks import random_blocks, write_and_close
 from comfyui_flux2dev.errors import CorruptFileError, UnsupportedFormatError
 from comfyui_flux2dev.loaders import gguf_file
 from comfyui_flux2dev.loaders.gguf_file import open_gguf
@@ -58,10 +58,7 @@ def written(tmp_path_factory):
     for i, (name, shape, qtype) in enumerate(TENSORS):
         raw = _tensor_bytes(shape, qtype, i)
         writer.add_tensor(name, raw, raw_dtype=None if qtype in (Q.F16, Q.F32) else qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_and_close(writer)
     return path
 
 

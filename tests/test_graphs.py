@@ -82,20 +82,16 @@ def test_gguf_through_the_server_equals_its_dequantized_weights(comfy_server, qt
     assert (packed - plain).abs().max().item() <= 1e-5
 
 
-def test_three_source_nodes_on_one_dev_pipeline(comfy_server):
+@pytest.mark.parametrize(
+    "padding, vae_pipeline",
+    [("reference", DEV_PIPELINE), ("comfy", KLEIN_PIPELINE)],  # the VAE of a Klein pipeline serves [dev]
+    ids=["three-source-nodes-on-one-dev-pipeline", "klein-pipeline-vae"],
+)
+def test_source_nodes_on_dev_pipelines(comfy_server, padding, vae_pipeline):
     graph = official_dev_graph(
         node("Flux2DevTransformerSource", transformer=DEV_PIPELINE),
-        node("Flux2DevEncoderSource", pipeline=DEV_PIPELINE, padding="reference"),
-        vae(DEV_PIPELINE),
-    )
-    assert image_of(comfy_server, comfy_server.run(graph)).shape == (64, 64, 3)
-
-
-def test_the_vae_of_a_klein_pipeline_serves_dev(comfy_server):
-    graph = official_dev_graph(
-        node("Flux2DevTransformerSource", transformer=DEV_PIPELINE),
-        node("Flux2DevEncoderSource", pipeline=DEV_PIPELINE, padding="comfy"),
-        vae(KLEIN_PIPELINE),
+        node("Flux2DevEncoderSource", pipeline=DEV_PIPELINE, padding=padding),
+        vae(vae_pipeline),
     )
     assert image_of(comfy_server, comfy_server.run(graph)).shape == (64, 64, 3)
 

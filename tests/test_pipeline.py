@@ -13,8 +13,8 @@ from comfyui_flux2dev.errors import VariantMismatchError, WrongModelError
 from comfyui_flux2dev.loaders.pipeline import (
     describe_pipeline,
     dev_encoder_folder,
-    find_pipelines,
     klein_encoder_error,
+    pipeline_class,
     pipeline_variant,
 )
 from comfyui_flux2dev.loaders.variants import TINY_VARIANTS, VARIANTS
@@ -25,13 +25,19 @@ def pipelines(tiny_part):
     return tiny_part("diffusers")
 
 
+def refusal(call, *args) -> str:
+    """The message of the VariantMismatchError `call(*args)` raises."""
+    with pytest.raises(VariantMismatchError) as e:
+        call(*args)
+    return str(e.value)
+
+
 def test_pipelines_are_found_and_identified(pipelines, tmp_path):
     root, entries = pipelines
-    (tmp_path / "not-a-pipeline").mkdir()
-    found = find_pipelines([root, tmp_path])
-    assert [p.name for p in found] == [e["path"] for e in entries]
-    for path, entry in zip(found, entries):
-        assert describe_pipeline(path).variant.key == entry["variant"]
+    assert pipeline_class(tmp_path) is None
+    for entry in entries:
+        assert pipeline_class(root / entry["path"]) in ("Flux2Pipeline", "Flux2KleinPipeline")
+        assert describe_pipeline(root / entry["path"]).variant.key == entry["variant"]
 
 
 def test_tiny_pipelines_load_in_diffusers(pipelines):
@@ -56,9 +62,7 @@ def test_klein_pipeline_is_refused_as_dev_encoder_before_any_weight_is_read(pipe
     shutil.copytree(root / "flux2-klein-4b-tiny-pipeline", klein)
     for weights in (klein / "text_encoder").glob("*.safetensors"):
         weights.write_bytes(b"")  # nothing to read: the refusal must come from the JSON and headers alone
-    with pytest.raises(VariantMismatchError) as e:
-        dev_encoder_folder(klein)
-    assert str(e.value) == (
+    assert refusal(dev_encoder_folder, klein) == (
         "FLUX.2-klein-4B is a FLUX.2 Klein 4B (tiny test model) pipeline (Flux2KleinPipeline). Its tiny Qwen3 text "
         "encoder gives 96-wide conditioning, but FLUX.2 [dev] (tiny test model) needs 192 (the tiny Mistral encoder). "
         "Use this pipeline only for its VAE (Flux2DevVAESource: the VAE is shared); for the text encoder choose a "
@@ -85,9 +89,7 @@ def test_a_pipeline_that_contradicts_itself_says_which_part_says_what(pipelines,
     shutil.copytree(root / "flux2-klein-4b-tiny-pipeline", mixed)
     shutil.rmtree(mixed / "transformer")
     shutil.copytree(root / "flux2-dev-tiny-pipeline" / "transformer", mixed / "transformer")
-    with pytest.raises(VariantMismatchError) as e:
-        describe_pipeline(mixed)
-    assert str(e.value) == (
+    assert refusal(describe_pipeline, mixed) == (
         "The pipeline folder mixed contradicts itself: model_index.json names Flux2KleinPipeline; transformer/config.json "
         "(joint_attention_dim 192, 2 heads x 128, guidance_embeds True) describes FLUX.2 [dev] (tiny test model); the "
         "transformer weights (hidden 256, context 192) are FLUX.2 [dev] (tiny test model); text_encoder/config.json is "
@@ -120,7 +122,7 @@ def test_other_pipelines_are_not_flux2(tmp_path):
     (tmp_path / "model_index.json").write_text(json.dumps({"_class_name": "FluxPipeline"}))
     with pytest.raises(WrongModelError, match=r"is a diffusers FluxPipeline pipeline, not a FLUX.2 one"):
         describe_pipeline(tmp_path)
-    assert find_pipelines([tmp_path]) == []
+    assert pipeline_class(tmp_path) is None
 
 
 # --- the nodes, in the host --------------------------------------------------------------------------

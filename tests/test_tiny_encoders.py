@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from comfyui_flux2dev.tiny import encoders as tiny
+from comfyui_flux2dev.tokenizers import bundled_tekken_path
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +41,7 @@ def test_single_files_hold_30_layers_and_the_real_tekken(root):
 
     with safe_open(os.path.join(root, "mistral_3_small_flux2_bf16.safetensors"), "pt") as f:
         keys = set(f.keys())
-        assert bytes(f.get_tensor("tekken_model").numpy()) == open(tiny.tekken_path(), "rb").read()
+        assert bytes(f.get_tensor("tekken_model").numpy()) == bundled_tekken_path().read_bytes()
     assert {int(k.split(".")[2]) for k in keys if k.startswith("model.layers.")} == set(range(30))
     with safe_open(os.path.join(root, "mistral_3_small_flux2_fp8.safetensors"), "pt") as f:
         assert f.get_tensor("model.layers.0.self_attn.q_proj.weight").dtype == torch.float8_e4m3fn
@@ -86,4 +87,4 @@ def test_gguf_files_read_with_gguf_py(root, name):
         assert len(tokens.data) == 131072 and bytes(tokens.parts[tokens.data[1]]).decode() == "<s>"
     else:
         values = np.array(tensors["tekken_model"].data, dtype=np.float16).astype(np.uint8).tobytes()
-        assert values == open(tiny.tekken_path(), "rb").read()
+        assert values == bundled_tekken_path().read_bytes()

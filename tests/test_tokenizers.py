@@ -23,11 +23,13 @@ from comfyui_flux2dev.tokenizers import (
     PADDING_MODES,
     SYSTEM_PROMPT,
     Flux2Tokenizer,
+    bundled_tekken_path,
     parse_tekken_json,
     prompt_ids,
     resolve_tokenizer,
     tekken_bytes,
 )
+from comfyui_flux2dev.tiny.gguf_blocks import write_and_close
 from comfyui_flux2dev.tokenizers.vocab import vocab_from_transformers
 
 pytestmark = pytest.mark.transformers_matrix
@@ -44,17 +46,11 @@ MISTRAL3_CONFIG = {
 }
 
 
-def _bundled_tekken() -> Path:
-    import mistral_common
-
-    return Path(mistral_common.__file__).parent / "data" / "tekken_240911.json"
-
-
 @pytest.fixture(scope="session")
 def reference(request) -> dict:
     """Ids from transformers 4.57's converter for the corpus, and the HF files it saved; cached on disk by the
     hash of everything that goes into it."""
-    tekken = _bundled_tekken()
+    tekken = bundled_tekken_path()
     key = hashlib.sha256()
     for part in (REFERENCE_SCRIPT.read_bytes(), CORPUS.read_bytes(), str(tekken.stat().st_size).encode()):
         key.update(part)
@@ -94,7 +90,7 @@ def _hf_folder(folder: Path, reference: dict) -> Path:
 
 def _v7_tekken(names: list[str]) -> dict:
     """The bundled vocabulary rewritten as a v7 file that lists its special tokens."""
-    doc = json.loads(_bundled_tekken().read_bytes())
+    doc = json.loads(bundled_tekken_path().read_bytes())
     doc["config"]["version"] = "v7"
     filler = [f"<SPECIAL_{i}>" for i in range(len(names), doc["config"]["default_num_special_tokens"])]
     doc["special_tokens"] = [{"rank": i, "token_str": s, "is_control": True} for i, s in enumerate(names + filler)]
@@ -121,7 +117,7 @@ def test_bundled_fallback_matches_reference(reference, tmp_path):
     empty.mkdir()
     res = resolve_tokenizer(empty)
     assert res.rung == "bundled-tekken"
-    assert res.source.endswith("tekken_240911.json")
+    assert res.source == str(bundled_tekken_path())
     assert [a[0] for a in res.attempts] == ["embedded-tekken", "tekken-json", "transformers", "gguf-vocab"]
     assert all(reason.startswith("skipped:") for _, _, reason in res.attempts)
     _assert_reference_ids(res.tokenizer, reference)
@@ -134,7 +130,7 @@ def test_template_matches_reference(reference):
         assert ids == want, prompt
         assert mask == [1] * len(ids)
     fixed, _ = prompt_ids(tokenizer, "", "comfy")
-    assert len(fixed) == 33  # FACTS §1: the fixed part of the template
+    assert len(fixed) == 33  # the fixed part of the template: system prompt and [INST] markers
 
 
 def test_special_looking_user_text_becomes_special_ids(reference):
@@ -181,7 +177,7 @@ def test_embedded_uint8_safetensors(reference, tmp_path):
     from safetensors.numpy import load_file, save_file
 
     weights = tmp_path / "mistral_3_small_flux2_bf16.safetensors"
-    raw = np.frombuffer(_bundled_tekken().read_bytes(), dtype=np.uint8)
+    raw = np.frombuffer(bundled_tekken_path().read_bytes(), dtype=np.uint8)
     save_file({"tekken_model": raw, "model.norm.weight": np.ones(4, np.float32)}, str(weights))
     res = resolve_tokenizer(weights, embedded_tekken=load_file(str(weights))["tekken_model"])
     assert (res.rung, res.source, res.attempts) == ("embedded-tekken", "tekken_model tensor", [])
@@ -193,11 +189,8 @@ def test_embedded_f16_per_byte_cow_gguf(reference, tmp_path):
 
     path = tmp_path / "encoder-cow.gguf"
     writer = gguf.GGUFWriter(str(path), "cow")
-    writer.add_tensor("tekken_model", np.frombuffer(_bundled_tekken().read_bytes(), dtype=np.uint8).astype(np.float16))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    writer.add_tensor("tekken_model", np.frombuffer(bundled_tekken_path().read_bytes(), dtype=np.uint8).astype(np.float16))
+    write_and_close(writer)
     tensor = next(t for t in gguf.GGUFReader(str(path)).tensors if t.name == "tekken_model")
     assert tensor.data.dtype == np.float16
     res = resolve_tokenizer(path, embedded_tekken=tensor.data)
@@ -234,7 +227,7 @@ def test_hf_mistral_small_folder_uses_tekken_json_first(reference, tmp_path):
     (AutoTokenizer there returns the backend that encodes markers as text)."""
     folder = _hf_folder(tmp_path / "Mistral-Small-3.1", reference)
     _write_json(folder / "config.json", MISTRAL3_CONFIG)
-    shutil.copy(_bundled_tekken(), folder / "tekken.json")
+    shutil.copy(bundled_tekken_path(), folder / "tekken.json")
     res = resolve_tokenizer(folder)
     assert (res.rung, res.source) == ("tekken-json", str(folder / "tekken.json"))
     assert [rung for rung, _, _ in res.attempts] == ["embedded-tekken"]
@@ -242,10 +235,10 @@ def test_hf_mistral_small_folder_uses_tekken_json_first(reference, tmp_path):
 
 
 def test_tekken_only_folder_without_special_tokens(reference, tmp_path):
-    """FACTS §7: other loaders raise KeyError 'special_tokens' on a v3 file; the ids 0..999 are specials."""
+    """Other loaders raise KeyError 'special_tokens' on a v3 file; the ids 0..999 are specials."""
     folder = tmp_path / "tekken-only"
     folder.mkdir()
-    shutil.copy(_bundled_tekken(), folder / "tekken.json")
+    shutil.copy(bundled_tekken_path(), folder / "tekken.json")
     assert "special_tokens" not in json.loads((folder / "tekken.json").read_bytes())
     weights = folder / "consolidated.safetensors"
     weights.write_bytes(b"")
@@ -298,7 +291,7 @@ def test_tokenizer_json_with_true_tekken_pattern_still_gives_reference_ids(refer
 
     folder = _hf_folder(tmp_path / "tekken-pattern", reference)
     spec = json.loads((folder / "tokenizer.json").read_text(encoding="utf-8"))
-    tekken_pattern = json.loads(_bundled_tekken().read_bytes())["config"]["pattern"]
+    tekken_pattern = json.loads(bundled_tekken_path().read_bytes())["config"]["pattern"]
     spec["pre_tokenizer"]["pretokenizers"][0]["pattern"] = {"Regex": tekken_pattern}
     _write_json(folder / "tokenizer.json", spec)
     as_written = Tokenizer.from_file(str(folder / "tokenizer.json"))
@@ -313,7 +306,7 @@ def test_tokenizer_json_with_true_tekken_pattern_still_gives_reference_ids(refer
 
 
 def test_mistral3_folder_without_preprocessor_config(reference, tmp_path):
-    """FACTS §7: AutoProcessor raises OSError there; the ladder records it and AutoTokenizer serves."""
+    """AutoProcessor raises OSError there; the ladder records it and AutoTokenizer serves."""
     folder = _hf_folder(tmp_path / "mistral3", reference)
     _write_json(folder / "config.json", MISTRAL3_CONFIG)
     config = json.loads((folder / "tokenizer_config.json").read_text())
@@ -340,7 +333,7 @@ def test_diffusers_pipeline_tokenizer_folder(reference, tmp_path):
 
 
 def test_tokenizer_config_naming_mistral_common_tokenizer(reference, tmp_path):
-    """FACTS §7: transformers fails on it (AttributeError or ValueError, by version); never a crash."""
+    """transformers fails on it (AttributeError or ValueError, by version); never a crash."""
     folder = tmp_path / "bfl-encoder"
     _write_json(folder / "config.json", MISTRAL3_CONFIG)
     _write_json(folder / "tokenizer_config.json", {"tokenizer_class": "MistralCommonTokenizer"})
@@ -349,7 +342,7 @@ def test_tokenizer_config_naming_mistral_common_tokenizer(reference, tmp_path):
     probes = [reason.split(":")[0] for rung, _, reason in res.attempts if rung == "transformers"]
     assert probes == ["AutoProcessor", "AutoTokenizer"]
 
-    shutil.copy(_bundled_tekken(), folder / "tekken.json")
+    shutil.copy(bundled_tekken_path(), folder / "tekken.json")
     res = resolve_tokenizer(folder)
     assert res.rung == "tekken-json" and [rung for rung, _, _ in res.attempts] == ["embedded-tekken"]
 
@@ -361,7 +354,7 @@ def test_mistral_common_backed_tokenizer_is_converted(reference, tmp_path):
 
     folder = tmp_path / "bfl-encoder"
     _write_json(folder / "config.json", MISTRAL3_CONFIG)
-    shutil.copy(_bundled_tekken(), folder / "tekken.json")
+    shutil.copy(bundled_tekken_path(), folder / "tekken.json")
     backend = transformers.AutoTokenizer.from_pretrained(str(folder), local_files_only=True)
     assert type(backend).__name__ in ("MistralCommonBackend", "MistralCommonTokenizer")
     assert 3 not in backend.encode("[INST]a red fox", add_special_tokens=False)
@@ -445,7 +438,7 @@ def test_hub_skipped_and_every_rung_reported(without_mistral_common, monkeypatch
 
 
 def test_tekken_json_errors_are_clear():
-    doc = json.loads(_bundled_tekken().read_bytes())
+    doc = json.loads(bundled_tekken_path().read_bytes())
     doc["config"]["version"] = "v13"
     with pytest.raises(ValueError, match="no special_tokens list"):
         parse_tekken_json(json.dumps(doc))

@@ -16,6 +16,8 @@ import torch
 
 from ..loaders.quant import swizzle_block_scales
 from ..loaders.variants import TINY_MISTRAL
+from ..tokenizers.ladder import bundled_tekken_path
+from .gguf_blocks import write_and_close
 
 SEED = 20251125
 LAYERS = TINY_MISTRAL.layers[-1]  # the full model; pruned files keep the first 30
@@ -23,26 +25,19 @@ PRUNED = TINY_MISTRAL.layers[0]
 PARTS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 MODULE = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
           "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
-NATIVE = {"self_attn.q_proj": "attention.wq", "self_attn.k_proj": "attention.wk", "self_attn.v_proj": "attention.wv",
+# Mistral's native (consolidated.safetensors) names of the HF names, in Mistral's reference implementation's
+# words; the tests check them against gguf-py's name map, which knows both. GGUF names come from gguf-py.
+NATIVE = {"model.embed_tokens": "tok_embeddings", "model.norm": "norm", "lm_head": "output",
+          "self_attn.q_proj": "attention.wq", "self_attn.k_proj": "attention.wk", "self_attn.v_proj": "attention.wv",
           "self_attn.o_proj": "attention.wo", "mlp.gate_proj": "feed_forward.w1", "mlp.up_proj": "feed_forward.w3",
           "mlp.down_proj": "feed_forward.w2", "input_layernorm": "attention_norm", "post_attention_layernorm": "ffn_norm"}
-GGUF = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-        "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-        "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
 VISION = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=1, head_dim=16,
               image_size=32, patch_size=16, num_channels=3)
 
 
-def tekken_path() -> str:
-    import mistral_common
-
-    return os.path.join(os.path.dirname(mistral_common.__file__), "data", "tekken_240911.json")
-
-
 @functools.lru_cache(maxsize=1)
 def tekken_data() -> bytes:
-    with open(tekken_path(), "rb") as f:
-        return f.read()
+    return bundled_tekken_path().read_bytes()
 
 
 def _shapes(layers: int) -> dict[str, tuple[int, ...]]:
@@ -163,7 +158,7 @@ def write_hf_mistral3(dir: str, *, layers: int = LAYERS, prefix: str = "model.la
 
 def write_tekken(dir: str) -> None:
     os.makedirs(dir, exist_ok=True)
-    shutil.copyfile(tekken_path(), os.path.join(dir, "tekken.json"))
+    shutil.copyfile(bundled_tekken_path(), os.path.join(dir, "tekken.json"))
 
 
 def write_tokenizer_folder(dir: str) -> None:
@@ -206,27 +201,28 @@ def _rotary_interleave(w: torch.Tensor, heads: int) -> torch.Tensor:
     return w.reshape(heads, 2, rows // heads // 2, *w.shape[1:]).transpose(1, 2).reshape(w.shape)
 
 
+def _interleaved(key: str, v: torch.Tensor) -> torch.Tensor:
+    """A weight as Meta/llama.cpp store it: Q/K rows interleaved per head, the rest as it is."""
+    heads = {"self_attn.q_proj": TINY_MISTRAL.heads, "self_attn.k_proj": TINY_MISTRAL.kv_heads}.get(_module(key))
+    return _rotary_interleave(v, heads) if heads else v
+
+
+def _module(key: str) -> str:
+    """"self_attn.q_proj" of model.layers.3.self_attn.q_proj.weight; "model.norm" of model.norm.weight."""
+    stem = key[: -len(".weight")]
+    return stem.split(".", 3)[3] if key.startswith("model.layers.") else stem
+
+
+def native_name(key: str) -> str:
+    module = NATIVE[_module(key)]
+    return f"layers.{_layer(key)}.{module}.weight" if key.startswith("model.layers.") else f"{module}.weight"
+
+
 def write_native(dir: str) -> None:
     """Mistral's consolidated.safetensors + params.json + tekken.json, 40 layers, wq/wk interleaved."""
     g = TINY_MISTRAL
     os.makedirs(dir, exist_ok=True)
-    tensors = {}
-    for k, v in base_model().items():
-        if k == "model.embed_tokens.weight":
-            tensors["tok_embeddings.weight"] = v
-        elif k == "model.norm.weight":
-            tensors["norm.weight"] = v
-        elif k == "lm_head.weight":
-            tensors["output.weight"] = v
-        else:
-            _, _, i, *module, _ = k.split(".")
-            module = ".".join(module)
-            if module == "self_attn.q_proj":
-                v = _rotary_interleave(v, g.heads)
-            elif module == "self_attn.k_proj":
-                v = _rotary_interleave(v, g.kv_heads)
-            tensors[f"layers.{i}.{NATIVE[module]}.weight"] = v
-    _save(tensors, os.path.join(dir, "consolidated.safetensors"))
+    _save({native_name(k): _interleaved(k, v) for k, v in base_model().items()}, os.path.join(dir, "consolidated.safetensors"))
     params = {"dim": g.width, "n_layers": LAYERS, "head_dim": g.head_dim, "hidden_dim": g.mlp, "n_heads": g.heads,
               "n_kv_heads": g.kv_heads, "norm_eps": g.rms_norm_eps, "vocab_size": g.vocab, "rope_theta": g.rope_theta}
     with open(os.path.join(dir, "params.json"), "w") as f:
@@ -363,28 +359,23 @@ def write_gguf(path: str, arch: str, linear: str, embed: str, interleave: bool, 
         else:
             writer.add_tensor(name, gguf.quants.quantize(data, q), raw_dtype=q)
 
+    names = gguf_names()
     for k, v in base_model().items():
-        if k == "model.embed_tokens.weight":
-            add("token_embd.weight", v, embed)
-        elif k == "model.norm.weight":
-            add("output_norm.weight", v, "F32")
-        elif k == "lm_head.weight":
-            if arch != "cow":  # gguf-org's pruned files carry no output head
-                add("output.weight", v, linear)
-        elif _layer(k) < layers:
-            _, _, i, *module, _ = k.split(".")
-            module = ".".join(module)
-            if interleave and module == "self_attn.q_proj":
-                v = _rotary_interleave(v, g.heads)
-            elif interleave and module == "self_attn.k_proj":
-                v = _rotary_interleave(v, g.kv_heads)
-            add(f"blk.{i}.{GGUF[module]}.weight", v, "F32" if v.dim() == 1 else linear)
+        if _layer(k) >= layers or (k == "lm_head.weight" and arch == "cow"):  # gguf-org's files carry no output head
+            continue
+        qtype = embed if k == "model.embed_tokens.weight" else "F32" if v.dim() == 1 else linear
+        add(names.get_name(k, try_suffixes=(".weight",)), _interleaved(k, v) if interleave else v, qtype)
     if arch == "cow":  # gguf-org: the tekken.json bytes, one value per F16 element
         writer.add_tensor("tekken_model", np.frombuffer(tekken_data(), dtype=np.uint8).astype(np.float16))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_and_close(writer)
+
+
+def gguf_names():
+    """gguf-py's map from transformers' names to llama.cpp's (llama.cpp converts Mistral as "llama")."""
+    from gguf import MODEL_ARCH
+    from gguf.tensor_mapping import get_tensor_name_map
+
+    return get_tensor_name_map(MODEL_ARCH.LLAMA, LAYERS)
 
 
 # --- all of them --------------------------------------------------------------------------------------------

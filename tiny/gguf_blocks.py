@@ -1,5 +1,6 @@
-"""Random quantized GGUF blocks: data for the types gguf-py can dequantize but not quantize (K and IQ
-types), for the tests, the benchmark and the tiny models. gguf's numpy dequantizer is their reference."""
+"""GGUF helpers for the tiny models and the tests: random quantized blocks, data for the types gguf-py can
+dequantize but not quantize (K and IQ types; gguf's numpy dequantizer is their reference), and the one
+way a gguf.GGUFWriter is finished."""
 
 from __future__ import annotations
 
@@ -31,3 +32,11 @@ def random_blocks(qtype: GGMLQuantizationType, shape: tuple[int, ...], rng: np.r
             bits = (rng.uniform(0.5, 1.5, blocks.shape[0]) * magnitude).astype(np.float16).view(np.uint16)
         blocks[:, offset : offset + 2] = bits.view(np.uint8).reshape(-1, 2)
     return blocks.reshape(*shape[:-1], shape[-1] // block_size * type_size)
+
+
+def write_and_close(writer) -> None:
+    """Write a gguf.GGUFWriter's header, metadata and tensors to its file, in the order the format needs."""
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()

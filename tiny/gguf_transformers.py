@@ -17,7 +17,7 @@ from gguf.quants import quantize
 
 from ..loaders.transformer import diffusers_to_bfl
 from ..loaders.variants import TINY_VARIANTS
-from .gguf_blocks import random_blocks
+from .gguf_blocks import random_blocks, write_and_close
 from .transformers import make_transformer
 
 Q = GGMLQuantizationType
@@ -64,10 +64,7 @@ def write_gguf(path: str | Path, tensors: dict[str, tuple[np.ndarray, GGMLQuanti
             kv.pop("general.architecture", None)
     for name, (array, qtype) in tensors.items():
         writer.add_tensor(name, array, raw_dtype=qtype)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_and_close(writer)
 
 
 def tiny_bfl(variant_key: str) -> dict[str, torch.Tensor]:

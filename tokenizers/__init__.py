@@ -2,7 +2,7 @@
 Mistral-Small-3.1 Tekken vocabulary) found by a ladder of offline sources, and the prompt template."""
 
 from .canonical import Flux2Tokenizer, self_test
-from .ladder import RUNGS, TokenizerResolution, resolve_tokenizer
+from .ladder import RUNGS, TokenizerResolution, bundled_tekken_path, resolve_tokenizer
 from .prompt import MAX_LENGTH, PAD_ID, PADDING_MODES, SYSTEM_PROMPT, prompt_ids
 from .vocab import TekkenVocab, parse_tekken_json, tekken_bytes, vocab_from_gguf
 
@@ -15,6 +15,7 @@ __all__ = [
     "SYSTEM_PROMPT",
     "TekkenVocab",
     "TokenizerResolution",
+    "bundled_tekken_path",
     "parse_tekken_json",
     "prompt_ids",
     "resolve_tokenizer",

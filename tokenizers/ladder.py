@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import ModelNotFoundError, TokenizerNotFoundError
+from ..loaders.files import MODEL_INDEX
 from .canonical import Flux2Tokenizer, self_test
 from .vocab import (
     TekkenVocab,
@@ -32,7 +33,6 @@ log = logging.getLogger(__name__)
 
 TEKKEN_FILE = "tekken.json"
 TOKENIZER_SUBFOLDER = "tokenizer"
-PIPELINE_INDEX = "model_index.json"  # marks a diffusers pipeline root, whose tokenizer sits in tokenizer/
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", TEKKEN_FILE, "tokenizer.model")
 TRANSFORMERS_PROBES = ("AutoProcessor", "AutoTokenizer")
 BUNDLED_TEKKEN = ("data", "tekken_240911.json")  # inside the mistral_common package; Mistral-Small-3.x BPE
@@ -197,10 +197,15 @@ def _gguf_digest(meta: Mapping[str, Any]) -> str:
     return h.hexdigest()
 
 
-def _bundled(req: _Request) -> list[_Candidate]:
+def bundled_tekken_path() -> Path:
+    """The tekken.json inside the installed mistral_common package."""
     import mistral_common
 
-    path = Path(mistral_common.__file__).parent.joinpath(*BUNDLED_TEKKEN)
+    return Path(mistral_common.__file__).parent.joinpath(*BUNDLED_TEKKEN)
+
+
+def _bundled(req: _Request) -> list[_Candidate]:
+    path = bundled_tekken_path()
     if not path.is_file():
         raise _Skipped(f"{path} is missing from the installed mistral-common")
     return [_tekken_file(path)]
@@ -246,7 +251,7 @@ def _folders(model_path: str | os.PathLike | None) -> tuple[Path, ...]:
     path = Path(model_path)
     base = path if path.is_dir() else path.parent
     folders = [base, base / TOKENIZER_SUBFOLDER]
-    if (base.parent / PIPELINE_INDEX).is_file():
+    if (base.parent / MODEL_INDEX).is_file():
         folders.append(base.parent / TOKENIZER_SUBFOLDER)
     unique = dict.fromkeys(f for f in folders if f.is_dir())
     return tuple(unique)
