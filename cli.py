@@ -56,14 +56,14 @@ def _inspect(args) -> None:
 
 
 def _bench(args) -> None:
-    from . import bench
+    from .devtools import bench
 
     results = bench.run_all(quick=args.quick)
     print(json.dumps(results) if args.json else bench.format_report(results))
 
 
 def _demo(args) -> None:
-    from .demo import run_demo
+    from .devtools.demo import run_demo
 
     image = run_demo(Path(args.out), prompt=args.prompt)
     print(f"wrote {image}")

@@ -80,7 +80,7 @@ def server_extras(tiny_root, tmp_path_factory) -> dict[str, Path]:
 @pytest.fixture(scope="session")
 def _server_session(tiny_root, server_extras):
     from comfyui_flux2dev import tiny
-    from comfyui_flux2dev.headless import HeadlessComfy
+    from comfyui_flux2dev.devtools.headless import HeadlessComfy
 
     models = {folder: [tiny_root / folder] for folder in tiny.PARTS}
     for folder, extra in server_extras.items():

@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from comfyui_flux2dev import bench
+from comfyui_flux2dev.devtools import bench
 from comfyui_flux2dev.loaders.gguf_dequant import QUANTIZED_TYPES
 
 

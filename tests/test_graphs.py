@@ -10,7 +10,7 @@ from PIL import Image
 from safetensors.torch import load_file
 
 from comfyui_flux2dev.errors import GraphError
-from comfyui_flux2dev.workflows import node, official_dev_graph
+from comfyui_flux2dev.devtools.workflows import node, official_dev_graph
 
 pytestmark = pytest.mark.server
 

@@ -6,7 +6,7 @@ import time
 
 from test_graphs import encoder, gguf_model, vae
 
-from comfyui_flux2dev.workflows import official_dev_graph
+from comfyui_flux2dev.devtools.workflows import official_dev_graph
 
 NODE_IDS = ("Flux2DevEncoderLoader", "Flux2DevGGUFTransformerLoader", "Flux2DevVAESource", "Flux2DevEncoderSource",
             "Flux2DevTransformerSource")

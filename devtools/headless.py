@@ -15,9 +15,9 @@ import urllib.request
 import uuid
 from pathlib import Path
 
-from .errors import GraphError, HostError
+from ..errors import GraphError, HostError
 
-PACK_ROOT = Path(__file__).resolve().parent
+PACK_ROOT = Path(__file__).resolve().parents[1]
 # Any folder name works for the pack; the tests use one that differs from the repository's on purpose.
 PACK_FOLDER = "flux2dev-pack-under-test"
 

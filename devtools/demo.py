@@ -8,11 +8,11 @@ import os
 import shutil
 from pathlib import Path
 
-from . import tiny
-from .errors import HostError
+from .. import tiny
+from ..errors import HostError
+from ..host import COMFYUI_ROOT_ENV
+from ..loaders.variants import TINY_MODELS_ENV
 from .headless import HeadlessComfy
-from .host import COMFYUI_ROOT_ENV
-from .loaders.variants import TINY_MODELS_ENV
 from .workflows import node, official_dev_graph
 
 DEMO_PARTS = ("text_encoders", "unet", "vae")

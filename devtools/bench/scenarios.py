@@ -1,4 +1,4 @@
-"""Benchmarks behind `flux2dev bench`, reported as figures and ratios (never pass/fail): dequantization per
+"""The benchmarks behind `flux2dev bench`, reported as figures and ratios (never pass/fail): dequantization per
 quant type against the gguf library it replaces, the parse of a Mistral-sized tokenizer header, the
 tokenizer cache, and the memory and disk reads of loading an encoder and a GGUF transformer. Each function
 returns plain data so the command can print it, emit it as JSON, or compare runs.
@@ -9,24 +9,20 @@ mapped counts, and after evicting the files from the page cache, so that the byt
 from __future__ import annotations
 
 import base64
-import ctypes
-import datetime
-import gc
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
 import tempfile
-import time
-from importlib import resources
 
 import numpy as np
 import torch
 
-from .tiny.gguf_blocks import random_blocks
-from .tokenizers.vocab import byte_level_string
+from ...tiny.gguf_blocks import random_blocks
+from ...tokenizers.ladder import bundled_tekken_path
+from ...tokenizers.vocab import byte_level_string
+from .meters import Measured, best, evict, machine
 
 # Values per benchmarked tensor. The full size (32 MiB of fp16) is still below most FLUX.2 weights
 # (6144 x 6144 = 38M values), so the output does not fit in cache, as in a real load.
@@ -36,15 +32,6 @@ _HEADER_SIZES = {True: (16384, 32768), False: (131072, 269443)}
 _SPECIAL_TOKENS = 1000  # Tekken's reserved ids before the BPE ranks
 
 
-def _best(fn, repeats: int) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
-
-
 def bench_dequant(quick: bool) -> list[dict]:
     """Per quantized type: GB/s of fp16 output for the pack, into a new tensor per call (page faults of
     fresh memory included) and into one reused output tensor (as the host's ops can), and for gguf's numpy
@@ -52,14 +39,14 @@ def bench_dequant(quick: bool) -> list[dict]:
     plain copy of the output size (a ceiling); and bit equality of the pack and gguf in float32."""
     import gguf
 
-    from .loaders.gguf_dequant import QUANTIZED_TYPES, dequantize
+    from ...loaders.gguf_dequant import QUANTIZED_TYPES, dequantize
 
     n = _DEQUANT_VALUES[quick]
     repeats, reference_repeats = (3, 2) if quick else (9, 3)
     rng = np.random.default_rng(0)
     src = torch.empty(n, dtype=torch.float16)
     dst = torch.empty_like(src)
-    copy_s = _best(lambda: dst.copy_(src), repeats)
+    copy_s = best(lambda: dst.copy_(src), repeats)
     shape = (n // 4096, 4096)  # rows of 4096 values, like a weight matrix
     reused = torch.empty(shape, dtype=torch.float16)
     results = []
@@ -67,9 +54,9 @@ def bench_dequant(quick: bool) -> list[dict]:
         raw = random_blocks(qtype, (n,), rng)
         rows = raw.reshape(shape[0], -1)
         data = torch.from_numpy(raw)
-        fresh_s = _best(lambda: dequantize(data, qtype, shape), repeats)
-        reused_s = _best(lambda: dequantize(data, qtype, shape, out=reused), repeats)
-        reference_s = _best(lambda: gguf.quants.dequantize(rows, qtype), reference_repeats)
+        fresh_s = best(lambda: dequantize(data, qtype, shape), repeats)
+        reused_s = best(lambda: dequantize(data, qtype, shape, out=reused), repeats)
+        reference_s = best(lambda: gguf.quants.dequantize(rows, qtype), reference_repeats)
         exact = np.array_equal(
             dequantize(data, qtype, shape, dtype=torch.float32).numpy().view(np.uint32),
             gguf.quants.dequantize(rows, qtype).view(np.uint32),
@@ -92,8 +79,7 @@ def bench_dequant(quick: bool) -> list[dict]:
 def _tokenizer_arrays(n_tokens: int, n_merges: int) -> tuple[list[str], list[str]]:
     """Tokens and merges shaped like Mistral-Small's GGUF tokenizer: the real Tekken BPE vocabulary from
     mistral-common's bundled file in GPT-2 spelling, and merges split from those tokens."""
-    raw = resources.files("mistral_common").joinpath("data/tekken_240911.json").read_text(encoding="utf-8")
-    vocab = json.loads(raw)["vocab"]
+    vocab = json.loads(bundled_tekken_path().read_bytes())["vocab"]
     tokens = [f"<SPECIAL_{i}>" for i in range(_SPECIAL_TOKENS)]
     for entry in vocab[: n_tokens - _SPECIAL_TOKENS]:
         tokens.append(byte_level_string(base64.b64decode(entry["token_bytes"])))
@@ -130,7 +116,7 @@ def bench_header(quick: bool) -> dict:
     """Seconds to parse a Mistral-sized tokenizer header: the pack's reader against gguf.GGUFReader."""
     import gguf
 
-    from .loaders.gguf_file import open_gguf
+    from ...loaders.gguf_file import open_gguf
 
     n_tokens, n_merges = _HEADER_SIZES[quick]
     with tempfile.TemporaryDirectory() as tmp:
@@ -141,36 +127,9 @@ def bench_header(quick: bool) -> dict:
             with open_gguf(path) as f:
                 assert len(f.metadata["tokenizer.ggml.tokens"]) == n_tokens
 
-        pack_s = _best(pack, 5)
-        reference_s = _best(lambda: gguf.GGUFReader(path), 1 if not quick else 2)
+        pack_s = best(pack, 5)
+        reference_s = best(lambda: gguf.GGUFReader(path), 1 if not quick else 2)
     return {"pack_s": pack_s, "reference_s": reference_s, "tokens": n_tokens, "merges": n_merges}
-
-
-def _geomean(values: list[float]) -> float:
-    return float(np.exp(np.mean(np.log(values))))
-
-
-def format_table(results: list[dict]) -> str:
-    """The dequantization results as an aligned text table, with the geometric means of the speed-ups."""
-    lines = [
-        f"{'type':8} {'values':>9} {'new out':>8} {'reused':>8} {'gguf':>6} {'ratio new':>10} {'ratio reused':>13}"
-        f" {'copy':>6}  exact",
-        f"{'':8} {'':>9} {'GB/s':>8} {'GB/s':>8} {'GB/s':>6} {'':>10} {'':>13} {'GB/s':>6}",
-    ]
-    fresh, reused = [], []
-    for r in results:
-        fresh.append(r["pack_gbps"] / r["reference_gbps"])
-        reused.append(r["pack_reused_gbps"] / r["reference_gbps"])
-        lines.append(
-            f"{r['type']:8} {r['values']:>9} {r['pack_gbps']:>8.2f} {r['pack_reused_gbps']:>8.2f} "
-            f"{r['reference_gbps']:>6.2f} {fresh[-1]:>9.1f}x {reused[-1]:>12.1f}x {r['copy_gbps']:>6.1f}  "
-            f"{'yes' if r['exact'] else 'NO'}"
-        )
-    if results:
-        lines.append(
-            f"geometric mean speed-up: {_geomean(fresh):.1f}x into new tensors, {_geomean(reused):.1f}x into a reused one"
-        )
-    return "\n".join(lines)
 
 
 # --- loads, each measured in a fresh child process ---------------------------------------------------------
@@ -179,61 +138,8 @@ def format_table(results: list[dict]) -> str:
 _SYNTHETIC_GGUF = {True: ((3072, 3072), 2), False: ((6144, 6144), 8)}
 
 
-def _proc_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
-
-
-def _read_bytes() -> int:
-    with open("/proc/self/io") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("read_bytes:"))
-
-
-def _evict(paths: list[str]) -> None:
-    """Drop the files from the page cache, so that reading them counts as disk reads."""
-    for path in paths:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
-def _release_free_heap() -> None:
-    """Hand the C heap's free pages back to the system (glibc), so that what the measured code allocates
-    shows as RSS growth instead of quietly reusing memory an earlier step freed."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
-class _Measured:
-    """Peak RSS above the RSS at entry (the high-water mark is reset where the kernel allows it), bytes
-    read from disk and seconds, of the code inside the with-block."""
-
-    def __enter__(self) -> _Measured:
-        gc.collect()
-        _release_free_heap()
-        self.base_rss = _proc_kib("VmRSS") * 1024
-        try:
-            with open("/proc/self/clear_refs", "w") as f:
-                f.write("5")  # reset VmHWM to the current RSS
-        except OSError:
-            pass
-        self.read0 = _read_bytes()
-        self.start = time.perf_counter()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.seconds = time.perf_counter() - self.start
-        self.read_bytes = _read_bytes() - self.read0
-        self.peak_rss_bytes = _proc_kib("VmHWM") * 1024 - self.base_rss
-
-
 def _child_tokenizer(folder: str) -> dict:
-    from .tokenizers import resolve_tokenizer
+    from ...tokenizers import resolve_tokenizer
 
     start = time.perf_counter()
     first = resolve_tokenizer(folder)
@@ -245,18 +151,18 @@ def _child_tokenizer(folder: str) -> dict:
 
 
 def _child_encoder(folder: str) -> dict:
-    from .loaders.encoder import load_encoder
+    from ...loaders.encoder import load_encoder
 
     files = [os.path.join(folder, name) for name in sorted(os.listdir(folder)) if name.endswith(".safetensors")]
     # An unmeasured load first: lazy imports and the tokenizer (cached per process) are one-time costs,
     # so what is measured is what a load of the weights costs.
     load_encoder(folder)
-    _evict(files)
-    with _Measured() as m:
+    evict(files)
+    with Measured() as m:
         loaded = load_encoder(folder)
     kept = sum(t.numel() * t.element_size() for t in loaded.state_dict.values())
     # Weights may be views of the mapped files, resident only once used: touch every byte kept.
-    with _Measured() as touched:
+    with Measured() as touched:
         for t in loaded.state_dict.values():
             t.reshape(-1).view(torch.uint8).max()
     return {
@@ -288,20 +194,20 @@ def _warm_up(path: str, load) -> None:
 
 
 def _child_gguf_transformer(path: str) -> dict:
-    from .loaders.gguf_file import parse_count
-    from .loaders.gguf_transformer import load_gguf_transformer
+    from ...loaders.gguf_file import parse_count
+    from ...loaders.gguf_transformer import load_gguf_transformer
 
     _warm_up(path, load_gguf_transformer)
-    _evict([path])
+    evict([path])
     parses = parse_count()
-    with _Measured() as m:
+    with Measured() as m:
         loaded = load_gguf_transformer(path)
     floats = [t for t in loaded.state_dict.values() if t.is_floating_point()]
     largest = max((t.numel() * t.element_size() for t in floats), default=0)
     return {"file": os.path.basename(path), **_gguf_figures(path, m, parse_count() - parses, largest)}
 
 
-def _gguf_figures(path: str, m: _Measured, header_parses: int, largest: int) -> dict:
+def _gguf_figures(path: str, m: Measured, header_parses: int, largest: int) -> dict:
     """A GGUF measurement against the memory budget: 1.1 x the file plus the largest dequantized tensor."""
     file_bytes = os.path.getsize(path)
     return {
@@ -319,8 +225,8 @@ def _child_gguf_read(path: str) -> dict:
     """open_gguf, then every tensor dequantized to fp16 once, one at a time, as a forward pass does."""
     from gguf import GGMLQuantizationType
 
-    from .loaders.gguf_dequant import dequantize
-    from .loaders.gguf_file import open_gguf, parse_count
+    from ...loaders.gguf_dequant import dequantize
+    from ...loaders.gguf_file import open_gguf, parse_count
 
     def read(path: str) -> tuple[int, int]:
         gfile = open_gguf(path)
@@ -330,14 +236,14 @@ def _child_gguf_read(path: str) -> dict:
     # warm-up with one small tensor: lazy imports and thread pools, but no large allocation that the
     # allocator would keep and the measured pass reuse unseen
     dequantize(torch.zeros(144, dtype=torch.uint8), GGMLQuantizationType.Q4_K, (256,))
-    _evict([path])
+    evict([path])
     parses = parse_count()
-    with _Measured() as m:
+    with Measured() as m:
         tensors, largest = read(path)
     return {"tensors": tensors, **_gguf_figures(path, m, parse_count() - parses, largest)}
 
 
-_CHILD_TASKS = {
+CHILD_TASKS = {
     "tokenizer": _child_tokenizer,
     "encoder": _child_encoder,
     "gguf_transformer": _child_gguf_transformer,
@@ -347,7 +253,7 @@ _CHILD_TASKS = {
 
 def _in_child(task: str, path: str) -> dict:
     """Run one measurement in a fresh interpreter (tiny test models enabled) and return its result."""
-    code = f"import json, comfyui_flux2dev.bench as b; print(json.dumps(b._CHILD_TASKS[{task!r}]({path!r})))"
+    code = f"import json; from comfyui_flux2dev.devtools.bench import scenarios as s; print(json.dumps(s.CHILD_TASKS[{task!r}]({path!r})))"
     env = {**os.environ, "FLUX2DEV_TINY_MODELS": "1"}
     done = subprocess.run([sys.executable, "-P", "-c", code], env=env, capture_output=True, text=True)
     if done.returncode:
@@ -358,7 +264,7 @@ def _in_child(task: str, path: str) -> dict:
 def bench_tokenizer() -> dict:
     """Seconds of the first and the second tokenizer resolution of a folder holding tekken.json, in one
     process: the second comes from the cache."""
-    from .tiny.encoders import write_tekken
+    from ...tiny.encoders import write_tekken
 
     with tempfile.TemporaryDirectory() as tmp:
         write_tekken(tmp)
@@ -368,7 +274,7 @@ def bench_tokenizer() -> dict:
 def bench_encoder_load() -> dict:
     """A 40-layer tiny-width [dev] encoder (Mistral3 folder of sharded safetensors): peak RSS and disk
     reads of the load against the bytes it keeps (embeddings and layers 0-29 only)."""
-    from .tiny.encoders import LAYERS, write_hf_mistral3
+    from ...tiny.encoders import LAYERS, write_hf_mistral3
 
     with tempfile.TemporaryDirectory() as tmp:
         write_hf_mistral3(tmp, layers=LAYERS)
@@ -380,7 +286,7 @@ def bench_gguf_load(quick: bool) -> dict:
     GGUF (not a model) opened and dequantized tensor by tensor: time, peak RSS, reads, header parses."""
     from gguf import GGMLQuantizationType as Q
 
-    from .tiny.gguf_transformers import SEED, gguf_tensors, tiny_bfl, write_gguf
+    from ...tiny.gguf_transformers import SEED, gguf_tensors, tiny_bfl, write_gguf
 
     shape, count = _SYNTHETIC_GGUF[quick]
     rng = np.random.default_rng(1)
@@ -392,18 +298,6 @@ def bench_gguf_load(quick: bool) -> dict:
         write_gguf(synthetic, blocks)
         # The GGUF transformer's own figures at the top level; the synthetic file's under their own key.
         return {**_in_child("gguf_transformer", tiny), "synthetic_read": _in_child("gguf_read", synthetic)}
-
-
-def machine() -> dict:
-    return {
-        "cpu_count": os.cpu_count(),
-        "torch_threads": torch.get_num_threads(),
-        "torch_version": torch.__version__,
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "load_average": os.getloadavg()[0],  # other work on the machine makes every figure here noisy
-    }
 
 
 def run_all(quick: bool) -> dict:
@@ -418,39 +312,3 @@ def run_all(quick: bool) -> dict:
     }
 
 
-def _mib(n: float) -> str:
-    return f"{n / 2**20:.1f} MiB"
-
-
-def format_report(results: dict) -> str:
-    m, h, t, e, load = (results[k] for k in ("machine", "header", "tokenizer", "encoder_load", "load"))
-    tiny, synthetic = load, load["synthetic_read"]
-    lines = [
-        f"machine: {m['cpu_count']} CPUs, torch {m['torch_version']} with {m['torch_threads']} threads, "
-        f"{m['platform']}, Python {m['python']}, {m['date']}, load average {m['load_average']:.2f}",
-        "",
-        "Dequantization to fp16 (pack: into a new tensor per call / into one reused tensor; gguf: its numpy reference)",
-        format_table(results["dequant"]),
-        "",
-        f"GGUF tokenizer header ({h['tokens']} tokens, {h['merges']} merges): pack {h['pack_s'] * 1e3:.1f} ms, "
-        f"gguf.GGUFReader {h['reference_s'] * 1e3:.1f} ms ({h['reference_s'] / h['pack_s']:.1f}x)",
-        f"tokenizer from tekken.json ({t['rung']}): first resolve {t['first_s']:.2f} s, second {t['second_s'] * 1e3:.2f} ms "
-        f"(same object: {t['same_tokenizer']})",
-        "",
-        f"encoder load (tiny width, {e['layers_kept']} of {e['layers_in_file']} layers kept, safetensors, page cache evicted):",
-        f"  file {_mib(e['file_bytes'])}, kept {_mib(e['kept_bytes'])} ({e['kept_bytes'] / e['file_bytes']:.0%} of the file), "
-        f"read {_mib(e['read_bytes'])}, peak RSS {_mib(e['peak_rss_bytes'])}, {e['seconds']:.2f} s",
-        f"  peak RSS / kept {e['rss_per_kept_byte']:.2f}, read / kept {e['read_per_kept_byte']:.2f}; after touching "
-        f"every kept byte: RSS {_mib(e['rss_after_use_bytes'])} ({e['rss_after_use_per_kept_byte']:.2f} x kept), "
-        f"read {_mib(e['read_after_use_bytes'])}",
-        "",
-        f"GGUF transformer load ({tiny['file']}, load_gguf_transformer): file {_mib(tiny['file_bytes'])}, "
-        f"peak RSS {_mib(tiny['peak_rss_bytes'])}, read {_mib(tiny['read_bytes'])}, {tiny['seconds'] * 1e3:.0f} ms, "
-        f"header parsed {tiny['header_parses']}x",
-        f"synthetic GGUF ({synthetic['tensors']} Q4_K tensors, not a model; open + every tensor dequantized once): "
-        f"file {_mib(synthetic['file_bytes'])}, peak RSS {_mib(synthetic['peak_rss_bytes'])} "
-        f"(budget 1.1 x file + largest dequantized {_mib(synthetic['largest_dequantized_bytes'])} = "
-        f"{_mib(synthetic['rss_budget_bytes'])}), read {_mib(synthetic['read_bytes'])}, {synthetic['seconds']:.2f} s, "
-        f"header parsed {synthetic['header_parses']}x",
-    ]
-    return "\n".join(lines)

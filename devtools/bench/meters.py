@@ -1,0 +1,89 @@
+"""What the benchmarks measure with: best-of timing, and a block's peak RSS, disk reads and seconds (Linux
+/proc), with the page cache and the C heap cleared before, so that figures are the measured code's own."""
+
+from __future__ import annotations
+
+import ctypes
+import datetime
+import gc
+import os
+import platform
+import time
+
+import torch
+
+
+def best(fn, repeats: int) -> float:
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def _proc_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+def _read_bytes() -> int:
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("read_bytes:"))
+
+
+def evict(paths: list[str]) -> None:
+    """Drop the files from the page cache, so that reading them counts as disk reads."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def _release_free_heap() -> None:
+    """Hand the C heap's free pages back to the system (glibc), so that what the measured code allocates
+    shows as RSS growth instead of quietly reusing memory an earlier step freed."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+class Measured:
+    """Peak RSS above the RSS at entry (the high-water mark is reset where the kernel allows it), bytes
+    read from disk and seconds, of the code inside the with-block."""
+
+    def __enter__(self) -> Measured:
+        gc.collect()
+        _release_free_heap()
+        self.base_rss = _proc_kib("VmRSS") * 1024
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # reset VmHWM to the current RSS
+        except OSError:
+            pass
+        self.read0 = _read_bytes()
+        self.start = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.seconds = time.perf_counter() - self.start
+        self.read_bytes = _read_bytes() - self.read0
+        self.peak_rss_bytes = _proc_kib("VmHWM") * 1024 - self.base_rss
+
+
+def machine() -> dict:
+    return {
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch_version": torch.__version__,
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "load_average": os.getloadavg()[0],  # other work on the machine makes every figure here noisy
+    }
+
+

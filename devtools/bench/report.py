@@ -1,0 +1,70 @@
+"""The benchmark figures as text: the dequantization table and the whole report."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def _geomean(values: list[float]) -> float:
+    return float(np.exp(np.mean(np.log(values))))
+
+
+def format_table(results: list[dict]) -> str:
+    """The dequantization results as an aligned text table, with the geometric means of the speed-ups."""
+    lines = [
+        f"{'type':8} {'values':>9} {'new out':>8} {'reused':>8} {'gguf':>6} {'ratio new':>10} {'ratio reused':>13}"
+        f" {'copy':>6}  exact",
+        f"{'':8} {'':>9} {'GB/s':>8} {'GB/s':>8} {'GB/s':>6} {'':>10} {'':>13} {'GB/s':>6}",
+    ]
+    fresh, reused = [], []
+    for r in results:
+        fresh.append(r["pack_gbps"] / r["reference_gbps"])
+        reused.append(r["pack_reused_gbps"] / r["reference_gbps"])
+        lines.append(
+            f"{r['type']:8} {r['values']:>9} {r['pack_gbps']:>8.2f} {r['pack_reused_gbps']:>8.2f} "
+            f"{r['reference_gbps']:>6.2f} {fresh[-1]:>9.1f}x {reused[-1]:>12.1f}x {r['copy_gbps']:>6.1f}  "
+            f"{'yes' if r['exact'] else 'NO'}"
+        )
+    if results:
+        lines.append(
+            f"geometric mean speed-up: {_geomean(fresh):.1f}x into new tensors, {_geomean(reused):.1f}x into a reused one"
+        )
+    return "\n".join(lines)
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def format_report(results: dict) -> str:
+    m, h, t, e, load = (results[k] for k in ("machine", "header", "tokenizer", "encoder_load", "load"))
+    tiny, synthetic = load, load["synthetic_read"]
+    lines = [
+        f"machine: {m['cpu_count']} CPUs, torch {m['torch_version']} with {m['torch_threads']} threads, "
+        f"{m['platform']}, Python {m['python']}, {m['date']}, load average {m['load_average']:.2f}",
+        "",
+        "Dequantization to fp16 (pack: into a new tensor per call / into one reused tensor; gguf: its numpy reference)",
+        format_table(results["dequant"]),
+        "",
+        f"GGUF tokenizer header ({h['tokens']} tokens, {h['merges']} merges): pack {h['pack_s'] * 1e3:.1f} ms, "
+        f"gguf.GGUFReader {h['reference_s'] * 1e3:.1f} ms ({h['reference_s'] / h['pack_s']:.1f}x)",
+        f"tokenizer from tekken.json ({t['rung']}): first resolve {t['first_s']:.2f} s, second {t['second_s'] * 1e3:.2f} ms "
+        f"(same object: {t['same_tokenizer']})",
+        "",
+        f"encoder load (tiny width, {e['layers_kept']} of {e['layers_in_file']} layers kept, safetensors, page cache evicted):",
+        f"  file {_mib(e['file_bytes'])}, kept {_mib(e['kept_bytes'])} ({e['kept_bytes'] / e['file_bytes']:.0%} of the file), "
+        f"read {_mib(e['read_bytes'])}, peak RSS {_mib(e['peak_rss_bytes'])}, {e['seconds']:.2f} s",
+        f"  peak RSS / kept {e['rss_per_kept_byte']:.2f}, read / kept {e['read_per_kept_byte']:.2f}; after touching "
+        f"every kept byte: RSS {_mib(e['rss_after_use_bytes'])} ({e['rss_after_use_per_kept_byte']:.2f} x kept), "
+        f"read {_mib(e['read_after_use_bytes'])}",
+        "",
+        f"GGUF transformer load ({tiny['file']}, load_gguf_transformer): file {_mib(tiny['file_bytes'])}, "
+        f"peak RSS {_mib(tiny['peak_rss_bytes'])}, read {_mib(tiny['read_bytes'])}, {tiny['seconds'] * 1e3:.0f} ms, "
+        f"header parsed {tiny['header_parses']}x",
+        f"synthetic GGUF ({synthetic['tensors']} Q4_K tensors, not a model; open + every tensor dequantized once): "
+        f"file {_mib(synthetic['file_bytes'])}, peak RSS {_mib(synthetic['peak_rss_bytes'])} "
+        f"(budget 1.1 x file + largest dequantized {_mib(synthetic['largest_dequantized_bytes'])} = "
+        f"{_mib(synthetic['rss_budget_bytes'])}), read {_mib(synthetic['read_bytes'])}, {synthetic['seconds']:.2f} s, "
+        f"header parsed {synthetic['header_parses']}x",
+    ]
+    return "\n".join(lines)
