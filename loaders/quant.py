@@ -98,7 +98,7 @@ FP8_SCALED = PackedFormat(
     lambda shape, companions: shape, _fp8_dequantize,
     declared=("float8_e4m3fn", "float8_e5m2"), guessed=True,
 )
-FORMATS = (GGUF, NVFP4, FP8_SCALED)
+FORMATS = (FP8_SCALED, NVFP4, GGUF)
 BY_LABEL = {f.label: f for f in FORMATS}
 
 COMPANIONS = tuple(dict.fromkeys(c for f in FORMATS for c in f.companions))  # stored beside a packed weight
