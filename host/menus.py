@@ -11,9 +11,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..errors import ModelNotFoundError
+from ..loaders.files import MODEL_INDEX
 
 FOLDER_MARK = "/"
-CONFIG_FILES = ("config.json", "params.json", "model_index.json")
+CONFIG_FILES = ("config.json", "params.json", MODEL_INDEX)
 
 
 def has_config(path: str) -> bool:

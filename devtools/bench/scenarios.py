@@ -9,17 +9,19 @@ mapped counts, and after evicting the files from the page cache, so that the byt
 from __future__ import annotations
 
 import base64
+import gc
 import json
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
+import time
 
 import numpy as np
 import torch
 
-from ...tiny.gguf_blocks import random_blocks
+from ...tiny.gguf_blocks import random_blocks, write_and_close
 from ...tokenizers.ladder import bundled_tekken_path
 from ...tokenizers.vocab import byte_level_string
 from .meters import Measured, best, evict, machine
@@ -106,10 +108,7 @@ def write_tokenizer_header(path: str, n_tokens: int, n_merges: int) -> None:
     writer.add_token_merges(merges)
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
+    write_and_close(writer)
 
 
 def bench_header(quick: bool) -> dict:
