@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from test_tokenizers import CORPUS, V3_NAMES, _v7_tekken
+from test_tokenizers import V3_NAMES, _v7_tekken, corpus_prompts
 
 from comfyui_flux2dev.tokenizers import Flux2Tokenizer, parse_tekken_json, prompt_ids
 
@@ -17,11 +17,6 @@ HOST_SYNTAX = [
     "a [IMG] b", "[IMG][IMG]", "x \\(y\\) z", "\\\\(", "(cat:1.2) and (dog)", "a embedding:foo bar", "embedding:x",
     "tab\tembedding:y", "[INST] hi [/INST] <s> <pad>", "{} {0} braces", "",
 ]
-
-
-def _prompts() -> list[str]:
-    corpus = [json.loads(line) for line in CORPUS.read_text(encoding="utf-8").splitlines() if line.strip()] if CORPUS.is_file() else []
-    return corpus + HOST_SYNTAX
 
 
 def test_comfy_padding_gives_the_hosts_own_ids(comfy_host):
@@ -37,6 +32,6 @@ def test_comfy_padding_gives_the_hosts_own_ids(comfy_host):
             raise
         pytest.skip(f"this ComfyUI's own FLUX.2 tokenizer does not build under transformers {transformers.__version__} ({e})")
     pack = Flux2Tokenizer(parse_tekken_json(tekken))
-    for prompt in _prompts():
+    for prompt in corpus_prompts() + HOST_SYNTAX:
         want = [t[0] for t in host.tokenize_with_weights(prompt)["mistral3_24b"][0]]
         assert prompt_ids(pack, prompt, "comfy") == (want, [1] * len(want)), prompt

@@ -36,7 +36,9 @@ pytestmark = pytest.mark.transformers_matrix
 
 REPO = Path(__file__).resolve().parents[1]
 OLDEST = REPO / ".venv" / "oldest"  # transformers 4.57 and the other oldest releases (tests/run)
-CORPUS = Path(os.environ.get("FLUX2DEV_PROMPT_CORPUS", REPO.parent / "shared" / "corpus" / "prompts.jsonl"))
+OWN_CORPUS = Path(__file__).with_name("data") / "prompts.jsonl"
+# More prompts where the project's shared folder lies beside the clone (a user's clone has none).
+SHARED_CORPUS = Path(os.environ.get("FLUX2DEV_PROMPT_CORPUS", REPO.parent / "shared" / "corpus" / "prompts.jsonl"))
 REFERENCE_SCRIPT = Path(__file__).with_name("tokenizer_reference.py")
 MISTRAL3_CONFIG = {
     "model_type": "mistral3",
@@ -46,21 +48,29 @@ MISTRAL3_CONFIG = {
 }
 
 
+def corpus_prompts() -> list[str]:
+    """The pack's own prompt corpus, then the shared one where it is there."""
+    files = [OWN_CORPUS, *([SHARED_CORPUS] if SHARED_CORPUS.is_file() else [])]
+    return [json.loads(line) for f in files for line in f.read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
 @pytest.fixture(scope="session")
 def reference(request) -> dict:
     """Ids from transformers 4.57's converter for the corpus, and the HF files it saved; cached on disk by the
     hash of everything that goes into it."""
     tekken = bundled_tekken_path()
+    corpus = "".join(json.dumps(p) + "\n" for p in corpus_prompts())
     key = hashlib.sha256()
-    for part in (REFERENCE_SCRIPT.read_bytes(), CORPUS.read_bytes(), str(tekken.stat().st_size).encode()):
+    for part in (REFERENCE_SCRIPT.read_bytes(), corpus.encode(), str(tekken.stat().st_size).encode()):
         key.update(part)
     key.update(",".join(sorted(p.name for p in OLDEST.glob("*.dist-info"))).encode())
     out = request.config.cache.mkdir("flux2dev-tokenizer-reference") / key.hexdigest()[:16]
     if not (out / "reference.json").is_file():
         out.mkdir(parents=True, exist_ok=True)
+        (out / "corpus.jsonl").write_text(corpus, encoding="utf-8")
         env = {**os.environ, "PYTHONPATH": str(OLDEST)}
         subprocess.run(
-            [sys.executable, "-P", str(REFERENCE_SCRIPT), str(tekken), str(CORPUS), str(out)],
+            [sys.executable, "-P", str(REFERENCE_SCRIPT), str(tekken), str(out / "corpus.jsonl"), str(out)],
             env=env, check=True, capture_output=True, timeout=600,
         )
     result = json.loads((out / "reference.json").read_text(encoding="utf-8"))
@@ -126,11 +136,10 @@ def test_bundled_fallback_matches_reference(reference, tmp_path):
 def test_template_matches_reference(reference):
     tokenizer = resolve_tokenizer(None).tokenizer
     for prompt, want in zip(reference["prompts"], reference["template_ids"]):
-        ids, mask = prompt_ids(tokenizer, prompt, "comfy")
-        assert ids == want, prompt
-        assert mask == [1] * len(ids)
-    fixed, _ = prompt_ids(tokenizer, "", "comfy")
-    assert len(fixed) == 33  # the fixed part of the template: system prompt and [INST] markers
+        ids, mask = prompt_ids(tokenizer, prompt, "reference")
+        assert [i for i, m in zip(ids, mask) if m] == want[:MAX_LENGTH], prompt
+    _, fixed = prompt_ids(tokenizer, "", "reference")
+    assert sum(fixed) == 33  # the fixed part of the template: system prompt and [INST] markers
 
 
 def test_special_looking_user_text_becomes_special_ids(reference):
@@ -164,7 +173,9 @@ def test_padding_modes(reference):
     cut, cut_mask = prompt_ids(tokenizer, long_prompt, "reference")
     assert cut == full[:MAX_LENGTH] and cut_mask == [1] * MAX_LENGTH
 
-    assert prompt_ids(tokenizer, "a [IMG]red fox[IMG]", "comfy") == prompt_ids(tokenizer, "a red fox", "comfy")
+    assert prompt_ids(tokenizer, "a [IMG]red fox[IMG]", "reference") == prompt_ids(tokenizer, "a red fox", "reference")
+    with_image, _ = prompt_ids(tokenizer, "a [IMG]red fox", "comfy")
+    assert with_image.count(10) == 1  # comfy mode keeps [IMG], as ComfyUI's own tokenizer does
     assert tokenizer.encode(SYSTEM_PROMPT) == full[2:30]  # 28 ids between [SYSTEM_PROMPT] and [/SYSTEM_PROMPT]
     with pytest.raises(ValueError, match="padding"):
         prompt_ids(tokenizer, "x", "right")
