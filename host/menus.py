@@ -7,6 +7,7 @@ name is found again directly, without a walk."""
 from __future__ import annotations
 
 import os
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -14,6 +15,7 @@ from ..errors import ModelNotFoundError
 from ..loaders.files import MODEL_INDEX
 
 FOLDER_MARK = "/"
+QUALIFIER = ":"  # between a model folder's name and an entry's, where two folders of one menu hold that name
 CONFIG_FILES = ("config.json", "params.json", MODEL_INDEX)
 
 
@@ -29,6 +31,13 @@ def is_pipeline(path: str) -> bool:
     return pipeline_class(path) is not None
 
 
+def is_dev_pipeline(path: str) -> bool:
+    """A FLUX.2 [dev] pipeline folder: the only ones whose text encoder conditions [dev]."""
+    from ..loaders.pipeline import holds_variant
+
+    return holds_variant(path, "dev")
+
+
 @dataclass(frozen=True)
 class Source:
     folder: str  # the host's model folder key
@@ -41,6 +50,7 @@ MENUS = {
     "encoder": (Source("text_encoders", (".safetensors", ".gguf"), has_config),),
     "gguf": (Source("diffusion_models", (".gguf",)),),
     "pipeline": (Source("diffusers", (), is_pipeline),),
+    "dev pipeline": (Source("diffusers", (), is_dev_pipeline),),
     "vae": (Source("diffusers", (), is_pipeline), Source("vae", (".safetensors",), has_config)),
     "transformer": (Source("diffusers", (), is_pipeline), Source("diffusion_models", (".safetensors",), has_config)),
 }
@@ -72,13 +82,22 @@ def _walk(root: str, source: Source, found: dict[str, str]) -> None:
 
 
 def model_choices(menu: str) -> dict[str, str]:
-    """{menu name: path} of every file and model folder the menu's sources hold, in every root of each."""
-    found: dict[str, str] = {}
+    """{menu name: path} of every file and model folder the menu's sources hold, in every root of each. A name
+    that two sources both hold is listed from each, qualified with its folder ("vae:name") so neither hides
+    the other."""
+    per_source = []
     for source in MENUS[menu]:
+        found: dict[str, str] = {}
         for root in _roots(source.folder):
             if os.path.isdir(root):
                 _walk(root, source, found)
-    return dict(sorted(found.items()))
+        per_source.append((source, found))
+    counts = Counter(name for _, found in per_source for name in found)
+    choices = {}
+    for source, found in per_source:
+        for name, path in found.items():
+            choices[f"{source.folder}{QUALIFIER}{name}" if counts[name] > 1 else name] = path
+    return dict(sorted(choices.items()))
 
 
 def _is_entry(path: str, name: str, source: Source) -> bool:
@@ -89,9 +108,13 @@ def _is_entry(path: str, name: str, source: Source) -> bool:
 
 def chosen_path(menu: str, name: str, what: str) -> str:
     """The path of the entry `name` of a menu, found as the menu would list it; `what` names it for the user."""
+    sources = MENUS[menu]
+    folder, qualified, rest = name.partition(QUALIFIER)
+    if qualified and any(s.folder == folder for s in sources):
+        sources, name = [s for s in sources if s.folder == folder], rest
     relative = os.path.normpath(name.rstrip(FOLDER_MARK)) if name else ""
     if relative and not os.path.isabs(relative) and relative.split(os.sep)[0] != "..":
-        for source in MENUS[menu]:
+        for source in sources:
             for root in _roots(source.folder):
                 path = os.path.join(root, relative)
                 if _is_entry(path, name, source):

@@ -33,6 +33,12 @@ class PipelineInfo:
     variant: Flux2Variant
 
 
+def holds_variant(folder: str | Path, key: str) -> bool:
+    """Whether the pipeline folder's model_index.json names a class that may hold the variant (cheap: one
+    small file read, for menus)."""
+    return key in PIPELINE_CLASSES.get(pipeline_class(folder), ())
+
+
 def pipeline_class(folder: str | Path) -> str | None:
     """The FLUX.2 pipeline class model_index.json names, or None when the folder is not a FLUX.2 pipeline."""
     index = Path(folder) / MODEL_INDEX
@@ -137,6 +143,6 @@ def klein_encoder_error(name: str, class_name: str, found: Flux2Variant) -> Vari
     return VariantMismatchError(
         f"{name} is a {found.name} pipeline ({class_name}). Its {found.encoder_name} text encoder gives "
         f"{found.context_in_dim}-wide conditioning, but {dev.name} needs {dev.context_in_dim} (the {dev.encoder_name} "
-        f"encoder). Use this pipeline only for its VAE (Flux2DevVAESource: the VAE is shared); for the text encoder "
+        f"encoder). Use this pipeline only for its VAE (with the FLUX.2 VAE source node: the VAE is shared); for the text encoder "
         f"choose a {dev.name} pipeline folder, or a {dev.encoder_name} encoder file or folder in models/text_encoders."
     )

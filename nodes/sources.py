@@ -54,7 +54,7 @@ class Flux2DevEncoderSource(io.ComfyNode):
             inputs=[
                 io.Combo.Input(
                     "pipeline",
-                    options=list(model_choices("pipeline")),
+                    options=list(model_choices("dev pipeline")),
                     tooltip="A FLUX.2 [dev] pipeline folder from models/diffusers (a copy of black-forest-labs/FLUX.2-dev "
                     "with model_index.json, text_encoder/ and tokenizer/). Klein pipelines are refused: their text "
                     "encoder cannot condition [dev].",
@@ -69,6 +69,7 @@ class Flux2DevEncoderSource(io.ComfyNode):
         from ..host.clip import load_clip
         from ..loaders.pipeline import dev_encoder_folder
 
+        # Any FLUX.2 pipeline is found, so that a Klein one (from a shared workflow) is refused by name.
         folder = dev_encoder_folder(chosen_path("pipeline", pipeline, "The pipeline folder"))
         return io.NodeOutput(load_clip(str(folder), padding=padding))
 

@@ -49,3 +49,42 @@ def test_a_looping_models_folder_is_listed_once(encoder_menu):
     (root / "a" / "sub" / "y.gguf").write_bytes(b"")
     (root / "a" / "sub" / "loop").symlink_to(root / "a", target_is_directory=True)
     assert list(model_choices("encoder")) == ["sub/y.gguf"]
+
+
+def test_a_name_in_two_folders_of_one_menu_is_listed_from_each(comfy_host, tmp_path, monkeypatch):
+    import folder_paths
+
+    from comfyui_flux2dev.host import menus
+
+    for key in ("flux2dev_test_first", "flux2dev_test_second"):
+        (tmp_path / key / "same").mkdir(parents=True)
+        (tmp_path / key / "same" / "config.json").write_text("{}")
+        (tmp_path / key / f"only-{key}.safetensors").write_bytes(b"")
+        monkeypatch.setitem(folder_paths.folder_names_and_paths, key, ([str(tmp_path / key)], set()))
+    sources = tuple(menus.Source(key, (".safetensors",), menus.has_config) for key in ("flux2dev_test_first", "flux2dev_test_second"))
+    monkeypatch.setitem(menus.MENUS, "vae", sources)
+    choices = menus.model_choices("vae")
+    assert choices == {
+        "flux2dev_test_first:same/": str(tmp_path / "flux2dev_test_first" / "same"),
+        "flux2dev_test_second:same/": str(tmp_path / "flux2dev_test_second" / "same"),
+        "only-flux2dev_test_first.safetensors": str(tmp_path / "flux2dev_test_first" / "only-flux2dev_test_first.safetensors"),
+        "only-flux2dev_test_second.safetensors": str(tmp_path / "flux2dev_test_second" / "only-flux2dev_test_second.safetensors"),
+    }
+    for name, path in choices.items():
+        assert menus.chosen_path("vae", name, "The VAE") == path
+    # A workflow saved before both folders held the name still finds it, in the first folder.
+    assert menus.chosen_path("vae", "same/", "The VAE") == str(tmp_path / "flux2dev_test_first" / "same")
+
+
+def test_the_dev_encoder_source_lists_dev_pipelines_only(comfy_host, tiny_root):
+    import folder_paths
+
+    from comfyui_flux2dev.host.menus import model_choices
+
+    folder_paths.add_model_folder_path("diffusers", str(tiny_root / "diffusers"))
+    try:
+        pipelines, dev = model_choices("pipeline"), model_choices("dev pipeline")
+    finally:
+        folder_paths.folder_names_and_paths["diffusers"][0].remove(str(tiny_root / "diffusers"))
+    assert "flux2-klein-4b-tiny-pipeline/" in pipelines and "flux2-dev-tiny-pipeline/" in pipelines
+    assert list(dev) == ["flux2-dev-tiny-pipeline/"]
