@@ -114,8 +114,8 @@ class HeadlessComfy:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.port}{path}", timeout=30) as r:
             return json.loads(r.read())
 
-    def submit(self, graph: dict) -> str:
-        body = json.dumps({"prompt": graph, "client_id": uuid.uuid4().hex}).encode()
+    def submit(self, graph: dict, client_id: str | None = None) -> str:
+        body = json.dumps({"prompt": graph, "client_id": client_id or uuid.uuid4().hex}).encode()
         req = urllib.request.Request(f"http://127.0.0.1:{self.port}/prompt", data=body,
                                      headers={"Content-Type": "application/json"})
         try:
@@ -141,6 +141,34 @@ class HeadlessComfy:
 
     def run(self, graph: dict, timeout: float = 600.0) -> dict:
         return self.wait(self.submit(graph), timeout)
+
+    def run_watched(self, graph: dict, timeout: float = 600.0) -> tuple[dict, list[dict]]:
+        """Run a graph as the web UI does, listening on the server's websocket: its outputs, and every message
+        the server sent about it (progress, executing, ...) in order."""
+        import asyncio
+
+        import aiohttp
+
+        client_id = uuid.uuid4().hex
+
+        async def watch() -> tuple[str, list[dict]]:
+            async with aiohttp.ClientSession() as session:
+                async with session.ws_connect(f"http://127.0.0.1:{self.port}/ws?clientId={client_id}") as ws:
+                    prompt_id = await asyncio.to_thread(self.submit, graph, client_id)
+                    messages = []
+                    async for message in ws:
+                        if message.type != aiohttp.WSMsgType.TEXT:
+                            continue
+                        messages.append(json.loads(message.data))
+                        kind, data = messages[-1]["type"], messages[-1].get("data") or {}
+                        if data.get("prompt_id") == prompt_id and (
+                            kind == "execution_error" or (kind == "executing" and data.get("node") is None)
+                        ):
+                            return prompt_id, messages
+                    return prompt_id, messages
+
+        prompt_id, messages = asyncio.run(asyncio.wait_for(watch(), timeout))
+        return self.wait(prompt_id, timeout), messages
 
     def output_file(self, saved: dict) -> Path:
         """Where a file an output node reported (SaveImage's images, SaveLatent's latents) lies on disk."""

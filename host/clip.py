@@ -180,7 +180,9 @@ def load_clip(path: str, *, padding: str = "reference", allow_network: bool = Fa
     nodes can load again from the same path and options."""
     from . import compat
 
-    encoder = load_encoder(path, allow_network=allow_network)
+    ensure_comfy()
+    with compat.load_progress():
+        encoder = load_encoder(path, allow_network=allow_network)
     clip = clip_from_encoder(encoder, padding=padding, dtype=dtype, embedding_directory=embedding_directory,
                              disable_dynamic=disable_dynamic)
     options = {"padding": padding, "allow_network": allow_network, "dtype": dtype, "embedding_directory": embedding_directory}

@@ -33,6 +33,7 @@ REQUIRED = (
     ("the pruned FLUX.2 text encoder", "comfy.text_encoders.flux:flux2_te"),
     ("the Mistral encoder class the pack masks left padding in", "comfy.text_encoders.flux:Mistral3_24BModel.process_tokens"),
     ("the host's own FLUX.2 tokenizer (comfy padding follows it)", "comfy.text_encoders.flux:Flux2Tokenizer"),
+    ("the progress bar of the node that runs", "comfy.utils:ProgressBar.update_absolute"),
 )
 
 
@@ -111,6 +112,19 @@ def keys_the_host_logs_missing(message: str):
     finally:
         root.removeHandler(handler)
         root.setLevel(level)
+
+
+@contextlib.contextmanager
+def load_progress():
+    """Show the progress of the loads inside the block in the running node's progress bar (outside a node the
+    host's bar does nothing)."""
+    import comfy.utils
+
+    from ..loaders import progress
+
+    bar = comfy.utils.ProgressBar(1)
+    with progress.listening(lambda done, total: bar.update_absolute(done, total)):
+        yield
 
 
 def set_reload(patcher, factory, args: tuple) -> None:

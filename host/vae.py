@@ -20,8 +20,10 @@ def load_vae(path: str | Path):
     ensure_comfy()
     import comfy.sd
 
+    with compat.load_progress():
+        state_dict = load_vae_state_dict(path)
     with compat.keys_the_host_logs_missing(MISSING_VAE_KEYS) as missing:
-        vae = comfy.sd.VAE(sd=load_vae_state_dict(path))
+        vae = comfy.sd.VAE(sd=state_dict)
     vae.throw_exception_if_invalid()
     if vae.latent_channels != LATENT_CHANNELS * PATCH * PATCH:
         raise HostError(

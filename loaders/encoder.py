@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import CorruptFileError, MissingWeightsError, ModelNotFoundError, TokenizerNotFoundError, UnknownModelError
-from . import quant, variants
+from . import progress, quant, variants
 from .encoder_identify import EMBED, LAYER_SHAPES, host_name, identify
 from .encoder_layouts import CONFIG, GGUF_METADATA, PARAMS, Source, find_layout
 from .files import MODEL_INDEX
@@ -149,7 +149,7 @@ def load_encoder(path: str, *, allow_network: bool = False) -> LoadedEncoder:
     """Read a FLUX.2 [dev] text encoder from any supported layout, with its tokenizer."""
     plan = plan_encoder(path)
     state_dict = {}
-    for host, stored in plan.mapping.items():
+    for host, stored in progress.tracked(plan.mapping.items()):
         entries = plan.source.state_entries(host, stored)
         module = host.split(".")[3] + "." + host.split(".")[4] if host.startswith("model.layers.") else ""
         if module in plan.unpermute_heads and host.endswith(".weight"):

@@ -14,6 +14,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from ..errors import UnknownModelError, UnsupportedFormatError, WrongModelError
+from . import progress
 from .gguf_file import GGUFFile, open_gguf
 from .kinds import GGUF_ARCHITECTURES, gguf_architectures, gguf_kind
 from .quant import from_gguf, gguf_label
@@ -72,7 +73,7 @@ def load_gguf_transformer(path: str | os.PathLike) -> LoadedGGUFTransformer:
         )
     variant = variant_for_geometry(geometry, layout)
     state_dict = {}
-    for key, name in names.items():
+    for key, name in progress.tracked(names.items()):
         state_dict.update(from_gguf(key, gfile.tensors[name]))
     formats = Counter(gguf_label(t.qtype) for t in gfile.tensors.values())
     return LoadedGGUFTransformer(state_dict, variant, geometry, layout.name, path=gfile.path, formats=dict(formats))

@@ -21,7 +21,7 @@ from ..errors import (
     VariantMismatchError,
     WrongModelError,
 )
-from . import quant
+from . import progress, quant
 from .files import part_files
 from .safetensors_file import SafetensorsFiles
 from .variants import Flux2Variant, known_variants, variant_for_conditioning, variant_for_transformer
@@ -183,7 +183,7 @@ def variant_for_geometry(geometry: TransformerGeometry, layout: KeyLayout) -> Fl
 def _diffusers_to_bfl(keys: set[str], read: Callable[[str], torch.Tensor], geometry: TransformerGeometry) -> dict:
     counts = {"double_blocks.": geometry.double_blocks, "single_blocks.": geometry.single_blocks}
     out, used = {}, set()
-    for bfl_key, sources, swap_halves in DIFFUSERS_TO_BFL:
+    for bfl_key, sources, swap_halves in progress.tracked(DIFFUSERS_TO_BFL):
         blocks = next((n for prefix, n in counts.items() if bfl_key.startswith(prefix)), None)
         for n in range(blocks) if blocks is not None else (None,):
             names = [s.format(n=n) for s in sources]
@@ -235,7 +235,7 @@ def _bfl_state_dict(files: SafetensorsFiles) -> dict[str, torch.Tensor]:
             "transformers. Use one of those."
         )
     out = {}
-    for name in files.infos:
+    for name in progress.tracked(files.infos):
         if name in FP8_MARKERS:
             continue
         layer, _, suffix = name.rpartition(".")

@@ -9,6 +9,7 @@ from pathlib import Path
 import torch
 
 from ..errors import WrongModelError
+from . import progress
 from .files import part_files
 from .safetensors_file import SafetensorsFiles
 
@@ -38,4 +39,4 @@ def load_vae_state_dict(path: str | Path) -> dict[str, torch.Tensor]:
     """The FLUX.2 VAE's tensors as stored (diffusers or BFL keys; the host converts diffusers keys itself)."""
     files = SafetensorsFiles([str(p) for p in vae_files(path)])
     check_flux2_vae({k: i.shape for k, i in files.infos.items()}, str(path))
-    return {name: files.read(name) for name in files.infos}
+    return {name: files.read(name) for name in progress.tracked(files.infos)}

@@ -6,7 +6,7 @@ import time
 
 from test_graphs import encoder, gguf_model, vae
 
-from comfyui_flux2dev.devtools.workflows import official_dev_graph
+from comfyui_flux2dev.devtools.workflows import node, official_dev_graph
 
 NODE_IDS = ("Flux2DevEncoderLoader", "Flux2DevGGUFTransformerLoader", "Flux2DevVAESource", "Flux2DevEncoderSource",
             "Flux2DevTransformerSource")
@@ -41,3 +41,23 @@ def test_error_reports_name_the_package_not_the_install_path(comfy_server):
             return
         time.sleep(0.2)
     raise AssertionError("the graph did not fail")
+
+
+def test_loads_move_the_progress_bar(comfy_server):
+    """Each loader node of a graph sends progress to the UI while it reads its weights."""
+    graph = official_dev_graph(
+        node("Flux2DevGGUFTransformerLoader", gguf_name="flux2-dev-tiny-Q8_0.gguf", dequant_dtype="default",
+             patch_dtype="bfloat16"),
+        encoder("mistral_3_small_flux2_fp8_channel.safetensors", padding="comfy"),
+        node("Flux2DevVAESource", vae="flux2-vae-diffusers/"),
+        prompt="progress, please",
+    )
+    _, messages = comfy_server.run_watched(graph)
+    progress = {}
+    for m in messages:
+        if m["type"] == "progress":
+            progress.setdefault(m["data"]["node"], []).append((m["data"]["value"], m["data"]["max"]))
+    for loader in ("model", "clip", "vae"):
+        steps = progress.get(loader, [])
+        assert len(steps) >= 2 and steps[-1][0] == steps[-1][1] > 1, (loader, steps)
+        assert [value for value, _ in steps] == sorted(value for value, _ in steps)
