@@ -12,9 +12,20 @@ from pathlib import Path
 
 def _tiny(args) -> None:
     from . import tiny
+    from .errors import ModelNotFoundError
+    from .loaders.variants import TINY_MODELS_ENV
 
-    entries = tiny.write_all(args.dir)
-    print(f"wrote {len(entries)} tiny models to {args.dir} (see {Path(args.dir) / tiny.MANIFEST})")
+    if args.comfyui:
+        if not (Path(args.comfyui) / "main.py").is_file():
+            raise ModelNotFoundError(f"{args.comfyui} is not a ComfyUI folder (it has no main.py); give the folder that holds main.py.")
+        # Each part goes to the model folder of its name (models/text_encoders, models/unet, ...).
+        target = Path(args.comfyui) / "models"
+    else:
+        target = Path(args.dir)
+    entries = tiny.write_all(target, manifest=not args.comfyui)
+    print(f"wrote {len(entries)} tiny models to {target}")
+    print(f"ComfyUI lists them in the pack's nodes, and loads them only when started with {TINY_MODELS_ENV}=1 "
+          f"(for example: {TINY_MODELS_ENV}=1 python main.py).")
 
 
 def _read_prompts(args) -> list[str]:
@@ -75,7 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("tiny", help="write tiny FLUX.2 weights in every layout, with DIR/manifest.json")
-    p.add_argument("dir")
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("dir", nargs="?", help="a folder: one subfolder per part, and manifest.json")
+    where.add_argument("--comfyui", metavar="COMFYUI_DIR", help="into that ComfyUI's models folders, to try the nodes")
     p.set_defaults(run=_tiny)
 
     p = sub.add_parser("tokenize", help="the token ids an encoder would see (template included)")

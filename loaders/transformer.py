@@ -24,7 +24,14 @@ from ..errors import (
 from . import progress, quant
 from .files import part_files
 from .safetensors_file import SafetensorsFiles
-from .variants import Flux2Variant, known_variants, variant_for_conditioning, variant_for_transformer
+from .variants import (
+    TINY_VARIANTS,
+    Flux2Variant,
+    known_variants,
+    tiny_hint,
+    variant_for_conditioning,
+    variant_for_transformer,
+)
 
 # BFL key <- diffusers keys (several are concatenated along the output dim), and whether the two halves of
 # the result swap places (diffusers' final norm stores scale, shift; BFL stores shift, scale).
@@ -171,7 +178,9 @@ def variant_for_geometry(geometry: TransformerGeometry, layout: KeyLayout) -> Fl
             f"{v.name}: hidden {v.hidden_size}, context {v.context_in_dim}, {'with' if v.guidance else 'no'} guidance"
             for v in known_variants()
         )
-        raise UnknownModelError(f"Unknown FLUX.2 transformer geometry: {found}. Known: {known}.")
+        tiny = any((v.context_in_dim, v.hidden_size, v.guidance) == (geometry.context_in_dim, geometry.hidden_size,
+                   geometry.guidance) for v in TINY_VARIANTS)
+        raise UnknownModelError(f"Unknown FLUX.2 transformer geometry: {found}. Known: {known}.{tiny_hint(tiny)}")
     if (geometry.double_blocks, geometry.single_blocks) != (variant.double_blocks, variant.single_blocks):
         raise MissingWeightsError(
             f"This looks like {variant.name} ({found}), which has {variant.double_blocks} double and "

@@ -66,6 +66,16 @@ def tiny_models_enabled() -> bool:
     return os.environ.get(TINY_MODELS_ENV) == "1"
 
 
+def tiny_hint(is_tiny: bool) -> str:
+    """What to add to an unknown-geometry error when the shapes are those of the tiny test models."""
+    if not is_tiny or tiny_models_enabled():
+        return ""
+    return (
+        f" These are the shapes of the pack's tiny test models (written by `flux2dev tiny`), which ComfyUI loads "
+        f"only when started with {TINY_MODELS_ENV}=1."
+    )
+
+
 def known_variants() -> tuple[Flux2Variant, ...]:
     return VARIANTS + (TINY_VARIANTS if tiny_models_enabled() else ())
 

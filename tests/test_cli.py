@@ -1,6 +1,7 @@
 """The `flux2dev` command as a user runs it: its output contract and its one-sentence failures."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -9,8 +10,9 @@ import pytest
 from comfyui_flux2dev import tokenizers
 
 
-def flux2dev(*args):
-    return subprocess.run([sys.executable, "-P", "-m", "comfyui_flux2dev.cli", *args], capture_output=True, text=True)
+def flux2dev(*args, env=None):
+    return subprocess.run([sys.executable, "-P", "-m", "comfyui_flux2dev.cli", *args], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})})
 
 
 @pytest.fixture
@@ -147,3 +149,24 @@ def test_encode_writes_what_the_host_clip_produces(comfy_host, tiny_root, tmp_pa
     expected = clip.encode_from_tokens(clip.tokenize("a red fox"))
     assert written.shape == (1, 512, 3 * 64) and written.dtype == torch.float32
     assert torch.equal(written, expected)
+
+
+@pytest.mark.parametrize("relative", ["unet/flux2-dev-tiny-Q4_K.gguf", "text_encoders/mistral_3_small_flux2_bf16.safetensors"])
+def test_tiny_models_without_the_switch_say_how_to_load_them(tiny_root, relative):
+    out = flux2dev("inspect", str(tiny_root / relative), env={"FLUX2DEV_TINY_MODELS": "0"})
+    assert out.returncode == 2
+    assert "tiny test models (written by `flux2dev tiny`), which ComfyUI loads only when started with FLUX2DEV_TINY_MODELS=1" in out.stderr
+
+
+def test_tiny_writes_into_a_comfyui_install(tmp_path):
+    comfyui = tmp_path / "ComfyUI"
+    (comfyui / "models").mkdir(parents=True)
+    (comfyui / "main.py").write_text("")
+    out = flux2dev("tiny", "--comfyui", str(comfyui))
+    assert out.returncode == 0, out.stderr
+    assert "FLUX2DEV_TINY_MODELS=1" in out.stdout
+    assert (comfyui / "models/text_encoders/mistral_3_small_flux2_bf16.safetensors").is_file()
+    assert (comfyui / "models/unet/flux2-dev-tiny-Q4_K.gguf").is_file()
+    assert not (comfyui / "models/manifest.json").exists()
+    refused = flux2dev("tiny", "--comfyui", str(tmp_path))
+    assert refused.returncode == 2 and "not a ComfyUI folder" in refused.stderr

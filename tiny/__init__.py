@@ -24,8 +24,9 @@ PARTS = {
 MANIFEST = "manifest.json"
 
 
-def write_all(root: str | Path, parts: tuple[str, ...] = tuple(PARTS)) -> list[dict]:
-    """Write the tiny weights under `root` and root/manifest.json; return the manifest's entries."""
+def write_all(root: str | Path, parts: tuple[str, ...] = tuple(PARTS), manifest: bool = True) -> list[dict]:
+    """Write the tiny weights under `root` (and root/manifest.json unless told not to); return the manifest's
+    entries."""
     if any(folder != "text_encoders" for folder in parts) and importlib.util.find_spec("diffusers") is None:
         raise Flux2DevError(
             "The tiny FLUX.2 transformers, VAE and pipelines are built with diffusers, which is not installed here. "
@@ -38,7 +39,8 @@ def write_all(root: str | Path, parts: tuple[str, ...] = tuple(PARTS)) -> list[d
         module = importlib.import_module(f".{module_name}", __name__)
         for entry in getattr(module, writer)(root / folder):
             entries.append({**entry, "path": f"{folder}/{entry['path']}"})
-    (root / MANIFEST).write_text(json.dumps(entries, indent=1))
+    if manifest:
+        (root / MANIFEST).write_text(json.dumps(entries, indent=1))
     return entries
 
 
