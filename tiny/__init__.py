@@ -30,7 +30,7 @@ def write_all(root: str | Path, parts: tuple[str, ...] = tuple(PARTS), manifest:
     if any(folder != "text_encoders" for folder in parts) and importlib.util.find_spec("diffusers") is None:
         raise Flux2DevError(
             "The tiny FLUX.2 transformers, VAE and pipelines are built with diffusers, which is not installed here. "
-            "Install it with: pip install 'comfyui-flux2dev[tiny]'."
+            "Install it with: pip install 'diffusers>=0.37.1' (or pip install -e '.[tiny]' in the pack's folder)."
         )
     root = Path(root)
     entries = []
