@@ -100,7 +100,7 @@ def api_to_ui(graph: dict, object_info: dict) -> dict:
     return {
         "id": str(uuid.uuid5(uuid.NAMESPACE_URL, "comfyui-flux2dev/" + ",".join(sorted(ids)))),
         "revision": 0, "last_node_id": len(nodes), "last_link_id": len(ui_links), "nodes": nodes,
-        "links": ui_links, "groups": [], "config": {}, "extra": {"ds": {"scale": 1, "offset": [40, 40]}},
+        "links": ui_links, "groups": [], "config": {}, "extra": {"ds": {"scale": 1, "offset": [90, 140]}},
         "version": 0.4,
     }
 
