@@ -35,7 +35,11 @@ class Flux2DevTokenizer:
     def tokenize_with_weights(self, text: str, return_word_ids: bool = False, **kwargs):
         from ..tokenizers import prompt_ids
 
-        ids, _ = prompt_ids(self.tokenizer, text, self.padding)
+        from ..tokenizers.prompt import comfy_pieces
+        from . import compat
+
+        # comfy: the pieces the running host's own prompt syntax makes (current releases' where it cannot say)
+        ids, _ = prompt_ids(self.tokenizer, text, self.padding, compat.prompt_pieces() or comfy_pieces)
         pairs = [(i, 1.0, 0) if return_word_ids else (i, 1.0) for i in ids]
         return {CLIP_NAME: [pairs]}
 

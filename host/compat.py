@@ -10,9 +10,12 @@ functions below, which fall back to the older behaviour where the host lacks the
 from __future__ import annotations
 
 import ast
+import base64
 import contextlib
+import functools
 import importlib
 import inspect
+import json
 import logging
 
 from . import ensure_comfy
@@ -32,7 +35,7 @@ REQUIRED = (
     ("the VAE object", "comfy.sd:VAE.throw_exception_if_invalid"),
     ("the pruned FLUX.2 text encoder", "comfy.text_encoders.flux:flux2_te"),
     ("the Mistral encoder class the pack masks left padding in", "comfy.text_encoders.flux:Mistral3_24BModel.process_tokens"),
-    ("the host's own FLUX.2 tokenizer (comfy padding follows it)", "comfy.text_encoders.flux:Flux2Tokenizer"),
+    ("the host's own FLUX.2 tokenizer, whose prompt syntax comfy padding follows", "comfy.text_encoders.flux:Flux2Tokenizer.tokenize_with_weights"),
     ("the progress bar of the node that runs", "comfy.utils:ProgressBar.update_absolute"),
 )
 
@@ -125,6 +128,51 @@ def load_progress():
     bar = comfy.utils.ProgressBar(1)
     with progress.listening(lambda done, total: bar.update_absolute(done, total)):
         yield
+
+
+class _PieceRecorder:
+    """Stands in for the BPE inside the host's own FLUX.2 tokenizer: it keeps the texts the host's prompt
+    syntax hands over, so that the pack tokenizes exactly those."""
+
+    def __init__(self):
+        self.pieces: list[str] = []
+
+    def __call__(self, text: str) -> dict:
+        self.pieces.append(text)
+        return {"input_ids": []}
+
+
+def _vocabulary_stub() -> bytes:
+    """The smallest tekken file the host's FLUX.2 tokenizer builds from: the special tokens and the 256 bytes."""
+    from ..tokenizers.vocab import V3_SPECIAL_TOKENS
+
+    specials = [{"rank": i, "token_str": s, "is_control": True} for i, s in enumerate(V3_SPECIAL_TOKENS)]
+    ranks = [{"rank": b, "token_bytes": base64.b64encode(bytes([b])).decode()} for b in range(256)]
+    config = {"version": "v7", "default_num_special_tokens": len(specials), "default_vocab_size": len(specials) + 256,
+              "pattern": r"\s+|\S+"}
+    return json.dumps({"config": config, "vocab": ranks, "special_tokens": specials}).encode()
+
+
+@functools.cache
+def prompt_pieces():
+    """prompt -> the texts the running host's own FLUX.2 tokenizer tokenizes (its template, escapes, weight and
+    embedding syntax applied), or None where the host's tokenizer cannot be built (0.3.75 under transformers
+    5.15 and newer)."""
+    ensure_comfy()
+    import comfy.text_encoders.flux
+
+    try:
+        host = comfy.text_encoders.flux.Flux2Tokenizer(tokenizer_data={"tekken_model": _vocabulary_stub()})
+    except TypeError:
+        return None
+    recorder = host.mistral3_24b.tokenizer = _PieceRecorder()
+
+    def pieces(prompt: str) -> list[str]:
+        recorder.pieces = []
+        host.tokenize_with_weights(prompt)
+        return recorder.pieces
+
+    return pieces
 
 
 def set_reload(patcher, factory, args: tuple) -> None:

@@ -8,8 +8,6 @@ import json
 import pytest
 from test_tokenizers import V3_NAMES, _v7_tekken, corpus_prompts
 
-from comfyui_flux2dev.tokenizers import Flux2Tokenizer, parse_tekken_json, prompt_ids
-
 pytestmark = pytest.mark.transformers_matrix
 
 # What the host's prompt tokenizer treats apart: its weight-syntax escapes, its embedding syntax, markers.
@@ -19,11 +17,14 @@ HOST_SYNTAX = [
 ]
 
 
-def test_comfy_padding_gives_the_hosts_own_ids(comfy_host):
+def test_comfy_padding_gives_the_hosts_own_ids(comfy_host, tiny_root):
+    """The pack's CLIP on a tiny encoder (the bundled vocabulary) against the host's own FLUX.2 tokenizer built
+    from the same vocabulary, as ComfyUI's single files embed it (with its special-token list)."""
     import comfy.text_encoders.flux
     import transformers
 
-    # ComfyUI's FLUX.2 files embed a tekken file that lists its special tokens; the host needs the list.
+    from comfyui_flux2dev.host.clip import load_clip
+
     tekken = json.dumps(_v7_tekken(V3_NAMES)).encode()
     try:
         host = comfy.text_encoders.flux.Flux2Tokenizer(tokenizer_data={"tekken_model": tekken})
@@ -31,7 +32,24 @@ def test_comfy_padding_gives_the_hosts_own_ids(comfy_host):
         if "vocab_file" not in str(e):
             raise
         pytest.skip(f"this ComfyUI's own FLUX.2 tokenizer does not build under transformers {transformers.__version__} ({e})")
-    pack = Flux2Tokenizer(parse_tekken_json(tekken))
+    clip = load_clip(str(tiny_root / "text_encoders/mistral_3_small_flux2_bf16.safetensors"), padding="comfy")
     for prompt in corpus_prompts() + HOST_SYNTAX:
         want = [t[0] for t in host.tokenize_with_weights(prompt)["mistral3_24b"][0]]
-        assert prompt_ids(pack, prompt, "comfy") == (want, [1] * len(want)), prompt
+        assert [t[0] for t in clip.tokenize(prompt)["mistral3_24b"][0]] == want, prompt
+
+
+def test_without_a_host_comfy_padding_follows_current_releases(comfy_host):
+    """The command line has no host to ask: its comfy ids follow the prompt syntax of current releases, the
+    same pieces the running host makes where it is one of them."""
+    import inspect
+
+    import comfy.sd1_clip
+
+    from comfyui_flux2dev.host.compat import prompt_pieces
+    from comfyui_flux2dev.tokenizers.prompt import comfy_pieces
+
+    pieces = prompt_pieces()
+    if pieces is None or "disable_weights" not in inspect.signature(comfy.sd1_clip.SDTokenizer).parameters:
+        pytest.skip("this ComfyUI predates the current prompt syntax (0.33)")
+    for prompt in corpus_prompts() + HOST_SYNTAX:
+        assert comfy_pieces(prompt) == pieces(prompt), prompt

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 from .canonical import Flux2Tokenizer
 
@@ -24,14 +25,16 @@ IMAGE_MARKER = "[IMG]"  # removed from prompts before templating, as BFL and dif
 # with zeros instead), [IMG] kept as its id, and the host's prompt syntax applied (below).
 PADDING_MODES = ("reference", "comfy")
 
-# ComfyUI tokenizes the template as text (markers become their ids) through its generic prompt tokenizer:
-# "\(" and "\)" lose the backslash that escapes its weight syntax, and the text is tokenized in pieces, a new
-# piece starting at each "embedding:" that follows whitespace (its embedding syntax).
+# ComfyUI tokenizes the template as text (markers become their ids) through its generic prompt tokenizer,
+# in pieces its prompt syntax decides. Inside ComfyUI the host adapter hands over the running release's own
+# pieces; without a host, these are those of current releases (0.33): "\(" and "\)" lose the backslash that
+# escapes the weight syntax, and a new piece starts at each "embedding:" that follows whitespace.
 COMFY_TEMPLATE = "[SYSTEM_PROMPT]" + SYSTEM_PROMPT + "[/SYSTEM_PROMPT][INST]{}[/INST]"
 COMFY_EMBEDDING_MARK = "embedding:"
+Pieces = Callable[[str], list[str]]  # prompt -> the texts ComfyUI tokenizes, the template included
 
 
-def _comfy_pieces(prompt: str) -> list[str]:
+def comfy_pieces(prompt: str) -> list[str]:
     text = COMFY_TEMPLATE.format(prompt)
     # The host's escape and unescape, in its order: placeholders keep the two replacements apart.
     text = text.replace("\\)", "\0\1").replace("\\(", "\0\2").replace("\0\1", ")").replace("\0\2", "(")
@@ -39,12 +42,13 @@ def _comfy_pieces(prompt: str) -> list[str]:
     return [p for p in (first, *(COMFY_EMBEDDING_MARK + r for r in rest)) if p]
 
 
-def prompt_ids(tokenizer: Flux2Tokenizer, prompt: str, padding: str) -> tuple[list[int], list[int]]:
-    """Token ids of <s>[SYSTEM_PROMPT]...[/SYSTEM_PROMPT][INST]prompt[/INST] and their attention mask."""
+def prompt_ids(tokenizer: Flux2Tokenizer, prompt: str, padding: str, pieces: Pieces = comfy_pieces) -> tuple[list[int], list[int]]:
+    """Token ids of <s>[SYSTEM_PROMPT]...[/SYSTEM_PROMPT][INST]prompt[/INST] and their attention mask; in
+    comfy mode, of the pieces `pieces` gives."""
     if padding not in PADDING_MODES:
         raise ValueError(f"padding must be one of {PADDING_MODES}, got {padding!r}")
     if padding == "comfy":
-        ids = [BOS_ID, *(i for piece in _comfy_pieces(prompt) for i in tokenizer.encode(piece))]
+        ids = [BOS_ID, *(i for piece in pieces(prompt) for i in tokenizer.encode(piece))]
         return ids, [1] * len(ids)
     ids = [
         BOS_ID,
