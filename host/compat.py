@@ -26,17 +26,22 @@ REQUIRED = (
     ("the FLUX.2 model config (dtypes, key conversion)", "comfy.supported_models:Flux2.process_unet_state_dict"),
     ("loading a state dict into a model", "comfy.model_base:BaseModel.load_model_weights"),
     ("FLUX.2 transformer detection", "comfy.model_detection:detect_unet_config"),
-    ("the model patcher", "comfy.model_patcher:ModelPatcher.patch_weight_to_device"),
+    ("the model patcher whose weight patching packed layers take over", "comfy.model_patcher:ModelPatcher.patch_weight_to_device"),
+    ("the patcher's unpatching, which clears packed layers' patches", "comfy.model_patcher:ModelPatcher.unpatch_model"),
+    ("the patcher's low-VRAM switch, after which patches run as weight functions", "comfy.model_patcher:ModelPatcher.partially_unload"),
     ("patches applied at forward time", "comfy.model_patcher:LowVramPatch"),
     ("the layers packed weights plug into", "comfy.ops:manual_cast.Linear"),
     ("the per-op hook of the host's layers", "comfy.ops:run_every_op"),
     ("moving weights to the compute device", "comfy.model_management:cast_to"),
+    ("whether a device copies asynchronously", "comfy.model_management:device_supports_non_blocking"),
     ("the CLIP object", "comfy.sd:CLIP.load_sd"),
     ("the VAE object", "comfy.sd:VAE.throw_exception_if_invalid"),
     ("the pruned FLUX.2 text encoder", "comfy.text_encoders.flux:flux2_te"),
     ("the Mistral encoder class the pack masks left padding in", "comfy.text_encoders.flux:Mistral3_24BModel.process_tokens"),
+    ("the Mistral layers the pack runs pads through", "comfy.text_encoders.llama:Mistral3Small24B"),
     ("the host's own FLUX.2 tokenizer, whose prompt syntax comfy padding follows", "comfy.text_encoders.flux:Flux2Tokenizer.tokenize_with_weights"),
     ("the progress bar of the node that runs", "comfy.utils:ProgressBar.update_absolute"),
+    ("the model folders the menus list", "folder_paths:get_folder_paths"),
 )
 
 
