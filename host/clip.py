@@ -38,8 +38,10 @@ class Flux2DevTokenizer:
         from ..tokenizers.prompt import comfy_pieces
         from . import compat
 
-        # comfy: the pieces the running host's own prompt syntax makes (current releases' where it cannot say)
-        ids, _ = prompt_ids(self.tokenizer, text, self.padding, compat.prompt_pieces() or comfy_pieces)
+        # comfy: the pieces the running host's own prompt syntax makes (current releases' where it cannot say);
+        # the host's tokenizer is asked only then, not for reference padding.
+        host_pieces = compat.prompt_pieces() if self.padding == "comfy" else None
+        ids, _ = prompt_ids(self.tokenizer, text, self.padding, host_pieces or comfy_pieces)
         pairs = [(i, 1.0, 0) if return_word_ids else (i, 1.0) for i in ids]
         return {CLIP_NAME: [pairs]}
 
@@ -184,7 +186,6 @@ def load_clip(path: str, *, padding: str = "reference", allow_network: bool = Fa
     nodes can load again from the same path and options."""
     from . import compat
 
-    ensure_comfy()
     with compat.load_progress():
         encoder = load_encoder(path, allow_network=allow_network)
     clip = clip_from_encoder(encoder, padding=padding, dtype=dtype, embedding_directory=embedding_directory,

@@ -126,6 +126,7 @@ def keys_the_host_logs_missing(message: str):
 def load_progress():
     """Show the progress of the loads inside the block in the running node's progress bar (outside a node the
     host's bar does nothing)."""
+    ensure_comfy()
     import comfy.utils
 
     from ..loaders import progress

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..loaders.gguf_transformer import load_gguf_transformer
-from . import compat, ensure_comfy
+from . import compat
 from .model import build_model
 
 DEQUANT_DTYPES = {"default": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -17,7 +17,6 @@ def load_gguf_model(path, dequant_dtype: torch.dtype | None = None, patch_dtype:
                     dtype: torch.dtype | None = None, disable_dynamic: bool = False):
     """The FLUX.2 transformer GGUF at `path` as a host MODEL whose weights stay packed, which the host's device
     nodes can load again from the same file."""
-    ensure_comfy()
     with compat.load_progress():
         loaded = load_gguf_transformer(path)
     patcher = build_model(loaded, dtype=dtype, dequant_dtype=dequant_dtype,

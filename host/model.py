@@ -155,7 +155,6 @@ def build_model(
 def load_model(path: str | Path, dtype: torch.dtype | None = None, disable_dynamic: bool = False):
     """The FLUX.2 transformer at `path` (BFL file, diffusers transformer folder or pipeline folder) as a MODEL
     that the host's device nodes can load again from the same file."""
-    ensure_comfy()
     with compat.load_progress():
         loaded = load_transformer(path)
     patcher = build_model(loaded, dtype=dtype, disable_dynamic=disable_dynamic)
