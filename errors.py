@@ -1,14 +1,31 @@
 """The errors the pack raises. Each message is written for the person reading ComfyUI's error dialog:
 what was found, what was expected, and what to do."""
 
+import unicodedata
+
 
 # ComfyUI imports the pack under its folder's path, and its error reports name an exception by its module:
 # every error type names the installed package instead, whatever the folder is called.
 MODULE = "comfyui_flux2dev.errors"
 
 
+# Characters a message shows as escapes: file names may carry a right-to-left override that reorders what
+# the user reads, control characters, or bytes no encoding can print. Newlines and tabs stay (the host's
+# own text, quoted by GraphError, has them).
+_SHOWN_ESCAPED = ("Cc", "Cf", "Cs", "Zl", "Zp")
+
+
+def _visible(text: str) -> str:
+    return "".join(
+        c if c in "\n\t" or unicodedata.category(c) not in _SHOWN_ESCAPED else ascii(c)[1:-1] for c in text
+    )
+
+
 class Flux2DevError(Exception):
     """Base of every error the pack raises on purpose; catch this to catch them all."""
+
+    def __init__(self, *args):
+        super().__init__(*(_visible(a) if isinstance(a, str) else a for a in args))
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)

@@ -2,7 +2,8 @@
 counts). Entries are named as the host names them: the path relative to the model folder with '/'
 separators; a model kept as a folder ends with '/'. A menu is listed by walking its folders once per request
 (symlinks followed, each real folder visited once, so a looping models folder cannot hang the UI); a chosen
-name is found again directly, without a walk."""
+name is found again directly, without a walk. Only regular files are listed: a FIFO, a socket or a symlink
+loop named like a model could only block or fail when chosen."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from ..errors import ModelNotFoundError
+from ..errors import Flux2DevError, ModelNotFoundError
 from ..loaders.files import MODEL_INDEX
 
 FOLDER_MARK = "/"
@@ -28,14 +29,23 @@ def is_pipeline(path: str) -> bool:
     """A FLUX.2 diffusers pipeline folder (model_index.json naming a FLUX.2 pipeline class)."""
     from ..loaders.pipeline import pipeline_class
 
-    return pipeline_class(path) is not None
+    return _listed_if_damaged(lambda: pipeline_class(path) is not None)
 
 
 def is_dev_pipeline(path: str) -> bool:
     """A FLUX.2 [dev] pipeline folder: the only ones whose text encoder conditions [dev]."""
     from ..loaders.pipeline import holds_variant
 
-    return holds_variant(path, "dev")
+    return _listed_if_damaged(lambda: holds_variant(path, "dev"))
+
+
+def _listed_if_damaged(check: Callable[[], bool]) -> bool:
+    # A pipeline whose model_index.json cannot be read is listed rather than failing the whole menu or
+    # vanishing from it: choosing it shows the pack's error naming the damage.
+    try:
+        return check()
+    except Flux2DevError:
+        return True
 
 
 @dataclass(frozen=True)
@@ -77,7 +87,7 @@ def _walk(root: str, source: Source, found: dict[str, str]) -> None:
             continue
         dirnames.sort()
         for name in filenames:
-            if name.lower().endswith(source.extensions):
+            if name.lower().endswith(source.extensions) and os.path.isfile(os.path.join(dirpath, name)):
                 found.setdefault(os.path.normpath(os.path.join(rel, name)).replace(os.sep, "/"), os.path.join(dirpath, name))
 
 

@@ -9,7 +9,7 @@ from typing import Callable
 from ..errors import UnknownModelError, WrongModelError
 from . import quant, variants
 from .encoder_layouts import HF_SCHEME, KeyScheme
-from .kinds import kind_from_names
+from .kinds import kind_from_names, other_checkpoint
 from .variants import MistralEncoderGeometry
 
 EMBED = "model.embed_tokens.weight"
@@ -36,6 +36,7 @@ OTHER_KINDS = {
     "Mistral-Small text encoder (e.g. mistral_3_small_flux2_bf16.safetensors) here.",
 }
 PICK = "Pick a FLUX.2 [dev] encoder (mistral_3_small_flux2_*.safetensors or a Mistral-Small-3.x folder)"
+MAX_LAYER_DIGITS = 6  # a layer number longer than this is no real model's
 SMALLEST_MISTRAL_VOCAB = 100000  # Llama-family vocabularies (32000, 128256 is Llama 3's) fall below Tekken's 131072
 
 
@@ -55,21 +56,32 @@ def host_name(stored: str, scheme: KeyScheme) -> tuple[str | None, int | None]:
     if head != scheme.layer_word:
         return None, None
     index, _, part = tail.partition(".")
-    if not index.isdigit() or part not in scheme.parts:
+    # ASCII digits only ("²" is a digit int() refuses), and no more than any real model has layers
+    if not (index.isascii() and index.isdigit() and len(index) <= MAX_LAYER_DIGITS) or part not in scheme.parts:
         return None, None
+    layer = int(index)  # "007" is layer 7, so a file holding both is caught as ambiguous
     if mapped is None:
-        return "", int(index)
-    return f"model.layers.{index}.{scheme.parts[part]}.{mapped}", int(index)
+        return "", layer
+    return f"model.layers.{layer}.{scheme.parts[part]}.{mapped}", layer
 
 
 def _embed_shape(shapes: dict[str, tuple[int, ...]], scheme: KeyScheme) -> tuple[int, ...] | None:
-    return next((shape for name, shape in shapes.items() if host_name(name, scheme)[0] == EMBED), None)
+    """The embedding table's [vocabulary, width], or None when there is none; any other shape is refused."""
+    shape = next((shape for name, shape in shapes.items() if host_name(name, scheme)[0] == EMBED), None)
+    if shape is not None and (len(shape) != 2 or 0 in shape):
+        raise UnknownModelError(
+            f"This text encoder's embedding table has shape {list(shape)}, but an embedding table is [vocabulary, "
+            f"width], neither empty. The file is damaged or not a text encoder. {PICK}."
+        )
+    return shape
 
 
 def _what_else(shapes: dict[str, tuple[int, ...]], scheme: KeyScheme) -> None:
     """Raise WrongModelError when the names say the file is some other known model."""
     names = list(shapes)
     kind = kind_from_names(names)
+    if kind == "other":
+        raise WrongModelError(f"This is {other_checkpoint(names)}, not a text encoder. {PICK}.")
     if kind in OTHER_KINDS:
         raise WrongModelError(OTHER_KINDS[kind])
     embed = _embed_shape(shapes, scheme)
@@ -103,6 +115,12 @@ def identify(shapes: dict[str, tuple[int, ...]], scheme: KeyScheme = HF_SCHEME) 
     q = hosted.get("model.layers.0.self_attn.q_proj.weight")
     k = hosted.get("model.layers.0.self_attn.k_proj.weight")
     gate = hosted.get("model.layers.0.mlp.gate_proj.weight")
+    flat = [f"{name} {list(shape)}" for name, shape in (("q", q), ("k", k), ("gate", gate)) if shape is not None and len(shape) != 2]
+    if flat:
+        raise UnknownModelError(
+            f"This text encoder's layer-0 projections are not matrices ({', '.join(flat)}); the file is damaged or "
+            f"not a text encoder. {PICK}."
+        )
     if embed is None or q is None or k is None or gate is None:
         raise UnknownModelError(
             "This file is not a Mistral text encoder the pack knows: it lacks an embedding table or layer-0 attention "

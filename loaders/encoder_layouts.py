@@ -19,7 +19,7 @@ import torch
 
 from ..errors import CorruptFileError, MissingWeightsError, UnknownModelError, UnsupportedFormatError, WrongModelError
 from . import quant
-from .files import MODEL_INDEX, read_json, shards
+from .files import ENCODER_CONFIG, MODEL_INDEX, PARAMS_FIELDS, read_json, shards
 from .kinds import GGUF_ARCHITECTURES, gguf_architectures, gguf_kind
 from .safetensors_file import SafetensorsFiles
 from .variants import MistralEncoderGeometry
@@ -74,10 +74,12 @@ class Checkpoint:
         self.folder = path if self.is_dir else os.path.dirname(path)
 
     def has(self, name: str) -> bool:
-        return self.is_dir and os.path.isfile(os.path.join(self.path, name))
+        # whatever is there under the name marks the layout; its reader then refuses one that is no regular file
+        return self.is_dir and os.path.lexists(os.path.join(self.path, name))
 
     def weights(self, pattern: str = "*.safetensors") -> list[str]:
-        return sorted(glob.glob(os.path.join(self.path, pattern))) if self.is_dir else []
+        # the folder's own name is escaped: "flux [fp8]" is a folder, not a pattern
+        return sorted(glob.glob(os.path.join(glob.escape(self.path), pattern))) if self.is_dir else []
 
     @cached_property
     def gguf(self):
@@ -131,10 +133,10 @@ def _safetensors_source(paths: list[str], settings: dict) -> Source:
 
 
 def _hf_folder_source(folder: str) -> Source:
-    found = [str(p) for p in shards(folder, HF_WEIGHTS)] or sorted(glob.glob(os.path.join(folder, "*.safetensors")))
+    found = [str(p) for p in shards(folder, HF_WEIGHTS)] or sorted(glob.glob(os.path.join(glob.escape(folder), "*.safetensors")))
     if not found:
         raise MissingWeightsError(f"{folder} has a {CONFIG} but no .safetensors weights. Finish the download.")
-    return _safetensors_source(found, read_json(os.path.join(folder, CONFIG)))
+    return _safetensors_source(found, read_json(os.path.join(folder, CONFIG), ENCODER_CONFIG))
 
 
 def _pipeline_source(ck: Checkpoint) -> Source:
@@ -149,7 +151,7 @@ def _pipeline_source(ck: Checkpoint) -> Source:
 
 def _native_source(ck: Checkpoint) -> Source:
     params = os.path.join(ck.folder, PARAMS)
-    settings = read_json(params) if os.path.isfile(params) else {}
+    settings = read_json(params, PARAMS_FIELDS) if os.path.lexists(params) else {}
     if ck.single_file is not None:
         return _files_source(ck.single_file, settings)
     return _safetensors_source(ck.weights(NATIVE_SHARDS) or ck.weights(), settings)
@@ -181,6 +183,8 @@ class Settings:
     heads: Callable[[Source, MistralEncoderGeometry], tuple[int, int]]  # (heads, kv heads)
 
 
+# The values below were checked where they were read: JSON files against files.ENCODER_CONFIG and
+# PARAMS_FIELDS, GGUF metadata against gguf_file.METADATA_FIELDS.
 def _number(value) -> float | None:
     return float(value) if value is not None else None
 

@@ -1,43 +1,109 @@
 """Where a model's files are: the names that mark a folder's layout, its JSON files, and the safetensors
-files of one part (a single file, a folder sharded with an index, or a diffusers pipeline's part folder)."""
+files of one part (a single file, a folder sharded with an index, or a diffusers pipeline's part folder).
+
+Every JSON file is read through `read_json` with the declaration of the fields the pack uses (the tables
+below), so no value from a file reaches arithmetic unchecked. The bounds refuse only what no real model
+has: the configs of the models a user may pick by mistake (FLUX.1, SDXL, Klein's Qwen3, Llama ...) pass
+here and are named by the loaders as the wrong model."""
 
 from __future__ import annotations
 
-import json
+import os
 from pathlib import Path
 
 from ..errors import CorruptFileError, MissingWeightsError, UnsupportedFormatError
+from ..validate import NULL, Field, checked, inside, read_json as read_json_document, regular_file
 
 MODEL_INDEX = "model_index.json"  # marks a diffusers pipeline folder
 DIFFUSERS_WEIGHTS = "diffusion_pytorch_model.safetensors"  # a diffusers model folder's weights (or its index's stem)
 INDEX_SUFFIX = ".index.json"  # "<weights>.index.json" maps each tensor to its shard
+
+# --- what the pack reads of each JSON file ----------------------------------------------------------------
+
+_ROPE = {"rope_theta": Field((float, NULL), lo=1, hi=1e15, required=False)}
+# A transformers text model config (Mistral, Qwen3, Llama ...), at the top of config.json or as its text_config.
+_TEXT_MODEL = {
+    "hidden_size": Field(int, lo=1, hi=1 << 17, required=False),
+    "num_hidden_layers": Field(int, lo=1, hi=1024, required=False),
+    "num_attention_heads": Field(int, lo=1, hi=4096, required=False),
+    "num_key_value_heads": Field((int, NULL), lo=1, hi=4096, required=False),
+    "head_dim": Field((int, NULL), lo=1, hi=1 << 16, required=False),
+    "intermediate_size": Field((int, NULL), lo=1, hi=1 << 20, required=False),
+    "vocab_size": Field(int, lo=1, hi=1 << 24, required=False),
+    "rms_norm_eps": Field(float, lo=0, hi=1, required=False),
+    **_ROPE,
+    "rope_parameters": Field((dict, NULL), required=False, fields=_ROPE),
+}
+ENCODER_CONFIG = {**_TEXT_MODEL, "text_config": Field(dict, required=False, fields=_TEXT_MODEL)}  # config.json
+PARAMS_FIELDS = {  # Mistral's params.json
+    "dim": Field(int, lo=1, hi=1 << 17, required=False),
+    "n_layers": Field(int, lo=1, hi=1024, required=False),
+    "n_heads": Field(int, lo=1, hi=4096, required=False),
+    "n_kv_heads": Field(int, lo=1, hi=4096, required=False),
+    "head_dim": Field(int, lo=1, hi=1 << 16, required=False),
+    "hidden_dim": Field(int, lo=1, hi=1 << 20, required=False),
+    "vocab_size": Field(int, lo=1, hi=1 << 24, required=False),
+    "norm_eps": Field(float, lo=0, hi=1, required=False),
+    "rope_theta": Field(float, lo=1, hi=1e15, required=False),
+}
+_COMPONENT = Field((list, NULL), max_len=2, required=False)  # ["library", "class"], or nulls
+PIPELINE_INDEX = {  # model_index.json
+    "_class_name": Field(str, max_len=200, required=False),
+    **{part: _COMPONENT for part in ("transformer", "vae", "text_encoder", "tokenizer", "scheduler")},
+}
+TRANSFORMER_CONFIG = {  # a diffusers transformer's config.json: pipeline.py multiplies heads by head width
+    "num_attention_heads": Field(int, lo=1, hi=1024, required=False),
+    "attention_head_dim": Field(int, lo=1, hi=4096, required=False),
+    "joint_attention_dim": Field((int, NULL), lo=1, hi=1 << 20, required=False),
+    "guidance_embeds": Field(bool, required=False),
+    "num_layers": Field(int, lo=0, hi=1024, required=False),
+    "num_single_layers": Field(int, lo=0, hi=1024, required=False),
+    "in_channels": Field(int, lo=1, hi=1 << 16, required=False),
+}
+_MAX_TENSORS = 1 << 20  # weight_map entries (a FLUX.2 transformer has about 1,500)
+_MAX_SHARDS = 4096  # real sharded models have at most a few hundred
+SHARD_INDEX = {  # <weights>.index.json
+    "weight_map": Field(dict, max_len=_MAX_TENSORS),
+    "metadata": Field((dict, NULL), required=False),
+}
+
+
+def read_json(path: str | Path, fields: dict[str, Field], kind: str = "config") -> dict:
+    """A JSON file (a regular file within its kind's size bound) whose declared `fields` are what they must be."""
+    return checked(read_json_document(path, kind), fields, str(path))
 
 
 def is_pipeline(folder: str | Path) -> bool:
     return (Path(folder) / MODEL_INDEX).is_file()
 
 
-def read_json(path: str | Path) -> dict:
-    path = Path(path)
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except ValueError as e:
-        raise CorruptFileError(f"{path} is not valid JSON ({e}); download it again.") from None
+def shard_names(index: Path) -> list[str]:
+    """The distinct shard names an index's weight_map names, each a plain string."""
+    weight_map = read_json(index, SHARD_INDEX, "index")["weight_map"]
+    names = set(name for name in weight_map.values() if isinstance(name, str))
+    if len(names) > _MAX_SHARDS or not all(isinstance(name, str) for name in weight_map.values()):
+        raise CorruptFileError(
+            f"{index}: weight_map must map each tensor to a shard file name, naming at most {_MAX_SHARDS} shards; "
+            "the index is damaged. Download it again."
+        )
+    return sorted(names)
 
 
 def shards(folder: str | Path, weights: str) -> list[Path]:
-    """The files of `weights` in a folder: its index's shards (all present), the single file, or []."""
+    """The files of `weights` in a folder: its index's shards (all present), the single file, or [].
+    Every shard an index names must be a regular file inside the folder; nothing else is opened."""
     folder = Path(folder)
     index = folder / (weights + INDEX_SUFFIX)
-    if index.is_file():
-        found = [folder / name for name in sorted(set(read_json(index)["weight_map"].values()))]
-        missing = [s.name for s in found if not s.is_file()]
+    if os.path.lexists(index):
+        found = [inside(folder, name, f"index {index.name}") for name in shard_names(index)]
+        missing = [s.name for s in found if not os.path.lexists(s)]
         if missing:
             raise MissingWeightsError(
                 f"{folder}: the index names shard(s) that are not there: {', '.join(missing)}. Finish the download."
             )
-        return found
-    return [folder / weights] if (folder / weights).is_file() else []
+        return [regular_file(s, "shard") for s in found]
+    single = folder / weights
+    return [regular_file(single, "weights file")] if os.path.lexists(single) else []
 
 
 def part_files(path: str | Path, part: str, choose: str) -> list[Path]:
@@ -47,13 +113,16 @@ def part_files(path: str | Path, part: str, choose: str) -> list[Path]:
     path = Path(path)
     if path.is_dir() and is_pipeline(path):
         path = path / part
-    if path.is_file():
+    none = MissingWeightsError(f"{path} holds no {part} weights ({DIFFUSERS_WEIGHTS} or its index). {choose}")
+    if not os.path.lexists(path):
+        raise none
+    if not path.is_dir():
         if path.suffix != ".safetensors":
             raise UnsupportedFormatError(
                 f"{path.name} is not a .safetensors file; the pack never unpickles .ckpt/.pt/.bin files. {choose}"
             )
-        return [path]
-    found = shards(path, DIFFUSERS_WEIGHTS) if path.is_dir() else []
+        return [regular_file(path, f"{part} file")]
+    found = shards(path, DIFFUSERS_WEIGHTS)
     if not found:
-        raise MissingWeightsError(f"{path} holds no {part} weights ({DIFFUSERS_WEIGHTS} or its index). {choose}")
+        raise none
     return found

@@ -6,13 +6,14 @@ load would, with the same message."""
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from pathlib import Path
 
-from ..errors import ModelNotFoundError
+from ..errors import ModelNotFoundError, WrongModelError
 from . import quant
 from .files import is_pipeline
-from .kinds import gguf_kind, kind_from_names
+from .kinds import gguf_kind, kind_from_names, other_checkpoint
 from .pipeline import describe_pipeline
 from .safetensors_file import SafetensorsFiles
 
@@ -64,6 +65,13 @@ def _pipeline(path: Path) -> dict:
             "parts": parts}
 
 
+def _other(path: Path) -> dict:
+    raise WrongModelError(
+        f"{path} is {other_checkpoint(_safetensors(path).infos)}, not a part of FLUX.2 [dev]: the pack reads FLUX.2 "
+        "transformers, text encoders, VAEs and pipelines."
+    )
+
+
 def _encoder(path: Path) -> dict:
     from .encoder import inspect_encoder
 
@@ -79,6 +87,8 @@ def _kind(path: Path) -> str:
 
         with open_gguf(path) as gguf:
             return "encoder" if gguf_kind(gguf.architecture) == "encoder" else "gguf-transformer"
+    if path.is_file() and path.suffix != ".safetensors":
+        return "encoder"  # its layout table names every other format, and refuses pickles unopened
     has_weights = path.is_file() or any(path.glob("*.safetensors"))
     return (kind_from_names(_safetensors(path).infos) if has_weights else None) or "encoder"
 
@@ -89,11 +99,12 @@ DESCRIBERS = {
     "gguf-transformer": _gguf_transformer,
     "transformer": _transformer,
     "vae": _vae,
+    "other": _other,
 }
 
 
 def inspect_path(path) -> dict:
     path = Path(path)
-    if not path.exists():
+    if not os.path.lexists(path):  # a symlink loop is there, and gets the reader's own error
         raise ModelNotFoundError(f"{path} does not exist. Give a model file or folder that exists on this machine.")
     return DESCRIBERS[_kind(path)](path)

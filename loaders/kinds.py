@@ -6,6 +6,13 @@ from __future__ import annotations
 
 import re
 
+# Full checkpoints of other model families, told by a name only they store: (GGUF_ARCHITECTURES key for
+# their words, pattern). They are checked first: an SDXL checkpoint also stores a VAE.
+OTHER_CHECKPOINTS = (
+    ("sdxl", re.compile(r"^conditioner\.embedders\.1\.model\.")),
+    ("sd1", re.compile(r"^cond_stage_model\.transformer\.")),
+)
+
 # (kind, pattern on a stored tensor name); the first kind any name matches wins.
 KIND_BY_NAMES = (
     ("transformer", re.compile(r"^(?:model\.diffusion_model\.)?(?:double_blocks|single_blocks|transformer_blocks|single_transformer_blocks)\.")),
@@ -38,8 +45,19 @@ GGUF_ARCHITECTURES = {
 }
 
 
+def other_checkpoint(names) -> str | None:
+    """What the stored names say the file is, in the user's words, when it is another family's checkpoint."""
+    for architecture, pattern in OTHER_CHECKPOINTS:
+        if any(pattern.match(name) for name in names):
+            return GGUF_ARCHITECTURES[architecture][1]
+    return None
+
+
 def kind_from_names(names) -> str | None:
-    """"transformer" or "vae" when the stored names say so; None for anything else."""
+    """"other" (another family's checkpoint), "transformer" or "vae" when the stored names say so; None for
+    anything else."""
+    if other_checkpoint(names):
+        return "other"
     for kind, pattern in KIND_BY_NAMES:
         if any(pattern.match(name) for name in names):
             return kind

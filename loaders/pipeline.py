@@ -7,12 +7,13 @@ encoder's config, when present, must have the width of that variant's encoder.""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
 from ..errors import UnknownModelError, VariantMismatchError, WrongModelError
-from .files import MODEL_INDEX, read_json
+from .files import ENCODER_CONFIG, MODEL_INDEX, PIPELINE_INDEX, TRANSFORMER_CONFIG, read_json
 from .transformer import geometry_from_shapes, transformer_files, variant_for_geometry
 from .safetensors_file import SafetensorsFiles
 from .variants import Flux2Variant, variant_by_key, variant_for_transformer
@@ -44,12 +45,13 @@ def pipeline_class(folder: str | Path) -> str | None:
     index = Path(folder) / MODEL_INDEX
     if not index.is_file():
         return None
-    name = read_json(index).get("_class_name")
+    name = read_json(index, PIPELINE_INDEX).get("_class_name")
     return name if name in PIPELINE_CLASSES else None
 
 
 def _config_variant(config: Mapping) -> tuple[Flux2Variant | None, str]:
-    """The variant a diffusers transformer config.json describes, and the description in its words."""
+    """The variant a diffusers transformer config.json describes, and the description in its words (its
+    numbers are those files.TRANSFORMER_CONFIG bounds)."""
     hidden = config.get("num_attention_heads", 0) * config.get("attention_head_dim", 0)
     context, guidance = config.get("joint_attention_dim"), bool(config.get("guidance_embeds"))
     said = (
@@ -108,21 +110,21 @@ def pipeline_variant(
 def describe_pipeline(path: str | Path) -> PipelineInfo:
     """A pipeline folder's class and variant, from its JSON files and safetensors headers (no weights read)."""
     path = Path(path)
-    if not (path / MODEL_INDEX).is_file():
+    if not os.path.lexists(path / MODEL_INDEX):
         raise WrongModelError(f"{path} is not a diffusers pipeline folder (it has no {MODEL_INDEX}).")
-    class_name = read_json(path / MODEL_INDEX).get("_class_name", "")
+    class_name = read_json(path / MODEL_INDEX, PIPELINE_INDEX).get("_class_name", "")
     _allowed_variants(path.name, class_name)
     config_path = path / "transformer" / "config.json"
-    if not config_path.is_file():
+    if not os.path.lexists(config_path):
         raise UnknownModelError(f"{path} has no transformer/config.json; download the pipeline again.")
     files = SafetensorsFiles([str(p) for p in transformer_files(path)])
     encoder_config = path / "text_encoder" / "config.json"
     variant = pipeline_variant(
         path.name,
         class_name,
-        read_json(config_path),
+        read_json(config_path, TRANSFORMER_CONFIG),
         {k: i.shape for k, i in files.infos.items()},
-        read_json(encoder_config) if encoder_config.is_file() else None,
+        read_json(encoder_config, ENCODER_CONFIG) if os.path.lexists(encoder_config) else None,
     )
     return PipelineInfo(path, class_name, variant)
 

@@ -3,7 +3,6 @@ identify a checkpoint and decide what to read before touching any tensor data.""
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import struct
@@ -12,8 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from ..errors import CorruptFileError, UnsupportedFormatError
-
-_MAX_HEADER = 100 * 1024 * 1024
+from ..validate import JSON_LIMITS, describe, parse_json, reading, regular_file
 
 
 # Each safetensors dtype: its plain name (packed formats are told apart by loaders/quant.py) and torch dtype.
@@ -49,51 +47,94 @@ class TensorInfo:
         return self.end - self.start
 
 
+# What real headers hold, with wide margins; anything beyond is damage or hostility.
+_MAX_RANK = 8  # real tensors have at most 5 dimensions
+_MAX_NAME = 1024  # characters of a tensor name (real ones are under 200)
+_ENTRY_KEYS = frozenset(("dtype", "shape", "data_offsets"))
+
+
+def _entry_reader(path: str, data_start: int, data_size: int):
+    """json's object_pairs_hook for a safetensors header: each tensor entry becomes a TensorInfo as soon as it is
+    parsed, or the pack's error at the first bad one, so a damaged header costs little more than its own size.
+    Objects of strings (the metadata) are let through once; the header object is the one holding entries."""
+    metadata_seen = 0
+
+    def bad(problem: str) -> CorruptFileError:  # the entry's name is not known until its header object is
+        return CorruptFileError(f"{path}: a tensor entry of the header {problem}; the file is damaged. Download it again.")
+
+    def hook(pairs: list[tuple[str, object]]):
+        nonlocal metadata_seen
+        values = [v for _, v in pairs]
+        if any(isinstance(v, (TensorInfo, dict)) for v in values):
+            return dict(pairs)  # the header itself (what it holds is checked in read_header)
+        if all(isinstance(v, str) for v in values):
+            metadata_seen += 1
+            if metadata_seen > 1:
+                raise CorruptFileError(f"{path}: the safetensors header holds objects that are no tensor entries; the file is damaged.")
+            return dict(pairs)
+        entry = dict(pairs)
+        if not _ENTRY_KEYS <= entry.keys():
+            raise bad(f"lacks {', '.join(sorted(_ENTRY_KEYS - entry.keys()))}")
+        dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
+        if not isinstance(dtype, str) or not 0 < len(dtype) <= 16:
+            raise bad(f"has dtype {describe(dtype)}, not a type name")
+        if not (isinstance(shape, list) and len(shape) <= _MAX_RANK and all(_is_size(d) for d in shape)):
+            raise bad(f"has shape {describe(shape)}, not a list of at most {_MAX_RANK} sizes")
+        if not (isinstance(offsets, list) and len(offsets) == 2 and all(_is_size(o) for o in offsets)):
+            raise bad(f"has data_offsets {describe(offsets)}, not two byte offsets")
+        start, end = offsets
+        if not start <= end <= data_size:
+            raise bad(f"points outside the file (bytes {start} to {end} of {data_size})")
+        count = math.prod(shape)  # exact: Python integers do not overflow
+        if dtype in DTYPES:
+            fits = count * DTYPES[dtype][1].itemsize == end - start
+        else:  # a type the pack does not read: every real type takes at least a bit per element
+            fits = count <= 8 * (end - start)
+        if not fits:
+            raise bad(f"({dtype} {describe(shape)}) does not fill its {end - start} bytes")
+        return TensorInfo(dtype, tuple(shape), data_start + start, data_start + end)
+
+    return hook
+
+
+def _is_size(value) -> bool:
+    return type(value) is int and 0 <= value < 1 << 62
+
+
 def read_header(path: str) -> tuple[dict[str, TensorInfo], dict[str, str]]:
     """{name: TensorInfo} and the string metadata of one .safetensors file."""
+    path = str(regular_file(path, "safetensors file"))
     size = os.path.getsize(path)
-    with open(path, "rb") as f:
+    with reading(path, "safetensors file"), open(path, "rb") as f:
         raw = f.read(8)
         if len(raw) < 8:
             raise CorruptFileError(f"{path} is too short to be a safetensors file ({size} bytes).")
         (length,) = struct.unpack("<Q", raw)
-        if length > min(_MAX_HEADER, size - 8):
+        # The length is not quoted: in a file that is no safetensors file those are 8 bytes of someone's text.
+        if length > min(JSON_LIMITS["header"], size - 8):
             raise CorruptFileError(
-                f"{path} is not a readable safetensors file (header length {length}, file size {size}); "
-                "it may be truncated or not a safetensors file at all. Download it again."
+                f"{path} is not a readable safetensors file: its first 8 bytes give no header length that fits in "
+                f"the file ({size} bytes) and in {JSON_LIMITS['header']} bytes. It may be truncated or not a "
+                "safetensors file at all; download it again."
             )
-        try:
-            header = json.loads(f.read(length))
-        except ValueError as e:
-            raise CorruptFileError(f"{path}: the safetensors header is not valid JSON ({e}).") from None
-    if not isinstance(header, dict):
-        raise CorruptFileError(f"{path}: the safetensors header is not a JSON object; the file is damaged.")
-    metadata = header.pop("__metadata__", None) or {}
+        data = f.read(length)
     data_start = 8 + length
-    tensors = {}
-    for name, entry in header.items():
-        try:
-            if not (isinstance(entry["data_offsets"], list) and isinstance(entry["shape"], list)):
-                raise TypeError("data_offsets and shape must be lists")
-            start, end = (int(o) for o in entry["data_offsets"])
-            shape = tuple(int(d) for d in entry["shape"])
-            if min(shape, default=0) < 0:
-                raise ValueError("negative dimension")
-        except (KeyError, TypeError, ValueError) as e:
+    where = f"{path} (safetensors header)"
+    header = parse_json(data, where, "header", _entry_reader(path, data_start, size - data_start))
+    if not isinstance(header, dict):
+        raise CorruptFileError(f"{path}: the safetensors header is {describe(header)}, not a JSON object; the file is damaged.")
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise CorruptFileError(f"{path}: the safetensors __metadata__ is not an object of strings; the file is damaged.")
+    for name, info in header.items():
+        if not isinstance(info, TensorInfo):
             raise CorruptFileError(
-                f"{path}: the header entry of tensor {name} is malformed ({type(e).__name__}: {e}); the file is "
-                "damaged. Download it again."
-            ) from None
-        if not 0 <= start <= end <= size - data_start:
-            raise CorruptFileError(f"{path}: tensor {name} points outside the file; the file is truncated or damaged.")
-        dtype = DTYPES.get(entry["dtype"], (None, None))[1]
-        if dtype is not None and math.prod(shape) * dtype.itemsize != end - start:
-            raise CorruptFileError(
-                f"{path}: tensor {name} ({entry['dtype']} {list(shape)}) does not fill its {end - start} bytes; "
-                "the file is damaged. Download it again."
+                f"{path}: the header entry {describe(name)} is {describe(info)}, not a tensor's dtype, shape and "
+                "data_offsets; the file is damaged. Download it again."
             )
-        tensors[name] = TensorInfo(entry["dtype"], shape, data_start + start, data_start + end)
-    return tensors, metadata
+        if len(name) > _MAX_NAME:
+            raise CorruptFileError(f"{path}: a tensor name is {len(name)} characters long; the file is damaged.")
+    return header, metadata
 
 
 class SafetensorsFiles:
@@ -109,6 +150,11 @@ class SafetensorsFiles:
             infos, metadata = read_header(path)
             self.metadata.update(metadata)
             for name, info in infos.items():
+                if name in self.infos:
+                    raise CorruptFileError(
+                        f"Both {self._where[name]} and {path} hold tensor {describe(name)}; shards of one model never "
+                        "share a tensor. A file of another model or download is in the folder; remove it."
+                    )
                 self.infos[name] = info
                 self._where[name] = path
 
@@ -119,7 +165,7 @@ class SafetensorsFiles:
                 f"{path}: tensor {name} is stored as {info.dtype}, a type the pack does not read."
             )
         out = torch.empty(info.nbytes, dtype=torch.uint8)
-        with open(path, "rb", buffering=0) as f:
+        with reading(path, "safetensors file"), open(path, "rb", buffering=0) as f:
             if hasattr(os, "posix_fadvise"):
                 os.posix_fadvise(f.fileno(), info.start, info.nbytes, os.POSIX_FADV_RANDOM)
             f.seek(info.start)

@@ -147,6 +147,12 @@ def geometry_from_shapes(shapes: Mapping[str, tuple[int, ...]]) -> tuple[Transfo
             f"a FLUX.1 or other Flux-family model ({layout.img_in} {list(shapes[layout.img_in])}, {layout.txt_in} "
             f"{list(shapes[layout.txt_in])}). Load it with ComfyUI's own Load Diffusion Model node."
         )
+    flat = [f"{key} {list(shapes[key])}" for key in (layout.img_in, layout.txt_in) if len(shapes[key]) != 2]
+    if flat:
+        raise UnknownModelError(
+            f"The transformer's input projections are not matrices ({', '.join(flat)}); the file is damaged or not a "
+            "FLUX.2 transformer. Download it again."
+        )
     hidden, in_channels = shapes[layout.img_in]
     txt_hidden, context_in_dim = shapes[layout.txt_in]
     if txt_hidden != hidden:
@@ -189,35 +195,52 @@ def variant_for_geometry(geometry: TransformerGeometry, layout: KeyLayout) -> Fl
     return variant
 
 
-def _diffusers_to_bfl(keys: set[str], read: Callable[[str], torch.Tensor], geometry: TransformerGeometry) -> dict:
+def _diffusers_plan(shapes: Mapping[str, tuple[int, ...]], geometry: TransformerGeometry) -> list[tuple[str, list[str], bool]]:
+    """(BFL key, the diffusers tensors it is made of, whether its halves swap) for every tensor, from the
+    shapes alone: parts that cannot be concatenated or halved are refused before anything is read."""
     counts = {"double_blocks.": geometry.double_blocks, "single_blocks.": geometry.single_blocks}
-    out, used = {}, set()
-    for bfl_key, sources, swap_halves in progress.tracked(DIFFUSERS_TO_BFL):
+    plan, used = [], set()
+    for bfl_key, sources, swap_halves in DIFFUSERS_TO_BFL:
         blocks = next((n for prefix, n in counts.items() if bfl_key.startswith(prefix)), None)
         for n in range(blocks) if blocks is not None else (None,):
             names = [s.format(n=n) for s in sources]
-            present = [s for s in names if s in keys]
+            present = [s for s in names if s in shapes]
             if not present and bfl_key.startswith("guidance_in.") and not geometry.guidance:
                 continue
             if len(present) != len(names):
                 missing = sorted(set(names) - set(present))
                 raise MissingWeightsError(f"The diffusers transformer lacks {', '.join(missing)}; the folder is incomplete.")
-            tensor = torch.cat([read(s) for s in names]) if len(names) > 1 else read(names[0])
-            if swap_halves:
-                first, second = tensor.chunk(2)
-                tensor = torch.cat((second, first))
-            out[bfl_key.format(n=n)] = tensor
+            parts = [shapes[s] for s in names]
+            if any(not shape for shape in parts) or len({shape[1:] for shape in parts}) != 1 or (swap_halves and parts[0][0] % 2):
+                shown = ", ".join(f"{s} {list(shape)}" for s, shape in zip(names, parts))
+                raise UnknownModelError(
+                    f"The diffusers transformer's {shown} cannot make the FLUX.2 tensor {bfl_key.format(n=n)}; the "
+                    "folder is damaged or not a FLUX.2 transformer."
+                )
+            plan.append((bfl_key.format(n=n), names, swap_halves))
             used.update(names)
-    _refuse_leftovers(keys - used, "diffusers")
+    _refuse_leftovers(set(shapes) - used, "diffusers")
+    return plan
+
+
+def _diffusers_to_bfl(shapes: Mapping[str, tuple[int, ...]], read: Callable[[str], torch.Tensor], geometry: TransformerGeometry) -> dict:
+    out = {}
+    for bfl_key, names, swap_halves in progress.tracked(_diffusers_plan(shapes, geometry)):
+        tensor = torch.cat([read(s) for s in names]) if len(names) > 1 else read(names[0])
+        if swap_halves:
+            first, second = tensor.chunk(2)
+            tensor = torch.cat((second, first))
+        out[bfl_key] = tensor
     return out
 
 
 def diffusers_to_bfl(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """A diffusers Flux2Transformer2DModel state dict in the host's BFL keys."""
-    geometry, layout = geometry_from_shapes({k: tuple(t.shape) for k, t in state_dict.items()})
+    shapes = {k: tuple(t.shape) for k, t in state_dict.items()}
+    geometry, layout = geometry_from_shapes(shapes)
     if layout is not DIFFUSERS:
         raise UnknownModelError("diffusers_to_bfl was given a state dict that is not in diffusers keys.")
-    return _diffusers_to_bfl(set(state_dict), state_dict.__getitem__, geometry)
+    return _diffusers_to_bfl(shapes, state_dict.__getitem__, geometry)
 
 
 def _refuse_leftovers(leftover: set[str], layout: str) -> None:
@@ -299,7 +322,7 @@ def load_transformer(path: str | Path) -> LoadedTransformer:
                 "This diffusers-layout transformer holds quantized weights; the pack reads diffusers transformers in "
                 "bf16, fp16 or fp32, and scaled fp8 as a BFL single file."
             )
-        state_dict = _diffusers_to_bfl(set(files.infos), files.read, geometry)
+        state_dict = _diffusers_to_bfl(shapes, files.read, geometry)
     else:
         state_dict = _bfl_state_dict(files)
     return LoadedTransformer(state_dict, variant, geometry, layout.name)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from ..errors import WrongModelError
+from ..errors import UnknownModelError, WrongModelError
 from . import progress
 from .files import part_files
 from .safetensors_file import SafetensorsFiles
@@ -26,6 +26,11 @@ def check_flux2_vae(shapes: dict[str, tuple[int, ...]], where: str) -> None:
     """Fail unless the shapes are those of a FLUX.2 VAE, naming what they are instead."""
     if DECODER_IN_KEY not in shapes:
         raise WrongModelError(f"{where} is not a VAE (it has no {DECODER_IN_KEY}).")
+    if len(shapes[DECODER_IN_KEY]) != 4:
+        raise UnknownModelError(
+            f"{where}: {DECODER_IN_KEY} has shape {list(shapes[DECODER_IN_KEY])}, not a convolution's [out, in, height, "
+            "width]; the file is damaged or not a VAE. Download it again."
+        )
     latent = shapes[DECODER_IN_KEY][1]
     if BATCH_NORM_KEY not in shapes or latent != LATENT_CHANNELS:
         raise WrongModelError(

@@ -1,0 +1,223 @@
+"""Where file content becomes values the pack trusts: every file is checked to be a regular file of a sane
+size before it is opened, every JSON document is bounded in size and depth, and every field the pack uses
+is checked against a small declaration (type, range, length) before any code computes with it. Files come
+from strangers and half-finished downloads; what fails here fails with the pack's error, naming the file,
+the field and what was expected, and never quotes the content of a file that is not a model file."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import re
+import stat
+from dataclasses import dataclass
+from pathlib import Path, PureWindowsPath
+from typing import Any, Iterator
+
+from .errors import CorruptFileError, ModelNotFoundError
+
+MiB = 1 << 20
+
+# The largest JSON document of each kind the pack reads. Real files are far smaller (a FLUX.2 config is
+# under 2 KiB, a shard index under 200 KiB, the Tekken vocabulary about 15 MiB); the bounds keep a damaged
+# or hostile file from costing gigabytes of parsed objects.
+JSON_LIMITS = {
+    "config": 1 * MiB,  # config.json, params.json, model_index.json, scheduler and other part configs
+    "index": 16 * MiB,  # <weights>.index.json
+    "vocabulary": 64 * MiB,  # tekken.json, tokenizer.json
+    "header": 16 * MiB,  # a safetensors header
+}
+# The most strings and containers (objects, lists) a document of each kind may hold: each costs tens of bytes
+# once parsed however short it is in the file, so a file of "{}" or "" is refused before it is parsed. Real
+# files hold far fewer (a Tekken vocabulary about 750k, a FLUX.2 safetensors header about 8k).
+JSON_VALUES = {"config": 1 << 16, "index": 1 << 20, "vocabulary": 1 << 22, "header": 1 << 19}
+MAX_DEPTH = 32  # real files nest 4 deep at most
+# A JSON string, escapes included: what is removed to leave a document's skeleton of brackets and numbers.
+# An unterminated one runs to the end: every match attempt succeeds, so the scan stays linear. Only texts
+# within JSON_VALUES are scanned, so its pieces are bounded too.
+_JSON_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*(?:"|\\?\Z)', re.S)
+
+
+def regular_file(path: str | os.PathLike, what: str = "file") -> Path:
+    """`path` as a Path once it is known to be a regular file: a directory, FIFO, device or symlink loop
+    named like a model file is refused before anything opens it (opening a FIFO would block forever)."""
+    path = Path(path)
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise ModelNotFoundError(f"{path}: the {what} is not there.") from None
+    except OSError as e:  # a symlink loop, a name too long, no permission
+        raise CorruptFileError(f"{path}: the {what} cannot be opened ({e.strerror}).") from None
+    except ValueError:  # a NUL or a lone surrogate: no file system has such a name
+        raise CorruptFileError(f"{ascii(str(path))} cannot be a file name; the {what} was named by a damaged file.") from None
+    if not stat.S_ISREG(mode):
+        kind = "a folder" if stat.S_ISDIR(mode) else "not a regular file (a pipe, device or socket)"
+        raise CorruptFileError(f"{path} is {kind}, but a {what} was expected there. Choose the file itself.")
+    return path
+
+
+@contextlib.contextmanager
+def reading(path: str | os.PathLike, what: str = "file") -> Iterator[None]:
+    """Around the opening and reading of a checked file: a read that fails (no permission, a disk error, a
+    file shrunk under the reader) is the pack's error, not an OSError."""
+    try:
+        yield
+    except OSError as e:
+        raise CorruptFileError(f"{path}: the {what} cannot be read ({e.strerror or type(e).__name__}).") from None
+
+
+def inside(folder: str | os.PathLike, name: str, what: str) -> Path:
+    """The file `name` (as written in an index or a config) within `folder`: a name that is absolute or
+    climbs out with ".." is refused without opening anything, and without quoting anything of it. The check
+    is on the name: links the user keeps in the folder (the Hugging Face cache keeps a snapshot's files as
+    links into its blobs/ folder) are followed, and what they lead to must still be a regular file."""
+    folder = Path(folder)
+    if not isinstance(name, str) or not name or "\x00" in name or os.path.isabs(name) or ".." in re.split(r"[\\/]", name) \
+            or PureWindowsPath(name).anchor:
+        raise CorruptFileError(
+            f"{folder}: the {what} names a file outside the model folder; the file is damaged or hostile, and the "
+            "pack reads nothing outside the folder it was given."
+        )
+    return folder / name
+
+
+def _most_values(data: bytes) -> int:
+    """At least as many as the strings, objects and lists of a JSON text: half its quotes and its opening
+    brackets (those inside strings too), counted without allocating anything."""
+    return data.count(b'"') // 2 + data.count(b"{") + data.count(b"[")
+
+
+def _deepest(data: bytes) -> int:
+    """The deepest nesting of a JSON text, from its brackets outside strings, without parsing it. For a text
+    that is not JSON the figure means nothing; the parse then fails anyway."""
+    import numpy as np
+
+    codes = np.frombuffer(_JSON_STRING.sub(b"", data), np.uint8)
+    brackets = codes[np.isin(codes, np.frombuffer(b"{[]}", np.uint8))]
+    steps = np.where((brackets == ord("{")) | (brackets == ord("[")), np.int8(1), np.int8(-1))
+    return int(np.cumsum(steps, dtype=np.int32).max(initial=0))
+
+
+def parse_json(data: bytes | str, where: str, kind: str, object_pairs_hook=None) -> Any:
+    """One JSON document of a known kind, bounded in size, values and depth before it is parsed, non-finite
+    numbers refused.
+    `object_pairs_hook` (json's) may check each object as soon as it is parsed and raise the pack's error,
+    so a document of a million bad entries fails at the first instead of after building them all."""
+    if len(data) > JSON_LIMITS[kind]:
+        raise CorruptFileError(
+            f"{where} is {len(data)} bytes, more than any real {kind} file ({JSON_LIMITS[kind]} at most); "
+            "it is damaged or not the file it is named as."
+        )
+    raw = data.encode("utf-8", "surrogatepass") if isinstance(data, str) else data
+    if _most_values(raw) > JSON_VALUES[kind]:
+        raise CorruptFileError(
+            f"{where} holds more strings, objects and lists than any real {kind} file ({JSON_VALUES[kind]} at "
+            "most); it is damaged or not the file it is named as."
+        )
+    if _deepest(raw) > MAX_DEPTH:
+        raise CorruptFileError(f"{where} nests deeper than {MAX_DEPTH} levels; no real {kind} file does. Download it again.")
+    try:
+        value = json.loads(data, parse_constant=_refuse_constant, object_pairs_hook=object_pairs_hook)
+    except UnicodeDecodeError as e:  # its own text would quote the file's bytes
+        raise CorruptFileError(f"{where} is not UTF-8 text (byte {e.start} is not); download it again.") from None
+    except ValueError as e:
+        raise CorruptFileError(f"{where} is not valid JSON ({e}); download it again.") from None
+    return value
+
+
+def _refuse_constant(name: str):
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
+def read_json(path: str | os.PathLike, kind: str = "config") -> Any:
+    """A JSON file of a known kind, read only if it is a regular file within the kind's size bound."""
+    path = regular_file(path, f"{kind} file")
+    size = path.stat().st_size
+    if size > JSON_LIMITS[kind]:
+        raise CorruptFileError(
+            f"{path} is {size} bytes, more than any real {kind} file ({JSON_LIMITS[kind]} at most); "
+            "it is damaged or not the file it is named as."
+        )
+    with reading(path, f"{kind} file"):
+        data = path.read_bytes()
+    return parse_json(data, str(path), kind)
+
+
+@dataclass(frozen=True)
+class Field:
+    """What one field must be: its JSON type, an inclusive range for numbers, a length bound for strings,
+    lists and objects, whether it must be present, and for an object the fields it holds."""
+
+    kind: type | tuple[type, ...]
+    lo: float | None = None
+    hi: float | None = None
+    max_len: int | None = None
+    required: bool = True
+    fields: dict[str, "Field"] | None = None  # for an object: the declarations of its own fields
+
+
+NULL = type(None)  # for Field kinds: real files write null for many unset fields
+_TYPE_NAMES = {
+    int: "an integer", float: "a number", str: "a string", bool: "true or false", list: "a list", dict: "an object",
+    NULL: "null",
+}
+
+
+def describe(value: Any) -> str:
+    """A value in a few words, never more than 40 characters of its own text."""
+    if value is None:
+        return "null"
+    if isinstance(value, (bool, int, float)):
+        return repr(value)
+    if isinstance(value, str):
+        return f"a string of {len(value)} characters" if len(value) > 40 else repr(value)
+    return f"{_TYPE_NAMES.get(type(value), type(value).__name__)} of {len(value)} items"
+
+
+def _matches(value: Any, kind) -> bool:
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if isinstance(value, bool):
+        return bool in kinds
+    if isinstance(value, int) and float in kinds:
+        return True
+    return isinstance(value, kinds)
+
+
+def check_field(value: Any, field: Field, where: str, name: str) -> Any:
+    """`value` if it is what `field` declares; otherwise the pack's error naming the file and field."""
+    kinds = field.kind if isinstance(field.kind, tuple) else (field.kind,)
+    expected = " or ".join(_TYPE_NAMES.get(k, k.__name__) for k in kinds)
+    if field.lo is not None or field.hi is not None:
+        expected += f" from {'-inf' if field.lo is None else field.lo} to {'inf' if field.hi is None else field.hi}"
+    if field.max_len is not None:
+        expected += f" of at most {field.max_len} items"
+    ok = _matches(value, field.kind)
+    if ok and isinstance(value, (int, float)) and not isinstance(value, bool):
+        ok = math.isfinite(value) and (field.lo is None or value >= field.lo) and (field.hi is None or value <= field.hi)
+    if ok and field.max_len is not None and isinstance(value, (str, list, dict)):
+        ok = len(value) <= field.max_len
+    if not ok:
+        raise CorruptFileError(
+            f"{where}: {name} is {describe(value)}, expected {expected}. The file is damaged or not a FLUX.2 "
+            "file; download it again."
+        )
+    if field.fields is not None and isinstance(value, dict):
+        checked(value, field.fields, where, f"{name}.")
+    return value
+
+
+def checked(document: Any, fields: dict[str, Field], where: str, prefix: str = "") -> dict:
+    """The fields of a JSON object (or GGUF metadata) that `fields` declares, each checked; a document that
+    is not an object, or lacks a required field, is the pack's error. Undeclared fields are left as they are.
+    `prefix` names the object within its file ("text_config.")."""
+    if not isinstance(document, dict):
+        what = f"{where}: {prefix.rstrip('.')} is" if prefix else f"{where} holds"
+        raise CorruptFileError(f"{what} {describe(document)}, expected a JSON object; download it again.")
+    for name, field in fields.items():
+        if name in document:
+            check_field(document[name], field, where, prefix + name)
+        elif field.required:
+            raise CorruptFileError(f"{where} lacks {prefix}{name}, which every such file has; download it again.")
+    return document
