@@ -3,14 +3,17 @@ memory map, and tensors handed out as zero-copy uint8 views of the mapped file.
 
 gguf.GGUFReader walks every metadata array element by element (8-12 s for a Mistral-sized tokenizer
 header); here numeric arrays are one numpy view and string arrays one walk over their length prefixes
-plus a single bulk UTF-8 decode. Every count, length and offset is checked against the file size before
-it is used, so a truncated or hostile file raises CorruptFileError instead of crashing or allocating.
+plus a single bulk UTF-8 decode. Every count, length and offset is checked against the file size and
+against what real files hold before it is used, so a truncated or hostile file raises CorruptFileError
+quickly and in bounded memory. The metadata values the pack computes with are declared once
+(METADATA_FIELDS) and checked here, so every consumer can trust their types and ranges.
 """
 
 from __future__ import annotations
 
 import mmap
 import os
+import stat
 import struct
 from dataclasses import dataclass, field
 
@@ -19,12 +22,29 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from ..errors import CorruptFileError, UnsupportedFormatError
+from ..validate import Field, check_field, regular_file
+from .kinds import gguf_kind
 
 _MAGIC = b"GGUF"
 _VERSIONS = (2, 3)
 _DEFAULT_ALIGNMENT = 32
+_ALIGNMENTS = (8, 1 << 16)  # the spec asks for a multiple of 8; real files use 32
 _MAX_DIMS = 4  # GGML_MAX_DIMS
-_MAX_ARRAY_DEPTH = 8
+
+# What real files hold, with wide margins; anything beyond is damage or hostility, refused before it is
+# materialised. A Mistral-Small GGUF has ~40 metadata keys, 131072 tokens, ~270k merges, no nested arrays
+# and a few hundred tensors; a FLUX.2 transformer about 1,500 tensors.
+_MAX_KEYS = 1 << 16
+_MAX_TENSORS = 1 << 17
+_MAX_NAME = 1 << 16  # bytes of a key or tensor name (the spec's bound)
+_MAX_STRING = 16 << 20  # bytes of one string value (chat templates are tens of KiB)
+_MAX_ARRAY_ITEMS = 1 << 21  # items of one array
+_MAX_ARRAY_DEPTH = 2  # an array of arrays at most
+# Strings the metadata may turn into, over all keys: each costs ~60 bytes however short it is in the file,
+# so their number is bounded, not only the file size. Nested arrays cost a parse call and a numpy array
+# each, and real files have none: a few thousand at most.
+_MAX_STRINGS = 1 << 21
+_MAX_NESTED_ARRAYS = 1 << 12
 
 # GGUF value type -> numpy dtype of its scalar (little-endian), per the GGUF spec.
 _SCALARS = {
@@ -104,6 +124,12 @@ class _Cursor:
         self.buf = buf
         self.size = len(buf)
         self.pos = 0
+        self.made = {"strings": 0, "nested arrays": 0}  # materialised so far, over all keys
+
+    def charge(self, n: int, kind: str, limit: int, what: str) -> None:
+        self.made[kind] += n
+        if self.made[kind] > limit:
+            raise self.fail(f"{what} takes the metadata past {limit} {kind}, more than any real file holds")
 
     def fail(self, problem: str) -> CorruptFileError:
         return CorruptFileError(
@@ -127,8 +153,10 @@ class _Cursor:
         self.pos += 8
         return v
 
-    def string(self, what: str) -> str:
+    def string(self, what: str, limit: int = _MAX_STRING) -> str:
         n = self.u64(what)
+        if n > limit:
+            raise self.fail(f"{what} claims {n} bytes, more than any real file holds ({limit} at most)")
         self.need(n, what)
         raw = self.buf[self.pos : self.pos + n]
         self.pos += n
@@ -155,6 +183,8 @@ class _Cursor:
             raise self.fail(f"{what} nests arrays more than {_MAX_ARRAY_DEPTH} deep")
         itype = self.u32(what)
         count = self.u64(what)
+        if count > _MAX_ARRAY_ITEMS:
+            raise self.fail(f"{what} claims {count} items, more than any real file holds ({_MAX_ARRAY_ITEMS} at most)")
         if itype == _STRING:
             return self.string_array(count, what)
         dtype = _SCALARS.get(itype)
@@ -166,34 +196,37 @@ class _Cursor:
             return values
         if itype == _ARRAY:
             self.need(count * 12, f"{what} ({count} nested arrays)")  # each holds at least a type and a count
+            self.charge(count, "nested arrays", _MAX_NESTED_ARRAYS, what)
             return [self.array(what, depth + 1) for _ in range(count)]
         raise self.fail(f"{what} is an array of unknown value type {itype}")
 
     def string_array(self, count: int, what: str) -> list[str]:
         self.need(count * 8, f"{what} ({count} strings)")
+        self.charge(count, "strings", _MAX_STRINGS, what)
         if count == 0:
             return []
         # Walk the length prefixes (each one decides where the next starts), then decode every string
         # at once: the bytes are joined with 0xFF, which UTF-8 never contains, and split after decoding.
         buf, size, start = self.buf, self.size, self.pos
         unpack = _U64.unpack_from
-        prefixes = [0] * count
+        prefixes = np.zeros(count, dtype=np.int64)  # 8 bytes an item, not a Python int's 36
+        starts = memoryview(prefixes)
         pos = start
         for i in range(count):
             if pos + 8 > size:
                 self.pos = pos
                 raise self.fail(f"{what} is cut short after {i} of {count} strings")
-            prefixes[i] = pos
+            starts[i] = pos
             pos += 8 + unpack(buf, pos)[0]
         if pos > size:
-            self.pos = prefixes[-1]
+            self.pos = int(prefixes[-1])
             raise self.fail(f"{what}: string {count - 1} runs past the end of the file")
-        prefixes = np.array(prefixes, dtype=np.int64)
         region = np.frombuffer(buf, np.uint8, pos - start, start).copy()
         rel = prefixes - start
         region[rel[1:]] = _SEPARATOR
         keep = np.ones(region.size, dtype=bool)
-        keep[(rel[:, None] + np.arange(8)).ravel()] = False
+        for i in range(8):  # per byte of the prefix: one index array of `count`, not eight
+            keep[rel + i] = False
         keep[rel[1:]] = True
         text = region[keep].tobytes().decode("utf-8", "surrogateescape")
         strings = text.split("\udcff")
@@ -213,18 +246,80 @@ def _is_clean(text: str) -> bool:
     return True
 
 
+# The metadata the pack computes with ("{arch}." is general.architecture's prefix, read for the text encoder
+# architectures only). Every key is optional here (its reader says what a missing one means); present ones
+# must be what the spec says they are.
+_ARCH = "{arch}."
+METADATA_FIELDS: dict[str, Field] = {
+    "general.architecture": Field(str, max_len=64, required=False),
+    "general.alignment": Field(int, lo=_ALIGNMENTS[0], hi=_ALIGNMENTS[1], required=False),
+    _ARCH + "block_count": Field(int, lo=1, hi=1024, required=False),
+    _ARCH + "context_length": Field(int, lo=1, hi=1 << 32, required=False),
+    _ARCH + "embedding_length": Field(int, lo=1, hi=1 << 20, required=False),
+    _ARCH + "feed_forward_length": Field(int, lo=1, hi=1 << 22, required=False),
+    _ARCH + "attention.head_count": Field(int, lo=1, hi=1024, required=False),
+    _ARCH + "attention.head_count_kv": Field(int, lo=1, hi=1024, required=False),
+    _ARCH + "attention.key_length": Field(int, lo=1, hi=1 << 16, required=False),
+    _ARCH + "attention.layer_norm_rms_epsilon": Field(float, lo=0, hi=1, required=False),
+    _ARCH + "rope.freq_base": Field(float, lo=1, hi=1e12, required=False),
+    "tokenizer.ggml.model": Field(str, max_len=64, required=False),
+    "tokenizer.ggml.pre": Field(str, max_len=64, required=False),
+}
+# Arrays the pack reads: their element kind ("string" or "integer"); tokenizer.ggml.token_type must match
+# the tokens in length.
+METADATA_ARRAYS = {"tokenizer.ggml.tokens": "string", "tokenizer.ggml.merges": "string", "tokenizer.ggml.token_type": "integer"}
+
+
+def check_metadata(path: str, metadata: dict) -> None:
+    """Refuse metadata whose declared keys hold the wrong kind of value (an array where a number belongs,
+    a head count of 0, a float alignment, token types that are strings ...)."""
+    where = f"{path} (GGUF metadata)"
+    for template, spec in METADATA_FIELDS.items():  # general.architecture first: the other keys start with it
+        arch = metadata.get("general.architecture")
+        if template.startswith(_ARCH) and gguf_kind(arch) != "encoder":
+            continue  # another model's settings: the pack reads none of them (it names the model instead)
+        key = template.format(arch=arch)
+        if key in metadata:
+            check_field(metadata[key], spec, where, key)
+    for key, kind in METADATA_ARRAYS.items():
+        value = metadata.get(key)
+        if value is None:
+            continue
+        if kind == "string":
+            ok = isinstance(value, list) and all(isinstance(item, str) for item in value)
+        else:
+            ok = isinstance(value, np.ndarray) and value.dtype.kind in "iu"
+        if not ok:
+            raise CorruptFileError(f"{where}: {key} is not an array of {kind}s; the file is damaged, download it again.")
+    tokens, types = metadata.get("tokenizer.ggml.tokens"), metadata.get("tokenizer.ggml.token_type")
+    if tokens is not None and types is not None and len(tokens) != len(types):
+        raise CorruptFileError(f"{where}: {len(tokens)} tokens but {len(types)} token types; download the file again.")
+
+
 def open_gguf(path: str | os.PathLike) -> GGUFFile:
     """Parse one GGUF file's header, metadata and tensor table (once) over a memory map."""
     global _parse_count
-    path = os.fspath(path)
-    with open(path, "rb") as f:
-        size = os.fstat(f.fileno()).st_size
-        if size < 24:
-            raise CorruptFileError(f"{path} is too short to be a GGUF file ({size} bytes).")
+    path = os.fspath(regular_file(path, "GGUF file"))
+    # Non-blocking: should the name turn into a FIFO after the check above, opening it must not hang.
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
+    except OSError as e:
+        raise CorruptFileError(f"{path}: the GGUF file cannot be opened ({e.strerror}).") from None
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise CorruptFileError(f"{path} is not a regular file, but a GGUF file was expected there.")
+        if info.st_size < 24:
+            raise CorruptFileError(f"{path} is too short to be a GGUF file ({info.st_size} bytes).")
         # Copy-on-write: torch wants a writable buffer, and nothing written through it reaches the file.
-        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        mapped = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
+    except OSError as e:
+        raise CorruptFileError(f"{path}: the GGUF file cannot be mapped ({e.strerror}).") from None
+    finally:
+        os.close(fd)  # the map keeps its own reference to the file
     try:
         metadata, tensors = _parse(path, mapped)
+        check_metadata(path, metadata)
     except BaseException:
         mapped.close()
         raise
@@ -249,32 +344,35 @@ def _parse(path: str, buf: mmap.mmap):
     n_tensors = cur.u64("tensor count")
     n_kv = cur.u64("metadata count")
     # Each entry takes at least 12 (key/value) or 24 (tensor) bytes: larger counts cannot fit the file.
-    if n_kv * 13 > cur.size - cur.pos:
-        raise cur.fail(f"it claims {n_kv} metadata entries, more than the file can hold")
-    if n_tensors * 24 > cur.size - cur.pos:
-        raise cur.fail(f"it claims {n_tensors} tensors, more than the file can hold")
+    if n_kv * 13 > cur.size - cur.pos or n_kv > _MAX_KEYS:
+        raise cur.fail(f"it claims {n_kv} metadata entries, more than the file can hold or any real file has")
+    if n_tensors * 24 > cur.size - cur.pos or n_tensors > _MAX_TENSORS:
+        raise cur.fail(f"it claims {n_tensors} tensors, more than the file can hold or any real file has")
 
     metadata: dict = {}
     for _ in range(n_kv):
-        key = cur.string("metadata key")
+        key = cur.string("metadata key", _MAX_NAME)
         if key in metadata:
             raise cur.fail(f"metadata key {key!r} appears twice")
         metadata[key] = cur.value(cur.u32(f"type of {key!r}"), repr(key))
 
     infos = []
     for _ in range(n_tensors):
-        name = cur.string("tensor name")
+        name = cur.string("tensor name", _MAX_NAME)
         n_dims = cur.u32(f"dims of tensor {name!r}")
-        if n_dims > _MAX_DIMS:
-            raise cur.fail(f"tensor {name!r} claims {n_dims} dimensions (at most {_MAX_DIMS})")
+        if not 1 <= n_dims <= _MAX_DIMS:
+            raise cur.fail(f"tensor {name!r} claims {n_dims} dimensions (1 to {_MAX_DIMS})")
         dims = [cur.u64(f"dims of tensor {name!r}") for _ in range(n_dims)]
+        if 0 in dims:
+            raise cur.fail(f"tensor {name!r} has a dimension of 0 ({dims})")
         raw_type = cur.u32(f"type of tensor {name!r}")
         offset = cur.u64(f"offset of tensor {name!r}")
         infos.append((name, dims, raw_type, offset))
 
     alignment = metadata.get("general.alignment", _DEFAULT_ALIGNMENT)
-    if not isinstance(alignment, int) or isinstance(alignment, bool) or alignment <= 0 or alignment & (alignment - 1):
-        raise cur.fail(f"general.alignment is {alignment!r}, not a positive power of two")
+    check_field(alignment, METADATA_FIELDS["general.alignment"], f"{path} (GGUF metadata)", "general.alignment")
+    if alignment & (alignment - 1):
+        raise cur.fail(f"general.alignment is {alignment}, not a power of two")
     data_start = -(-cur.pos // alignment) * alignment
 
     tensors: dict = {}

@@ -62,18 +62,24 @@ def _strip_prefix(names) -> dict[str, str]:
 def load_gguf_transformer(path: str | os.PathLike) -> LoadedGGUFTransformer:
     """Read a FLUX.2 transformer GGUF (its header parsed once) into BFL keys, weights left packed."""
     gfile = open_gguf(path)
-    check_architecture(gfile)
-    names = _strip_prefix(gfile.tensors)
-    shapes = {key: gfile.tensors[name].shape for key, name in names.items()}
-    geometry, layout = geometry_from_shapes(shapes)
-    if layout is not BFL:
-        raise UnsupportedFormatError(
-            f"{os.path.basename(gfile.path)} keeps its tensors under diffusers names; FLUX.2 GGUFs use BFL names "
-            "(img_in, double_blocks, ...). Convert it with a FLUX.2-aware GGUF converter."
-        )
-    variant = variant_for_geometry(geometry, layout)
     state_dict = {}
-    for key, name in progress.tracked(names.items()):
-        state_dict.update(from_gguf(key, gfile.tensors[name]))
+    try:
+        check_architecture(gfile)
+        names = _strip_prefix(gfile.tensors)
+        shapes = {key: gfile.tensors[name].shape for key, name in names.items()}
+        geometry, layout = geometry_from_shapes(shapes)
+        if layout is not BFL:
+            raise UnsupportedFormatError(
+                f"{os.path.basename(gfile.path)} keeps its tensors under diffusers names; FLUX.2 GGUFs use BFL names "
+                "(img_in, double_blocks, ...). Convert it with a FLUX.2-aware GGUF converter."
+            )
+        variant = variant_for_geometry(geometry, layout)
+        for key, name in progress.tracked(names.items()):
+            state_dict.update(from_gguf(key, gfile.tensors[name]))
+    except BaseException:
+        # A load that fails leaves nothing mapped, even while the error (and its frames) are kept.
+        state_dict.clear()
+        gfile.close()
+        raise
     formats = Counter(gguf_label(t.qtype) for t in gfile.tensors.values())
     return LoadedGGUFTransformer(state_dict, variant, geometry, layout.name, path=gfile.path, formats=dict(formats))

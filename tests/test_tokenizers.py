@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from comfyui_flux2dev.errors import TokenizerNotFoundError
+from comfyui_flux2dev.errors import CorruptFileError, TokenizerNotFoundError
 from comfyui_flux2dev.tokenizers import (
     MAX_LENGTH,
     PAD_ID,
@@ -227,7 +227,7 @@ def test_broken_embedded_tensor_falls_through(reference):
     assert res.rung == "bundled-tekken"
     assert res.attempts[0][0] == "embedded-tekken" and "not bytes" in res.attempts[0][2]
     res = resolve_tokenizer(None, embedded_tekken=b"not json at all")
-    assert res.rung == "bundled-tekken" and "JSONDecodeError" in res.attempts[0][2]
+    assert res.rung == "bundled-tekken" and "the tekken_model tensor is not valid JSON" in res.attempts[0][2]
 
 
 # ---------------------------------------------------------------- rung 2: tekken.json
@@ -451,9 +451,9 @@ def test_hub_skipped_and_every_rung_reported(without_mistral_common, monkeypatch
 def test_tekken_json_errors_are_clear():
     doc = json.loads(bundled_tekken_path().read_bytes())
     doc["config"]["version"] = "v13"
-    with pytest.raises(ValueError, match="no special_tokens list"):
+    with pytest.raises(CorruptFileError, match="no special_tokens list"):
         parse_tekken_json(json.dumps(doc))
     doc = {"config": {"default_num_special_tokens": 2, "default_vocab_size": 4, "version": "v3"},
            "vocab": [{"rank": 0, "token_bytes": base64.b64encode(b"a").decode(), "token_str": "a"}]}
-    with pytest.raises(ValueError, match="needs 2"):
+    with pytest.raises(CorruptFileError, match="needs 2"):
         parse_tekken_json(json.dumps(doc))

@@ -23,20 +23,25 @@ SELF_TEST_TEXT = "a red fox"
 
 
 def _vocab_and_merges(vocab: TekkenVocab) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    # Linear in the vocabulary's bytes: each token is split at each of its (bounded, vocab.py) byte positions
+    # once, and each piece's byte-level string is made once per rank, not once per merge.
     rank_of = {token: r for r, token in enumerate(vocab.ranks)}
+    strings = [byte_level_string(token) for token in vocab.ranks]
     n_special = len(vocab.specials)
     ids = {s: i for i, s in enumerate(vocab.specials)}
     merges = []
     for r, token in enumerate(vocab.ranks):
         # As the reference: a BPE string equal to a special string takes the later (BPE) id.
-        ids[byte_level_string(token)] = n_special + r
-        pairs = [
-            (rank_of[token[:k]], rank_of[token[k:]], token[:k], token[k:])
-            for k in range(1, len(token))
-            if token[:k] in rank_of and token[k:] in rank_of
-        ]
-        pairs.sort()
-        merges.extend((byte_level_string(left), byte_level_string(right)) for _, _, left, right in pairs)
+        ids[strings[r]] = n_special + r
+        pairs = []
+        for k in range(1, len(token)):
+            left = rank_of.get(token[:k])
+            if left is not None:
+                right = rank_of.get(token[k:])
+                if right is not None:
+                    pairs.append((left, right))
+        pairs.sort()  # by the pieces' ranks, as the reference orders a token's merges
+        merges.extend((strings[left], strings[right]) for left, right in pairs)
     return ids, merges
 
 

@@ -17,12 +17,15 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from ..errors import ModelNotFoundError, TokenizerNotFoundError
+from ..errors import CorruptFileError, Flux2DevError, ModelNotFoundError, TokenizerNotFoundError
 from ..loaders.files import MODEL_INDEX
+from ..validate import read_json
 from .canonical import Flux2Tokenizer, self_test
 from .vocab import (
     TekkenVocab,
+    gguf_tokens,
     parse_tekken_json,
+    read_tekken_json,
     tekken_bytes,
     vocab_from_gguf,
     vocab_from_tokenizers_backend,
@@ -35,6 +38,22 @@ TEKKEN_FILE = "tekken.json"
 TOKENIZER_SUBFOLDER = "tokenizer"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", TEKKEN_FILE, "tokenizer.model")
 TRANSFORMERS_PROBES = ("AutoProcessor", "AutoTokenizer")
+# The JSON files transformers reads from a tokenizer folder (and their kind, for validate's bounds): each is
+# checked before transformers sees it, and one naming custom code (auto_map) is refused without importing it.
+TRANSFORMERS_JSON = {
+    "tokenizer.json": "vocabulary",
+    "tokenizer_config.json": "config",
+    "config.json": "config",
+    "special_tokens_map.json": "config",
+    "added_tokens.json": "config",
+    "processor_config.json": "config",
+    "preprocessor_config.json": "config",
+    "chat_template.json": "config",
+}
+CUSTOM_CODE_KEYS = ("auto_map",)
+# What the guard around third-party code lets through: asking the process to stop. Everything else, the
+# tokenizers library's Rust panics (pyo3's PanicException, a BaseException) included, fails the attempt.
+NEVER_CAUGHT = (KeyboardInterrupt, SystemExit, GeneratorExit)
 BUNDLED_TEKKEN = ("data", "tekken_240911.json")  # inside the mistral_common package; Mistral-Small-3.x BPE
 HUB_REPO = "black-forest-labs/FLUX.2-dev"
 HUB_FILE = "tokenizer.json"
@@ -93,16 +112,29 @@ class _Failed:
 _lock = threading.Lock()
 _outcomes: dict[tuple, Flux2Tokenizer | _Failed] = {}
 _by_vocab: dict[str, Flux2Tokenizer | _Failed] = {}
+# Why a file version may not be handed to transformers (None: it may), so a hostile file is parsed once per
+# process, not once per rung and probe.
+_refusals: dict[tuple, str | None] = {}
+
+
+def _attempt(call: Callable[[], Any]) -> tuple[Any, str | None]:
+    """(call(), None), or (None, why it failed). The one guard around the ladder's rungs, builds and
+    third-party probes: a panic of the tokenizers library becomes a failed attempt, never a crash."""
+    try:
+        return call(), None
+    except NEVER_CAUGHT:
+        raise
+    except BaseException as exc:  # noqa: BLE001 - pyo3's PanicException derives from BaseException
+        return None, _reason(exc)
 
 
 def _cached(cache: dict, key, make: Callable[[], Flux2Tokenizer]) -> Flux2Tokenizer:
     """cache[key], made once; a failure is kept as its reason and raised again on every later look-up."""
     value = cache.get(key)
     if value is None:
-        try:
-            value = make()
-        except Exception as exc:
-            value = _Failed(_reason(exc))
+        value, reason = _attempt(make)
+        if reason is not None:
+            value = _Failed(reason)
         cache[key] = value
     if isinstance(value, _Failed):
         raise _FailedBefore(value.reason)
@@ -127,7 +159,8 @@ def _outcome(candidate: _Candidate) -> Flux2Tokenizer:
 
 
 def _reason(exc: BaseException) -> str:
-    text = str(exc) if isinstance(exc, (_Skipped, _FailedBefore)) else f"{type(exc).__name__}: {exc}"
+    plain = isinstance(exc, (_Skipped, _FailedBefore, Flux2DevError))  # already written for the reader
+    text = str(exc) if plain else f"{type(exc).__name__}: {exc}"
     text = " ".join(text.split())
     return text if len(text) <= REASON_CHARS else text[: REASON_CHARS - 3] + "..."
 
@@ -143,7 +176,18 @@ def _folder_key(folder: Path) -> tuple:
 
 
 def _tekken_file(path: Path) -> _Candidate:
-    return _Candidate(str(path), _file_key(path), lambda: parse_tekken_json(path.read_bytes()))
+    return _Candidate(str(path), _file_key(path), partial(_read_tekken, path))
+
+
+def _read_tekken(path: Path) -> TekkenVocab:
+    key = ("tekken", *_file_key(path))
+    try:
+        vocab = read_tekken_json(path)
+    except Flux2DevError as exc:
+        _refusals[key] = str(exc)
+        raise
+    _refusals[key] = None
+    return vocab
 
 
 # ---------------------------------------------------------------- rungs
@@ -153,7 +197,7 @@ def _embedded(req: _Request) -> list[_Candidate]:
     if req.embedded is None:
         raise _Skipped("skipped: the weights hold no tekken_model tensor")
     data = tekken_bytes(req.embedded)
-    return [_Candidate("tekken_model tensor", ("embedded", hashlib.sha256(data).hexdigest()), partial(parse_tekken_json, data))]
+    return [_Candidate("tekken_model tensor", ("embedded", hashlib.sha256(data).hexdigest()), partial(parse_tekken_json, data, "the tekken_model tensor"))]
 
 
 def _tekken_json(req: _Request) -> list[_Candidate]:
@@ -175,25 +219,60 @@ def _transformers(req: _Request) -> list[_Candidate]:
 
 
 def _probe(probe: str, folder: Path) -> TekkenVocab:
+    _vet_folder(folder)
     import transformers
 
     loaded = getattr(transformers, probe).from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
     return vocab_from_transformers(loaded)
 
 
+def _vet_folder(folder: Path) -> None:
+    """Check every file transformers would read from `folder` before it reads them: JSON files bounded and
+    shaped, none naming custom code, and a tekken.json (which mistral-common would read) a sane vocabulary."""
+    key = ("folder", *_folder_key(folder))
+    if key not in _refusals:
+        _, _refusals[key] = _attempt(partial(_check_folder, folder))
+    if _refusals[key] is not None:
+        raise CorruptFileError(_refusals[key])
+
+
+def _check_folder(folder: Path) -> None:
+    for name, kind in TRANSFORMERS_JSON.items():
+        path = folder / name
+        if not path.exists():
+            continue
+        doc = read_json(path, kind)
+        if not isinstance(doc, dict):
+            raise CorruptFileError(f"{path} is not a JSON object; download it again.")
+        custom = [key for key in CUSTOM_CODE_KEYS if key in doc]
+        if custom:
+            raise CorruptFileError(
+                f"{path} names custom tokenizer code ({custom[0]}); the pack never runs code from model files. "
+                "Use the model's tekken.json, or a tokenizer folder without custom classes."
+            )
+    tekken = folder / TEKKEN_FILE
+    if tekken.exists():
+        key = ("tekken", *_file_key(tekken))
+        if key not in _refusals:  # not judged yet by the tekken-json rung
+            _read_tekken(tekken)
+        elif _refusals[key] is not None:
+            raise CorruptFileError(_refusals[key])
+
+
 def _gguf(req: _Request) -> list[_Candidate]:
     meta = req.gguf_metadata
     if meta is None or "tokenizer.ggml.tokens" not in meta:
         raise _Skipped("skipped: no GGUF header with tokenizer.ggml.tokens was given")
-    return [_Candidate("GGUF metadata tokenizer.ggml.*", ("gguf", _gguf_digest(meta)), partial(vocab_from_gguf, meta))]
+    tokens, types = gguf_tokens(meta)
+    return [_Candidate("GGUF metadata tokenizer.ggml.*", ("gguf", _gguf_digest(tokens, types)), partial(vocab_from_gguf, meta))]
 
 
-def _gguf_digest(meta: Mapping[str, Any]) -> str:
-    h = hashlib.sha256(str(meta.get("tokenizer.ggml.model")).encode())
-    for token in meta["tokenizer.ggml.tokens"]:
-        h.update(token if isinstance(token, bytes) else str(token).encode())
+def _gguf_digest(tokens: list[str], types: list[int]) -> str:
+    h = hashlib.sha256()
+    for token in tokens:
+        h.update(token.encode("utf-8", "surrogatepass"))
         h.update(b"\x00")
-    h.update(str([int(t) for t in meta.get("tokenizer.ggml.token_type", ())]).encode())
+    h.update(str(types).encode())
     return h.hexdigest()
 
 
@@ -278,16 +357,14 @@ def resolve_tokenizer(
     req = _Request(_folders(model_path), embedded_tekken, gguf_metadata, allow_network)
     attempts: list[tuple[str, str, str]] = []
     for name, where, rung in RUNGS:
-        try:
-            candidates = rung(req)
-        except Exception as exc:
-            attempts.append((name, where, _reason(exc)))
+        candidates, reason = _attempt(partial(rung, req))
+        if reason is not None:
+            attempts.append((name, where, reason))
             continue
         for candidate in candidates:
-            try:
-                tokenizer = _outcome(candidate)
-            except Exception as exc:
-                attempts.append((name, candidate.source, candidate.label + _reason(exc)))
+            tokenizer, reason = _attempt(partial(_outcome, candidate))
+            if reason is not None:
+                attempts.append((name, candidate.source, candidate.label + reason))
                 continue
             log.info("FLUX.2 [dev] tokenizer from %s (%s)", candidate.source, name)
             return TokenizerResolution(tokenizer, name, candidate.source, attempts)
