@@ -4,7 +4,8 @@ forward. Encoder (CLIP) and transformer (MODEL) loads share these layers.
 
 A state dict hands a packed weight over as "<layer>.weight" (the stored tensor) plus its companions
 ("<layer>.weight_scale", ".weight_scale_2", ".weight_gguf_type": loaders.quant.COMPANIONS); every packed
-weight goes through the one dequantizer, loaders.quant.dequantize.
+weight goes through the one dequantizer, loaders.quant.dequantize. On the CPU a forward dequantizes into
+the thread's scratch buffer (forward_weight), not a new tensor.
 
 - packed_operations(...) -> a comfy.ops-style class for custom_operations, fresh per load so one load's
   settings never reach another;
@@ -17,6 +18,8 @@ The host's memory accounting reads the parameters and scales, which are the stor
 from __future__ import annotations
 
 import functools
+import math
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +39,33 @@ def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
 
     non_blocking = comfy.model_management.device_supports_non_blocking(device)
     return comfy.model_management.cast_to(tensor, None, device, non_blocking=non_blocking, copy=False)
+
+
+_scratch = threading.local()  # .buffer: this thread's scratch, created by its first CPU forward
+
+
+def _scratch_buffer(shape, dtype: torch.dtype) -> torch.Tensor:
+    """A view of this thread's scratch as `shape` and `dtype`. One flat buffer, grown to the largest weight
+    asked for, serves every layer and every load: each weight lives in it only until its layer's matmul,
+    which is done before the next layer writes to it, so the buffer never holds more than one weight."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    buffer = getattr(_scratch, "buffer", None)
+    if buffer is None or buffer.numel() < nbytes:
+        _scratch.buffer = buffer = None  # the smaller one goes before the larger one is allocated
+        with torch.inference_mode(False):  # a normal tensor: writable inside and outside inference mode
+            buffer = _scratch.buffer = torch.empty(nbytes, dtype=torch.uint8)
+    return buffer[:nbytes].view(dtype).view(shape)
+
+
+def forward_weight(stored: torch.Tensor, companions: dict, dtype: torch.dtype, shape) -> torch.Tensor:
+    """A packed weight's values for one forward pass. On the CPU they go into the thread's scratch buffer:
+    a new tensor per layer and step would pay the page faults of 75-230 MB of fresh memory for a FLUX.2
+    layer, which cost about as much as the dequantization itself (a GPU's caching allocator already
+    reuses memory). The result is valid only until the next call on this thread: use it at once and keep
+    no reference. With autograd on, a matmul could keep it for the backward pass: a new tensor then."""
+    shape = tuple(int(s) for s in shape)
+    reuse = stored.device.type == "cpu" and not torch.is_grad_enabled()
+    return quant.dequantize(stored, companions, dtype, shape, out=_scratch_buffer(shape, dtype) if reuse else None)
 
 
 class PackedLayer:
@@ -82,9 +112,12 @@ class PackedLayer:
             self.register_buffer(c, tensor.to(self.weight.device), persistent=c != quant.GGUF_TYPE)
         self.companions = tuple(companions)
 
+    def _companions(self, device: torch.device) -> dict[str, torch.Tensor]:
+        return {c: getattr(self, c).to(device) for c in self.companions}
+
     def _dequantized(self, stored: torch.Tensor, shape, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-        companions = {c: getattr(self, c).to(device) for c in self.companions}
-        return quant.dequantize(stored, companions, self.settings.dequant_dtype or dtype, shape)
+        """A new tensor of the weight's values (the host keeps it, or a forward returns it)."""
+        return quant.dequantize(stored, self._companions(device), self.settings.dequant_dtype or dtype, shape)
 
     def _patched(self, value: torch.Tensor, functions: list, dtype: torch.dtype) -> torch.Tensor:
         if functions:
@@ -100,9 +133,11 @@ class PackedLayer:
         return ([lowvram] if lowvram is not None else []) + getattr(self, f"{name}_function")
 
     def weight_bias(self, device: torch.device, dtype: torch.dtype):
+        """The weight and bias for one op, used at once (a packed weight may be the scratch buffer): patches
+        work on a copy, so they never write into it."""
         weight = _to_device(self.weight, device)
         if self.companions:
-            weight = self._dequantized(weight, self.weight_shape, device, dtype)
+            weight = forward_weight(weight, self._companions(device), self.settings.dequant_dtype or dtype, self.weight_shape)
         weight = self._patched(weight, self.lazy_patches + self._functions("weight"), dtype)
         bias = None if self.bias is None else self._patched(_to_device(self.bias, device), self._functions("bias"), dtype)
         return weight, bias

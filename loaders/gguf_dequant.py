@@ -4,8 +4,8 @@ reference (gguf.quants.dequantize) in float32 before the cast to the requested d
 Each type's kernel does the reference's float32 operations, in the same order, so the values agree to
 the bit. Speed on the CPU comes from unpacking bit fields eight bytes at a time (int64 shifts and masks
 act on eight packed bytes at once, as no bit crosses a byte boundary after masking), and from doing the
-float32 arithmetic in cache-sized chunks written straight into the preallocated output. Types without
-a kernel here fall back to the numpy reference with a warning.
+float32 arithmetic in cache-sized chunks on a bounded number of threads (dequant_steps.py) written
+straight into the output. Types without a kernel here fall back to the numpy reference with a warning.
 """
 
 from __future__ import annotations
@@ -20,13 +20,9 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 
 from ..errors import CorruptFileError, UnsupportedFormatError
+from .dequant_steps import few_threads, fill_by_rows, output
 
 log = logging.getLogger(__name__)
-
-# Values per chunk: every op of a kernel runs on a whole chunk. On the CPU, large chunks keep the number
-# of ops (each a parallel region whose start costs far more than its work when the cores are shared)
-# small, while the float32 scratch still fits the L3 cache; on a GPU they only bound the temporary memory.
-_CHUNK_VALUES = {"cpu": 1 << 20, "cuda": 1 << 24}
 
 _NIBBLES = (0, 4)
 _CRUMBS = (0, 2, 4, 6)
@@ -330,13 +326,7 @@ def dequantize(
             f"{data.numel()} bytes of {qtype.name} data cannot hold a tensor of shape {list(shape)} "
             f"(blocks of {block_size} values in {type_size} bytes)."
         )
-    if out is None:
-        out = torch.empty(shape, dtype=dtype, device=data.device)
-    elif tuple(out.shape) != shape or out.dtype != dtype or out.device != data.device or not out.is_contiguous():
-        raise ValueError(
-            f"out must be a contiguous {dtype} tensor of shape {list(shape)} on {data.device}, "
-            f"not {out.dtype} {list(out.shape)} on {out.device}"
-        )
+    out = output(out, shape, dtype, data.device)
     if data.storage_offset() % 8:
         data = data.clone()  # fields are read as fp16 and int64 views, which need aligned memory
     if qtype in FLOAT_TYPES:
@@ -344,26 +334,20 @@ def dequantize(
     if qtype not in _KERNELS:
         return out.copy_(_numpy_fallback(data, qtype, shape))
     scales, codes, apply, code_book = _KERNELS[qtype]
-
     blocks = data.view(-1, type_size)
-    n_blocks = blocks.shape[0]
-    values = out.view(n_blocks, block_size)
-    step = max(1, _CHUNK_VALUES.get(data.device.type, _CHUNK_VALUES["cuda"]) // block_size)
     book = None if code_book is None else _pair_book(code_book, data.device)
-    direct = dtype == torch.float32
-    scratch = None if direct else torch.empty((min(step, n_blocks), block_size), device=data.device)
-    per_block = scales(blocks)
-    for start in range(0, n_blocks, step):
-        rows = slice(start, min(start + step, n_blocks))
+
+    def fill(rows: slice, v: torch.Tensor) -> None:
         chunk = codes(blocks[rows])
-        v = values[rows] if direct else scratch[: chunk.shape[0]]
         if book is None:
             v.copy_(chunk)
         else:
             torch.index_select(book, 0, chunk.view(-1), out=v.view(torch.float64).view(-1))
         apply(v, *(s[rows] for s in per_block))
-        if not direct:
-            values[rows].copy_(v)
+
+    with few_threads(data.device):
+        per_block = scales(blocks)
+        fill_by_rows(out.view(-1, block_size), fill)
     return out
 
 

@@ -13,7 +13,7 @@ from gguf import GGMLQuantizationType as Q
 
 from comfyui_flux2dev.tiny.gguf_blocks import random_blocks
 from comfyui_flux2dev.errors import CorruptFileError, UnsupportedFormatError
-from comfyui_flux2dev.loaders import gguf_dequant
+from comfyui_flux2dev.loaders import dequant_steps, gguf_dequant
 from comfyui_flux2dev.loaders.gguf_dequant import TORCH_TYPES, dequantize
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -68,7 +68,7 @@ def test_exact_against_gguf_numpy(qtype, shape, device):
 def test_chunk_boundaries(qtype, monkeypatch):
     """Tensors spanning many chunks, the last one partial, give the same values as one pass."""
     block_size = gguf.GGML_QUANT_SIZES[qtype][0]
-    monkeypatch.setitem(gguf_dequant._CHUNK_VALUES, "cpu", 3 * block_size)
+    monkeypatch.setitem(dequant_steps.CHUNK_VALUES, "cpu", 3 * block_size)
     shape = (10, 2 * 256)
     raw = _quantized(qtype, shape, seed=7)
     _assert_bits_equal(dequantize(torch.from_numpy(raw), qtype, shape, dtype=torch.float32), _reference(raw, qtype, shape))
