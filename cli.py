@@ -9,6 +9,8 @@ import json
 import sys
 from pathlib import Path
 
+from .errors import Flux2DevError
+
 
 def _tiny(args) -> None:
     from . import tiny
@@ -47,16 +49,81 @@ def _tokenize(args) -> None:
 
 
 def _encode(args) -> None:
+    if args.prompts and not args.cache:
+        raise UsageError("--prompts fills a conditioning cache: give its folder with --cache DIR.")
+    if args.prompt is not None and not args.out:
+        raise UsageError("--prompt writes one conditioning file: give its name with --out FILE.")
+    from .host.clip import lazy_clip
+
+    # The weights are read on the first prompt the cache lacks, once: prompts already cached are skipped.
+    clip = lazy_clip(args.path, padding=args.padding, allow_network=args.allow_network, cache=args.cache)
+    if args.prompts:
+        _fill_cache(clip, _read_prompts(args), args.cache)
+        return
     import torch
     from safetensors.torch import save_file
 
-    from .host.clip import load_clip
-
-    clip = load_clip(args.path, padding=args.padding, allow_network=args.allow_network)
     conditioning = clip.encode_from_tokens(clip.tokenize(args.prompt))
     tensor = conditioning.to(getattr(torch, args.dtype)).contiguous()
     save_file({"conditioning": tensor}, args.out)
     print(f"wrote conditioning {list(tensor.shape)} to {args.out}")
+
+
+def _fill_cache(clip, prompts: list[str], folder: str) -> None:
+    from .loaders.conditioning_cache import ConditioningCache
+
+    cache = ConditioningCache(folder)
+    before = {e.path for e in cache.entries()}
+    for done, prompt in enumerate(prompts, 1):
+        clip.encode_from_tokens(clip.tokenize(prompt), return_dict=True)
+        print(f"\rencoding: {done}/{len(prompts)} prompts", end="" if done < len(prompts) else "\n", file=sys.stderr, flush=True)
+    new = len({e.path for e in cache.entries()} - before)
+    print(f"{len(prompts)} prompts: {new} encoded into {folder}, the others were already cached")
+
+
+def _size(text: str) -> int:
+    """Bytes from "500M", "20G", "1.5T" or a plain number."""
+    units = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+    text = text.strip().upper().removesuffix("B").removesuffix("I")
+    try:
+        return int(float(text[:-1]) * units[text[-1]]) if text[-1:] in units else int(text)
+    except ValueError:
+        raise UsageError(f"{text!r} is not a size; write it as bytes or with K, M, G or T (for example 20G).") from None
+
+
+def _cache(args) -> None:
+    from .loaders.conditioning_cache import ConditioningCache
+
+    if not Path(args.dir).is_dir():
+        raise UsageError(f"{args.dir} is not a folder; give a conditioning cache folder.")
+    cache = ConditioningCache(args.dir)
+    removed = []
+    if args.prune:  # entries that fail their own check: damaged, truncated or foreign files
+        for entry in cache.entries():
+            key = cache.describe(entry)
+            if key is None or cache.get(key) is None:
+                entry.path.unlink(missing_ok=True)
+                removed.append(entry.path)
+    if args.max_size is not None:
+        removed += cache.evict(_size(args.max_size))
+    rows = []
+    for entry in cache.entries():
+        key = cache.describe(entry) or {}
+        rows.append({"file": entry.path.name, "bytes": entry.bytes, "last_used": entry.last_used,
+                     "tokens": sum(len(seq) for seq in key.get("tokens", [])), "padding": key.get("padding"),
+                     "dtype": key.get("dtype"), "device": key.get("device"), "layout": key.get("layout"),
+                     "weights": (key.get("weights") or "?")[:12]})
+    if args.json:
+        print(json.dumps({"entries": rows, "removed": [p.name for p in removed]}))
+        return
+    import datetime
+
+    for r in rows:
+        used = datetime.datetime.fromtimestamp(r["last_used"]).isoformat(sep=" ", timespec="seconds")
+        print(f"{r['file'][:16]}  {r['bytes'] / 2**20:8.1f} MiB  {used}  {r['tokens']:>5} tokens  {r['padding']}  "
+              f"{r['dtype']}  {r['device']}  {r['layout']}  weights {r['weights']}")
+    total = sum(r["bytes"] for r in rows)
+    print(f"{len(rows)} entries, {total / 2**20:.1f} MiB" + (f"; removed {len(removed)}" if removed else ""))
 
 
 def _inspect(args) -> None:
@@ -80,6 +147,10 @@ def _demo(args) -> None:
     print(f"wrote {image}")
 
 
+class UsageError(Flux2DevError):
+    """A command line that cannot work as given."""
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flux2dev", description=__doc__.splitlines()[0])
     parser.add_argument("--debug", action="store_true", help="show the traceback of a failure")
@@ -100,14 +171,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--allow-network", action="store_true", help="let the last rung fetch the tokenizer from the hub")
     p.set_defaults(run=_tokenize)
 
-    p = sub.add_parser("encode", help="the conditioning the host CLIP produces for a prompt")
+    p = sub.add_parser("encode", help="the conditioning the host CLIP produces for a prompt, or a cache filled for many")
     p.add_argument("path")
-    p.add_argument("--prompt", required=True)
+    group = p.add_mutually_exclusive_group(required=True)
+    group.add_argument("--prompt", help="one prompt, written to --out")
+    group.add_argument("--prompts", help="a .jsonl file, one JSON string a line: each encoded into --cache")
+    p.add_argument("--cache", help="a conditioning cache folder (as the encoder node's cache input); needed with --prompts")
     p.add_argument("--padding", choices=("reference", "comfy"), default="reference")
-    p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default="float32")
-    p.add_argument("--out", required=True)
+    p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default="float32", help="of the --out file")
+    p.add_argument("--out")
     p.add_argument("--allow-network", action="store_true")
     p.set_defaults(run=_encode)
+
+    p = sub.add_parser("cache", help="list a conditioning cache folder, and prune it")
+    p.add_argument("dir")
+    p.add_argument("--prune", action="store_true", help="delete entries that fail their check (damaged or truncated)")
+    p.add_argument("--max-size", help="delete least recently used entries until the folder holds at most this (e.g. 20G)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(run=_cache)
 
     p = sub.add_parser("inspect", help="what the pack sees in a file or folder")
     p.add_argument("path")
@@ -130,12 +211,16 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         args.run(args)
-    except Exception as e:  # noqa: BLE001  (the command's contract: one sentence, exit 2)
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as e:  # noqa: BLE001  (the command's contract: one sentence, exit 2; a Rust panic too)
         if args.debug:
             raise
-        from .errors import Flux2DevError
-
-        text = str(e) if isinstance(e, Flux2DevError) else f"{type(e).__name__}: {e}"
+        if isinstance(e, Flux2DevError):
+            text = str(e)
+        else:  # a fault of the pack, not of the user's file: no Python type or traceback, but how to report it
+            text = (f"the pack failed unexpectedly ({e}); this is a bug of the pack, not of your file. Run the same "
+                    "command with --debug and report what it prints.")
         print(f"flux2dev {args.command}: {' '.join(text.split())}", file=sys.stderr)
         return 2
     return 0

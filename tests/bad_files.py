@@ -221,22 +221,22 @@ TRANSFORMER_INDEX = "diffusion_pytorch_model.safetensors.index.json"
 TRANSFORMER_SHARD = "diffusion_pytorch_model-00002-of-00002.safetensors"
 
 
-def _escaping_encoder(name):
+def _escaping(make_folder, index: str, shard: str, name: str):
+    """A builder of a sharded folder whose index names `name` in place of `shard`."""
     def build(d, tiny):
-        folder = _hf_encoder(d, tiny)
-        rewrite_index(folder, ENCODER_INDEX, ENCODER_SHARD, name)
+        folder = make_folder(d, tiny)
+        rewrite_index(folder, index, shard, name)
         return folder
 
     return build
+
+
+def _escaping_encoder(name):
+    return _escaping(_hf_encoder, ENCODER_INDEX, ENCODER_SHARD, name)
 
 
 def _escaping_transformer(name):
-    def build(d, tiny):
-        folder = _diffusers_transformer(d, tiny)
-        rewrite_index(folder, TRANSFORMER_INDEX, TRANSFORMER_SHARD, name)
-        return folder
-
-    return build
+    return _escaping(_diffusers_transformer, TRANSFORMER_INDEX, TRANSFORMER_SHARD, name)
 
 
 def _hf_with(entry, make):
@@ -397,3 +397,25 @@ def run_cli(runs: list[tuple[str, Path]], work: Path, env: dict | None = None) -
                           capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})})
     assert done.returncode == 0, done.stderr[-5000:]
     return json.loads(done.stdout.splitlines()[-1])
+
+
+def entry_points() -> dict:
+    """Each entry point a user's file reaches, by the name the tests use."""
+    from comfyui_flux2dev.loaders.encoder import encoder_tokenizer, load_encoder
+    from comfyui_flux2dev.loaders.gguf_transformer import load_gguf_transformer
+    from comfyui_flux2dev.loaders.inspect import inspect_path
+    from comfyui_flux2dev.loaders.pipeline import dev_encoder_folder
+    from comfyui_flux2dev.loaders.transformer import load_transformer
+    from comfyui_flux2dev.loaders.vae import load_vae_state_dict
+    from comfyui_flux2dev.tokenizers import resolve_tokenizer
+
+    return {
+        "encoder": lambda p: load_encoder(str(p)),
+        "tokenizer": lambda p: encoder_tokenizer(str(p)),
+        "ladder": resolve_tokenizer,
+        "inspect": inspect_path,
+        "transformer": load_transformer,
+        "gguf": load_gguf_transformer,
+        "vae": load_vae_state_dict,
+        "dev-encoder": lambda p: load_encoder(str(dev_encoder_folder(p))),
+    }

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from bad_files import ESCAPES, build_all, message_faults, outcome, outside_target, run_cli, secret_faults, time_bound
+from bad_files import ESCAPES, build_all, entry_points, message_faults, outcome, outside_target, run_cli, secret_faults, time_bound
 from comfyui_flux2dev.errors import (
     MODULE,
     CorruptFileError,
@@ -24,32 +24,6 @@ from comfyui_flux2dev.errors import (
     VariantMismatchError,
     WrongModelError,
 )
-
-
-def _dev_encoder(path):
-    from comfyui_flux2dev.loaders.encoder import load_encoder
-    from comfyui_flux2dev.loaders.pipeline import dev_encoder_folder
-
-    return load_encoder(str(dev_encoder_folder(path)))
-
-
-def loaders() -> dict:
-    """Each entry point a user's file reaches, by the name the matrix uses."""
-    from comfyui_flux2dev.loaders.encoder import encoder_tokenizer, load_encoder
-    from comfyui_flux2dev.loaders.gguf_transformer import load_gguf_transformer
-    from comfyui_flux2dev.loaders.inspect import inspect_path
-    from comfyui_flux2dev.loaders.transformer import load_transformer
-    from comfyui_flux2dev.loaders.vae import load_vae_state_dict
-
-    return {
-        "encoder": lambda p: load_encoder(str(p)),
-        "tokenizer": lambda p: encoder_tokenizer(str(p)),
-        "inspect": inspect_path,
-        "transformer": load_transformer,
-        "gguf": load_gguf_transformer,
-        "vae": load_vae_state_dict,
-        "dev-encoder": _dev_encoder,
-    }
 
 
 ENCODER = ("encoder", "tokenizer", "inspect")  # the verbs that read a text encoder
@@ -188,7 +162,7 @@ def faults(error, kinds, words, case: str, path: Path, opened: list[str]) -> lis
 @pytest.mark.parametrize("case, target", MATRIX, ids=[f"{c}-{t}" for c, t in MATRIX])
 def test_a_bad_input_ends_in_the_packs_error(bad, case, target):
     kinds, words = EXPECTED[case][target]
-    error, opened = outcome(loaders()[target], bad[case])
+    error, opened = outcome(entry_points()[target], bad[case])
     assert not faults(error, kinds, words, case, bad[case], opened), f"{type(error).__name__}: {error}"
 
 
@@ -255,7 +229,7 @@ def test_a_node_fails_on_a_bad_input_as_its_loader_does(bad, model_folders, case
         listed = [name for name, p in model_choices(menu).items() if p == str(path)]
     name = listed[0] if listed else path.name + ("/" if path.is_dir() else "")
     error, _ = outcome(call, node_class(node), name)
-    expected, _ = outcome(loaders()[target], path)
+    expected, _ = outcome(entry_points()[target], path)
     assert error is not None and type(error).__module__ == MODULE, f"{type(error).__name__}: {error}"
     same = (type(error), str(error)) == (type(expected), str(expected))
     stale = not listed and isinstance(error, ModelNotFoundError) and "is no longer there" in str(error)

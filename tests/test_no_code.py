@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from bad_files import link_tree, message_faults, run_cli, time_bound, watching
+from bad_files import entry_points, link_tree, message_faults, run_cli, time_bound, watching
 from comfyui_flux2dev.errors import MODULE, MissingWeightsError, UnsupportedFormatError
 
 PACKAGE = Path(__file__).resolve().parent.parent
@@ -140,27 +140,6 @@ def run_verb(call, *args):
             return e, None, seen
 
 
-def verbs() -> dict:
-    from comfyui_flux2dev.loaders.encoder import encoder_tokenizer, load_encoder
-    from comfyui_flux2dev.loaders.gguf_transformer import load_gguf_transformer
-    from comfyui_flux2dev.loaders.inspect import inspect_path
-    from comfyui_flux2dev.loaders.pipeline import dev_encoder_folder
-    from comfyui_flux2dev.loaders.transformer import load_transformer
-    from comfyui_flux2dev.loaders.vae import load_vae_state_dict
-    from comfyui_flux2dev.tokenizers import resolve_tokenizer
-
-    return {
-        "encoder": lambda p: load_encoder(str(p)),
-        "tokenizer": lambda p: encoder_tokenizer(str(p)),
-        "ladder": resolve_tokenizer,
-        "inspect": inspect_path,
-        "transformer": load_transformer,
-        "vae": load_vae_state_dict,
-        "gguf": load_gguf_transformer,
-        "dev-encoder": lambda p: load_encoder(str(dev_encoder_folder(p))),
-    }
-
-
 PICKLED = r"unpickle|pickled"
 # (input, verb) -> None: it loads (what the pack reads itself), or (error, pattern its message holds).
 EXPECTED = {
@@ -178,7 +157,7 @@ EXPECTED = {
 
 @pytest.mark.parametrize("name, verb", list(EXPECTED), ids=[f"{n}-{v}" for n, v in EXPECTED])
 def test_a_verb_runs_no_code_from_the_files_it_is_given(planted, name, verb):
-    error, result, seen = run_verb(verbs()[verb], planted[name])
+    error, result, seen = run_verb(entry_points()[verb], planted[name])
     assert not planted["marker"].exists(), planted["marker"].read_text()
     assert seen["pickle.find_class"] == []
     assert not [m for (m, *_) in seen["import"] if m in PLANTED_MODULES]
