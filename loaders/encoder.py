@@ -3,9 +3,9 @@ the host's MistralForCausalLM keys out.
 
 Reading happens in two steps. `plan_encoder` looks only at headers: it finds the layout
 (encoder_layouts.LAYOUTS), maps every stored name to the host's name and identifies the model strictly
-(encoder_identify.py), and decides what to read. FLUX.2 uses layers 0..29 and the embeddings only, so
-layers 30+, the final norm, lm_head, the vision tower and the projector are skipped by name and never
-read. `load_encoder` then reads exactly the planned tensors. Quantized weights stay packed (see
+(encoder_identify.py), and decides what to read. FLUX.2 uses layers 0..29 (variants.layers_kept) and the
+embeddings only, so layers 30+, the final norm, lm_head, the vision tower and the projector are skipped by
+name and never read. `load_encoder` then reads exactly the planned tensors. Quantized weights stay packed (see
 quant.py); the host dequantizes them per layer at run time.
 """
 
@@ -17,13 +17,13 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import CorruptFileError, MissingWeightsError, ModelNotFoundError, TokenizerNotFoundError, UnknownModelError
+from ..validate import JSON_LIMITS
 from . import progress, quant, variants
 from .encoder_identify import EMBED, LAYER_SHAPES, host_name, identify
 from .encoder_layouts import CONFIG, GGUF_METADATA, PARAMS, Source, find_layout
 from .files import MODEL_INDEX
 from .variants import MistralEncoderGeometry
 
-FLUX2_LAYERS = 30  # hidden_states[10, 20, 30] need layers 0..29 only
 EMBEDDED_TEKKEN = "tekken_model"  # ComfyUI single files and gguf-org files carry tekken.json as a tensor
 MODEL_FILES = (CONFIG, PARAMS, MODEL_INDEX)  # a folder holding one of these is a model, not a tokenizer folder
 
@@ -64,25 +64,31 @@ class LoadedEncoder:
 def plan_encoder(path: str) -> EncoderPlan:
     """Everything about an encoder checkpoint that its headers tell, without reading tensor data."""
     path = os.path.abspath(path)
-    if not os.path.exists(path):
+    if not os.path.lexists(path):
         raise ModelNotFoundError(f"{path} does not exist. Give a text encoder file or folder that exists on this machine.")
     layout, checkpoint = find_layout(path)
+    with checkpoint.closed_on_error():
+        return _plan(path, layout, checkpoint)
+
+
+def _plan(path: str, layout, checkpoint) -> EncoderPlan:
     source = layout.source(checkpoint)
     shapes = {k: shape for k, (_, shape) in source.entries.items()}
     geometry, layers_in_file = identify(shapes, layout.scheme)
+    kept = variants.layers_kept(geometry)
 
     mapping: dict[str, str] = {}
     skips: list[str] = []
     for stored in source.entries:
         host, layer = host_name(stored, layout.scheme)
-        if not host or (layer is not None and layer >= FLUX2_LAYERS):
+        if not host or (layer is not None and layer >= kept):
             if stored != EMBEDDED_TEKKEN:
                 skips.append(stored)
             continue
         if host in mapping:
             raise CorruptFileError(f"{path}: both {mapping[host]} and {stored} hold {host}; the file is ambiguous.")
         mapping[host] = stored
-    _check_complete(path, geometry, mapping, shapes, source)
+    _check_complete(path, geometry, kept, mapping, shapes, source)
 
     formats: dict[str, int] = {}
     for host, stored in mapping.items():
@@ -91,7 +97,7 @@ def plan_encoder(path: str) -> EncoderPlan:
             formats[fmt] = formats.get(fmt, 0) + 1
 
     theta = layout.settings.rope_theta(source)
-    heads = dict(zip(("self_attn.q_proj", "self_attn.k_proj"), layout.settings.heads(source, geometry))) if layout.interleaved else {}
+    heads = dict(zip(("self_attn.q_proj", "self_attn.k_proj"), _stated_heads(path, layout, source, geometry))) if layout.interleaved else {}
     return EncoderPlan(
         path=path,
         layout=layout.name,
@@ -110,10 +116,22 @@ def plan_encoder(path: str) -> EncoderPlan:
     )
 
 
-def _check_complete(path, geometry, mapping, shapes, source) -> None:
+def _stated_heads(path: str, layout, source, geometry: MistralEncoderGeometry) -> tuple[int, int]:
+    """The head counts the file's settings state, which undo the rotary interleave: they must be the
+    geometry's, or the rows would be regrouped wrongly (a model that runs and is wrong)."""
+    stated = layout.settings.heads(source, geometry)
+    if stated != (geometry.heads, geometry.kv_heads):
+        raise UnknownModelError(
+            f"{path} states {stated[0]} attention heads and {stated[1]} key/value heads, but its weights are those of "
+            f"an encoder with {geometry.heads} and {geometry.kv_heads}; its settings and weights disagree. Download it again."
+        )
+    return stated
+
+
+def _check_complete(path, geometry, kept, mapping, shapes, source) -> None:
     missing, wrong = [], []
     need = {EMBED: (geometry.vocab, geometry.width)}
-    for i in range(FLUX2_LAYERS):
+    for i in range(kept):
         for part, shape in LAYER_SHAPES.items():
             need[f"model.layers.{i}.{part}.weight"] = shape(geometry)
     for host, shape in need.items():
@@ -174,7 +192,14 @@ def load_encoder(path: str, *, allow_network: bool = False) -> LoadedEncoder:
 def resolve_plan_tokenizer(plan: EncoderPlan, *, allow_network: bool = False):
     from ..tokenizers import resolve_tokenizer
 
-    embedded = plan.source.read(plan.embedded_tekken_key) if plan.embedded_tekken_key else None
+    key = plan.embedded_tekken_key
+    # A tekken.json is JSON_LIMITS["vocabulary"] bytes at most; GGUF files may store each byte as an F16 value.
+    if key and plan.source.nbytes(key) > 2 * JSON_LIMITS["vocabulary"]:
+        raise CorruptFileError(
+            f"{plan.path}: its embedded vocabulary ({key}) is {plan.source.nbytes(key)} bytes, more than any real "
+            "tekken.json; the file is damaged. Download it again."
+        )
+    embedded = plan.source.read(key) if key else None
     return resolve_tokenizer(
         plan.tokenizer_folder or plan.path,
         embedded_tekken=embedded,

@@ -60,6 +60,15 @@ TINY_VARIANTS = (
 
 MISTRAL_SMALL = MistralEncoderGeometry(width=5120, heads=32, kv_heads=8, mlp=32768)
 TINY_MISTRAL = MistralEncoderGeometry(width=64, heads=2, kv_heads=1, mlp=128)
+# `flux2dev bench` measures the conditioning cache at Mistral-Small's real width with 3 layers, which fit a test
+# machine (4.7 GB in bf16). Known under the tiny switch like TINY_MISTRAL; its [dev] row reads hidden states
+# 1, 2, 3 so the conditioning is 15360 wide as real [dev]'s. The row stays out of TINY_VARIANTS: it has no
+# transformer, and the lookups by conditioning width or key must keep finding real or tiny [dev].
+BENCH_MISTRAL = MistralEncoderGeometry(width=5120, heads=32, kv_heads=8, mlp=32768, layers=(3,))
+BENCH_DEV = Flux2Variant("dev", "FLUX.2 [dev] (benchmark encoder, 3 layers)", "Mistral-Small 24B (3 layers)", 5120,
+                         (1, 2, 3), 6144, 48, 8, 48, True, True)
+# Encoder geometry -> the [dev] row whose conditioning it makes.
+DEV_VARIANTS_BY_ENCODER = {MISTRAL_SMALL: VARIANTS[0], TINY_MISTRAL: TINY_VARIANTS[0], BENCH_MISTRAL: BENCH_DEV}
 
 
 def tiny_models_enabled() -> bool:
@@ -81,7 +90,7 @@ def known_variants() -> tuple[Flux2Variant, ...]:
 
 
 def known_mistral_encoders() -> tuple[MistralEncoderGeometry, ...]:
-    return (MISTRAL_SMALL,) + ((TINY_MISTRAL,) if tiny_models_enabled() else ())
+    return (MISTRAL_SMALL,) + ((TINY_MISTRAL, BENCH_MISTRAL) if tiny_models_enabled() else ())
 
 
 def variant_for_transformer(context_in_dim: int, hidden_size: int, guidance: bool) -> Flux2Variant | None:
@@ -106,4 +115,10 @@ def variant_by_key(key: str, tiny: bool = False) -> Flux2Variant:
 
 
 def dev_variant_for_encoder(geometry: MistralEncoderGeometry) -> Flux2Variant:
-    return variant_by_key("dev", tiny=geometry is TINY_MISTRAL)
+    return DEV_VARIANTS_BY_ENCODER[geometry]
+
+
+def layers_kept(geometry: MistralEncoderGeometry) -> int:
+    """How many layers of the encoder FLUX.2 [dev] runs: hidden_states[i] is layer i-1's output, so layers
+    0..max(encoder_layers)-1 (real and tiny: 30; the benchmark encoder: 3)."""
+    return max(dev_variant_for_encoder(geometry).encoder_layers)

@@ -55,6 +55,9 @@ def held(paths):
 """
 
 RELEASE_CHILD = PRELUDE + r"""
+import ctypes
+
+
 def rss_kb():
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
@@ -65,6 +68,9 @@ def release():
     mm.unload_all_models()
     mm.soft_empty_cache()
     gc.collect()
+    # glibc keeps freed blocks for reuse (its mmap threshold moves after the first large free), so RSS would
+    # wander by tens of MB with no object alive; trimming measures what is still held.
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def use(out):
