@@ -25,6 +25,7 @@ VAE = "flux2-vae.safetensors"
 DEV_PIPELINE = "FLUX.2-dev/"
 KLEIN_PIPELINE = "FLUX.2-klein-4B/"
 REFERENCES = ("reference-1.png", "reference-2.png")
+CACHE = "flux2dev-shared-cache"
 PROMPT = "A red fox sitting in fresh snow at dawn, soft light, shallow depth of field"
 EDIT_PROMPT = "The fox from the first image wearing the scarf from the second image, same snowy forest"
 
@@ -33,8 +34,9 @@ def gguf_loader() -> dict:
     return node("Flux2DevGGUFTransformerLoader", gguf_name=GGUF, dequant_dtype="default", patch_dtype="float32")
 
 
-def encoder_loader() -> dict:
-    return node("Flux2DevEncoderLoader", encoder=ENCODER, padding="reference", allow_network=False)
+def encoder_loader(cache: str = "", keep_loaded: bool = True) -> dict:
+    return node("Flux2DevEncoderLoader", encoder=ENCODER, padding="reference", allow_network=False, cache=cache,
+                keep_loaded=keep_loaded)
 
 
 def vae_source(name: str = VAE) -> dict:
@@ -69,6 +71,10 @@ EXAMPLES = {
     "FLUX.2 dev image edit with two reference images": _edit,
     "FLUX.2 dev with the VAE of a Klein pipeline": lambda: _dev(
         gguf_loader(), encoder_loader(), vae_source(KLEIN_PIPELINE), "flux2-dev-klein-vae"),
+    # Each prompt is encoded once into the named cache folder (relative: in ComfyUI's user folder; an absolute
+    # path on a shared drive serves several ComfyUI instances), and the encoder's memory is freed after use.
+    "FLUX.2 dev with a conditioning cache, encoder freed after use": lambda: _dev(
+        gguf_loader(), encoder_loader(cache=CACHE, keep_loaded=False), vae_source(), "flux2-dev-cached"),
 }
 
 

@@ -18,7 +18,8 @@ class Flux2DevEncoderLoader(io.ComfyNode):
             category=CATEGORY,
             description="Loads the Mistral-Small text encoder of FLUX.2 [dev] from any layout (ComfyUI file, HF or "
             "diffusers folder, Mistral native, fp8, NVFP4, GGUF). 'reference' padding matches BFL/diffusers; "
-            "'comfy' matches ComfyUI's own loader.",
+            "'comfy' matches ComfyUI's own loader. Only headers and the tokenizer are read here; the weights are read "
+            "on the first prompt the conditioning cache does not hold.",
             inputs=[
                 io.Combo.Input(
                     "encoder",
@@ -36,16 +37,35 @@ class Flux2DevEncoderLoader(io.ComfyNode):
                     "with mistral-common): let the pack download FLUX.2 [dev]'s tokenizer from Hugging Face. Off: "
                     "nothing is ever downloaded.",
                 ),
+                io.String.Input(
+                    "cache",
+                    default="",
+                    optional=True,
+                    tooltip="The conditioning cache folder: each prompt is encoded once and served from here after "
+                    "that, without reading the encoder's weights. Empty: the FLUX2DEV_CACHE_DIR folder if set, else "
+                    "flux2dev-conditioning-cache in ComfyUI's user folder; a relative folder lies in the user folder. "
+                    "Several ComfyUI instances may share one folder (an absolute path, e.g. on a shared drive). A CLIP "
+                    "with a LoRA applied bypasses the cache.",
+                ),
+                io.Boolean.Input(
+                    "keep_loaded",
+                    default=True,
+                    optional=True,
+                    tooltip="On: the encoder's weights stay in memory after the first prompt that was not cached. Off: "
+                    "they are freed after each encode, so the memory goes back to the transformer; the next uncached "
+                    "prompt reads them again.",
+                ),
             ],
-            outputs=[io.Clip.Output(tooltip=CLIP_TOOLTIP)],
+            outputs=[io.Clip.Output(tooltip=CLIP_TOOLTIP + " Its weights are read on the first prompt not in the cache.")],
         )
 
     @classmethod
-    def execute(cls, encoder, padding, allow_network) -> io.NodeOutput:
-        from ..host.clip import load_clip
+    def execute(cls, encoder, padding, allow_network, cache="", keep_loaded=True) -> io.NodeOutput:
+        from ..host.clip import cache_folder, lazy_clip
 
         path = chosen_path("encoder", encoder, "The text encoder")
-        return io.NodeOutput(load_clip(path, padding=padding, allow_network=allow_network))
+        return io.NodeOutput(lazy_clip(path, padding=padding, allow_network=allow_network, cache=cache_folder(cache),
+                                       keep_loaded=keep_loaded))
 
 
 NODES = [Flux2DevEncoderLoader]

@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
 
+from comfyui_flux2dev.loaders.conditioning_cache import CACHE_DIR_ENV
 from comfyui_flux2dev.loaders.variants import TINY_MODELS_ENV
 
 # The tests run on tiny stand-ins for the real weights; the pack knows their geometry only when told.
 os.environ[TINY_MODELS_ENV] = "1"
+# Conditioning caches the tests do not name go to a folder of this session (the host's user folder would keep
+# them from one run to the next, so a later run would hit where a test expects the encoder to run).
+_session_cache = tempfile.TemporaryDirectory(prefix="flux2dev-test-cache-")
+os.environ[CACHE_DIR_ENV] = _session_cache.name
 
 
 def _comfyui_root() -> Path:

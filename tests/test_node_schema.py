@@ -44,7 +44,8 @@ def test_error_reports_name_the_package_not_the_install_path(comfy_server):
 
 
 def test_loads_move_the_progress_bar(comfy_server):
-    """Each loader node of a graph sends progress to the UI while it reads its weights."""
+    """Each loader node of a graph sends progress to the UI while it reads its weights; the encoder's are read
+    by the node that encodes the first prompt the conditioning cache lacks."""
     graph = official_dev_graph(
         node("Flux2DevGGUFTransformerLoader", gguf_name="flux2-dev-tiny-Q8_0.gguf", dequant_dtype="default",
              patch_dtype="bfloat16"),
@@ -57,7 +58,7 @@ def test_loads_move_the_progress_bar(comfy_server):
     for m in messages:
         if m["type"] == "progress":
             progress.setdefault(m["data"]["node"], []).append((m["data"]["value"], m["data"]["max"]))
-    for loader in ("model", "clip", "vae"):
+    for loader in ("model", "text", "vae"):
         steps = progress.get(loader, [])
         assert len(steps) >= 2 and steps[-1][0] == steps[-1][1] > 1, (loader, steps)
         assert [value for value, _ in steps] == sorted(value for value, _ in steps)

@@ -1,0 +1,149 @@
+"""The lazy encoder through the real host: the CLIP is built from headers and the tokenizer, the weights are
+read on the first prompt the cache does not hold, never when every prompt is cached, and freed after each
+encode with keep_loaded off. Reads are counted by the kernel (/proc/self/io rchar: every byte read() returned,
+page cache included), memory by /proc/self/status."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from comfyui_flux2dev.loaders.conditioning_cache import ConditioningCache
+
+PROMPTS = ("a red fox in the snow", "a lighthouse at night", "three cats on a sofa")
+BF16 = "text_encoders/mistral_3_small_flux2_bf16.safetensors"
+
+
+def _proc(path: str, field: str) -> int:
+    with open(path) as f:
+        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+def _read_bytes() -> int:
+    return _proc("/proc/self/io", "rchar")
+
+
+def _rss() -> int:
+    return _proc("/proc/self/status", "VmRSS") * 1024
+
+
+def _encode(clip, prompt):
+    return clip.encode_from_tokens(clip.tokenize(prompt), return_dict=True)["cond"]
+
+
+def _weights_in_memory(clip) -> int:
+    """Bytes of storage behind the encoder's packed layers (placeholders hold one element each)."""
+    from comfyui_flux2dev.host.ops import PackedLayer
+
+    return sum(p.untyped_storage().nbytes() for m in clip.cond_stage_model.modules() if isinstance(m, PackedLayer)
+               for p in m.parameters(recurse=False))
+
+
+@pytest.fixture
+def encoder(tiny_root, tmp_path):
+    path = tmp_path / "encoder.safetensors"
+    shutil.copyfile(tiny_root / BF16, path)
+    return str(path)
+
+
+@pytest.fixture
+def weights_bytes(encoder):
+    from comfyui_flux2dev.loaders.encoder import plan_encoder
+
+    return plan_encoder(encoder).memory_bytes
+
+
+@pytest.fixture(scope="module")
+def fresh(comfy_host, tiny_root):
+    """Each prompt's conditioning from an eager load without a cache."""
+    from comfyui_flux2dev.host.clip import load_clip
+
+    clip = load_clip(str(tiny_root / BF16), dtype=torch.float32)
+    return {p: _encode(clip, p) for p in PROMPTS}
+
+
+def test_the_clip_reads_headers_and_tokenizer_only(comfy_host, encoder, weights_bytes, tmp_path):
+    """This file embeds its tokenizer (tekken.json as a tensor, about as large as the tiny weights): the CLIP
+    reads the header and that tensor, nothing else."""
+    from comfyui_flux2dev.host.clip import lazy_clip
+    from comfyui_flux2dev.loaders.encoder import plan_encoder
+
+    plan = plan_encoder(encoder)
+    header = 8 + int.from_bytes(open(encoder, "rb").read(8), "little")
+    tokenizer = plan.source.nbytes(plan.embedded_tekken_key)
+    lazy_clip(encoder, cache=str(tmp_path / "warm-up"))  # one-time costs: imports, the tokenizer cache
+    before = _read_bytes()
+    clip = lazy_clip(encoder, cache=str(tmp_path / "cache"), dtype=torch.float32)
+    assert _read_bytes() - before < 2 * header + tokenizer + 2**20
+    assert _weights_in_memory(clip) < weights_bytes / 100
+    assert not clip.flux2dev_source.loaded
+
+
+def test_a_workflow_whose_prompts_are_all_cached_never_reads_the_weights(comfy_host, encoder, weights_bytes, fresh, tmp_path):
+    from comfyui_flux2dev.host.clip import lazy_clip
+
+    cache = str(tmp_path / "cache")
+    filler = lazy_clip(encoder, cache=cache, dtype=torch.float32)
+    reads = _read_bytes()
+    for p in PROMPTS:
+        assert torch.equal(_encode(filler, p), fresh[p])
+    assert _read_bytes() - reads >= weights_bytes, "the fill read the weights (the counter sees reads)"
+    del filler
+
+    clip = lazy_clip(encoder, cache=cache, dtype=torch.float32)
+    _encode(clip, PROMPTS[0])  # one-time costs of a hit
+    reads, rss = _read_bytes(), _rss()
+    for _ in range(3):
+        for p in PROMPTS:
+            assert torch.equal(_encode(clip, p), fresh[p])
+    entry = max(e.bytes for e in ConditioningCache(cache).entries())
+    assert _read_bytes() - reads < 3 * len(PROMPTS) * entry + 2**20  # the entries themselves, and no weights
+    assert _rss() - rss < weights_bytes / 2
+    assert _weights_in_memory(clip) < weights_bytes / 100 and not clip.flux2dev_source.loaded
+
+
+def test_keep_loaded_off_frees_the_weights_after_each_encode(comfy_host, encoder, weights_bytes, fresh, tmp_path):
+    import comfy.model_management
+
+    from comfyui_flux2dev.host.clip import lazy_clip
+
+    clip = lazy_clip(encoder, cache=str(tmp_path / "cache"), dtype=torch.float32, keep_loaded=False)
+    for p in PROMPTS[:2]:  # two misses: each reads the weights again
+        reads = _read_bytes()
+        assert torch.equal(_encode(clip, p), fresh[p])
+        assert _read_bytes() - reads >= weights_bytes
+        assert _weights_in_memory(clip) < weights_bytes / 100
+        assert not any(m.model is not None and m.model.model is clip.cond_stage_model
+                       for m in comfy.model_management.current_loaded_models)
+    reads = _read_bytes()
+    assert torch.equal(_encode(clip, PROMPTS[0]), fresh[PROMPTS[0]])  # a hit
+    assert _read_bytes() - reads < weights_bytes / 10
+
+
+def test_keep_loaded_on_reads_the_weights_once(comfy_host, encoder, weights_bytes, fresh, tmp_path):
+    from comfyui_flux2dev.host.clip import lazy_clip
+
+    clip = lazy_clip(encoder, cache=str(tmp_path / "cache"), dtype=torch.float32)
+    _encode(clip, PROMPTS[0])
+    assert _weights_in_memory(clip) >= weights_bytes / 2
+    reads = _read_bytes()
+    for p in PROMPTS[1:]:
+        assert torch.equal(_encode(clip, p), fresh[p])
+    assert _read_bytes() - reads < weights_bytes / 10
+
+
+def test_clones_share_the_lazy_weights_and_the_reload_factory_loads(comfy_host, encoder, weights_bytes, fresh, tmp_path):
+    from comfyui_flux2dev.host.clip import lazy_clip
+
+    clip = lazy_clip(encoder, cache=str(tmp_path / "cache"), dtype=torch.float32)
+    clone = clip.clone()
+    assert type(clone) is type(clip) and clone.flux2dev_source is clip.flux2dev_source
+    assert torch.equal(_encode(clone, PROMPTS[1]), fresh[PROMPTS[1]])
+    assert clip.flux2dev_source.loaded
+    factory, args = clip.patcher.cached_patcher_init
+    patcher = factory(*args)
+    tokens = clip.tokenize(PROMPTS[1])
+    with torch.no_grad():
+        assert torch.equal(patcher.model.encode_token_weights(tokens)[0], fresh[PROMPTS[1]])
