@@ -22,7 +22,8 @@ def _positive(x) -> bool:
 
 
 def test_documented_keys(results):
-    assert set(results) == {"machine", "dequant", "header", "tokenizer", "encoder_load", "load"}
+    assert set(results) == {"machine", "dequant", "forward_dequant", "contention", "header", "tokenizer", "encoder_load", "load",
+                            "conditioning_cache"}
     assert {"cpu_count", "torch_threads", "torch_version", "platform", "date"} <= set(results["machine"])
     assert {"first_s", "second_s", "rung"} <= set(results["tokenizer"])
     assert {"file_bytes", "peak_rss_bytes", "seconds", "header_parses", "synthetic_read"} <= set(results["load"])
@@ -35,6 +36,24 @@ def test_dequant_rows_are_exact_for_every_type(results):
         assert r["exact"] is True, r["type"]
         for key in ("pack_gbps", "pack_reused_gbps", "reference_gbps", "copy_gbps"):
             assert _positive(r[key]), (r["type"], key)
+
+
+def test_forward_rows_are_exact_for_every_format(results):
+    """The scratch-buffer path gives gguf's numpy values (GGUF) and the ops' previous values (fp8, NVFP4)."""
+    forward = results["forward_dequant"]
+    assert [r["type"] for r in forward["gguf"]] == [q.name for q in QUANTIZED_TYPES]
+    assert [r["format"] for r in forward["float"]] == ["fp8-scaled", "nvfp4"]
+    for r in forward["gguf"] + forward["float"]:
+        assert r["exact"] is True, r
+        for key in ("forward_s", "new_tensor_s", "reference_s" if "type" in r else "before_s"):
+            assert _positive(r[key]), (r, key)
+
+
+def test_contention_rows_ran_beside_the_competing_processes(results):
+    c = results["contention"]
+    assert c["competing_processes"] == 2 and [r["type"] for r in c["rows"]] == [q.name for q in QUANTIZED_TYPES]
+    for r in c["rows"]:
+        assert 0 < r["forward_best_s"] <= r["forward_median_s"] and _positive(r["reference_median_s"]), r
 
 
 def test_tokenizer_is_resolved_from_tekken_json_and_cached(results):
@@ -53,6 +72,21 @@ def test_encoder_load_keeps_30_of_40_layers(results):
         assert _positive(e[key]), key
 
 
+def test_conditioning_cache_row_is_the_tiny_bf16_encoder_and_a_hit_reads_no_weights(results):
+    """Quick: the tiny geometry, bf16 only. The hit is a fresh lazy CLIP served from the cache (the child checks it
+    equals the encode and left the weights unread); keep_loaded off keeps less than the load's peak."""
+    c = results["conditioning_cache"]
+    assert c["geometry"] == {"width": 64, "heads": 2, "kv_heads": 1, "mlp": 128, "vocab": 131072, "layers": 30}
+    assert [r["format"] for r in c["rows"]] == ["bf16"]
+    r = c["rows"][0]
+    assert r["tokens"] == 512 and _positive(r["file_bytes"]) and _positive(r["entry_bytes"])
+    for name in ("cold", "warm", "hit", "keep_loaded_off"):
+        assert {"seconds", "read_bytes", "peak_rss_bytes"} <= set(r[name]) and _positive(r[name]["seconds"]), name
+    assert 0 < r["cold"]["read_bytes"] <= r["file_bytes"] + 2**20  # the cache was evicted: the load reads the disk
+    assert r["hit"]["read_bytes"] <= r["entry_bytes"] + 2**20 and r["warm"]["read_bytes"] < r["file_bytes"]  # no weights read
+    assert r["keep_loaded_off"]["rss_left_bytes"] < r["keep_loaded_off"]["peak_rss_bytes"]
+
+
 def test_gguf_loads_parse_each_header_once(results):
     for name, r in (("transformer", results["load"]), ("synthetic", results["load"]["synthetic_read"])):
         assert r["header_parses"] == 1, name
@@ -66,6 +100,8 @@ def test_header_and_report(results):
     h = results["header"]
     assert _positive(h["pack_s"]) and _positive(h["reference_s"])
     report = bench.format_report(results)
-    for line in ("Dequantization", "geometric mean", "tokenizer", "encoder load", "GGUF transformer load", "synthetic GGUF"):
+    for line in ("Dequantization", "geometric mean", "inside a CPU forward pass", "busy processes", "lowest ratio",
+                 "tokenizer", "encoder load", "GGUF transformer load", "synthetic GGUF", "conditioning cache (encoder 64 wide",
+                 "  bf16 (", "hit / warm", "keep_loaded off leaves"):
         assert line in report
     assert "NO" not in report.split()

@@ -1,25 +1,48 @@
-"""What the benchmarks measure with: best-of timing, and a block's peak RSS, disk reads and seconds (Linux
-/proc), with the page cache and the C heap cleared before, so that figures are the measured code's own."""
+"""What the benchmarks measure with: timings, a competing load, and a block's peak RSS, disk reads and
+seconds (Linux /proc), with the page cache and the C heap cleared before, so that figures are the measured
+code's own."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import datetime
 import gc
 import os
 import platform
+import subprocess
+import sys
 import time
 
 import torch
 
 
-def best(fn, repeats: int) -> float:
-    best = float("inf")
+def timings(fn, repeats: int) -> list[float]:
+    """Seconds of each of `repeats` calls."""
+    out = []
     for _ in range(repeats):
         start = time.perf_counter()
         fn()
-        best = min(best, time.perf_counter() - start)
-    return best
+        out.append(time.perf_counter() - start)
+    return out
+
+
+def best(fn, repeats: int) -> float:
+    return min(timings(fn, repeats))
+
+
+@contextlib.contextmanager
+def competing_load(processes: int):
+    """`processes` busy Python processes (one core's worth of work each) running beside the block, as the
+    other jobs on a user's machine do."""
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(processes)]
+    try:
+        time.sleep(0.5)  # started and spinning
+        yield
+    finally:
+        for p in busy:
+            p.kill()
+            p.wait()
 
 
 def _proc_kib(field: str) -> int:

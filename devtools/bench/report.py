@@ -1,8 +1,10 @@
-"""The benchmark figures as text: the dequantization table and the whole report."""
+"""The benchmark figures as text: the dequantization tables and the whole report."""
 
 from __future__ import annotations
 
 import numpy as np
+
+from .encode_scenarios import format_conditioning_cache
 
 
 def _geomean(values: list[float]) -> float:
@@ -32,12 +34,63 @@ def format_table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.1f}"
+
+
+def _shape(shape) -> str:
+    return "x".join(map(str, shape))
+
+
+def format_forward(results: dict) -> str:
+    """The per-forward dequantization at FLUX.2 shapes: GGUF against gguf's numpy reference, fp8 and NVFP4
+    against the ops' previous dequantization, with the worst ratio of each."""
+    lines = [
+        f"{'type':10} {'shape':>10} {'gguf ms':>8} {'new tensor ms':>13} {'forward ms':>10} {'ratio new':>10} "
+        f"{'ratio forward':>13}  exact",
+    ]
+    for r in results["gguf"]:
+        lines.append(
+            f"{r['type']:10} {_shape(r['shape']):>10} {_ms(r['reference_s']):>8} {_ms(r['new_tensor_s']):>13} "
+            f"{_ms(r['forward_s']):>10} {r['reference_s'] / r['new_tensor_s']:>9.1f}x "
+            f"{r['reference_s'] / r['forward_s']:>12.1f}x  {'yes' if r['exact'] else 'NO'}"
+        )
+    worst = min(r["reference_s"] / r["forward_s"] for r in results["gguf"])
+    lines.append(f"lowest ratio inside a forward pass: {worst:.1f}x gguf")
+    lines.append(
+        f"{'format':10} {'shape':>10} {'before ms':>9} {'new tensor ms':>13} {'forward ms':>10} {'speed-up':>9}  exact"
+    )
+    for r in results["float"]:
+        lines.append(
+            f"{r['format']:10} {_shape(r['shape']):>10} {_ms(r['before_s']):>9} {_ms(r['new_tensor_s']):>13} "
+            f"{_ms(r['forward_s']):>10} {r['before_s'] / r['forward_s']:>8.1f}x  {'yes' if r['exact'] else 'NO'}"
+        )
+    return "\n".join(lines)
+
+
+def format_contention(results: dict) -> str:
+    """The GGUF forward rows beside a competing load: medians, the pack's spread, the ratio to gguf."""
+    lines = [
+        f"{'type':10} {'forward ms':>10} {'spread':>7} {'gguf ms':>8} {'ratio':>6}",
+        f"{'':10} {'median':>10} {'':>7} {'median':>8}",
+    ]
+    ratios = []
+    for r in results["rows"]:
+        ratios.append(r["reference_median_s"] / r["forward_median_s"])
+        lines.append(
+            f"{r['type']:10} {_ms(r['forward_median_s']):>10} {r['forward_median_s'] / r['forward_best_s']:>6.1f}x "
+            f"{_ms(r['reference_median_s']):>8} {ratios[-1]:>5.1f}x"
+        )
+    lines.append(f"lowest ratio under load: {min(ratios):.1f}x gguf, geometric mean {_geomean(ratios):.1f}x")
+    return "\n".join(lines)
+
+
 def _mib(n: float) -> str:
     return f"{n / 2**20:.1f} MiB"
 
 
 def format_report(results: dict) -> str:
-    m, h, t, e, load = (results[k] for k in ("machine", "header", "tokenizer", "encoder_load", "load"))
+    m, h, t, e, load, c = (results[k] for k in ("machine", "header", "tokenizer", "encoder_load", "load", "contention"))
     tiny, synthetic = load, load["synthetic_read"]
     lines = [
         f"machine: {m['cpu_count']} CPUs, torch {m['torch_version']} with {m['torch_threads']} threads, "
@@ -45,6 +98,15 @@ def format_report(results: dict) -> str:
         "",
         "Dequantization to fp16 (pack: into a new tensor per call / into one reused tensor; gguf: its numpy reference)",
         format_table(results["dequant"]),
+        "",
+        "Dequantization inside a CPU forward pass, to fp16, per layer (forward: host/ops.forward_weight, into the scratch",
+        "buffer; new tensor: the same dequantizer into a new tensor per call, as the ops did before; gguf: its numpy",
+        "reference; before: the ops' previous fp8 and NVFP4 dequantization)",
+        format_forward(results["forward_dequant"]),
+        "",
+        f"The same beside {c['competing_processes']} busy processes (load average {c['load_average']:.2f}), "
+        f"{_shape(c['shape'])}, medians; spread: the pack's median over its fastest call",
+        format_contention(c),
         "",
         f"GGUF tokenizer header ({h['tokens']} tokens, {h['merges']} merges): pack {h['pack_s'] * 1e3:.1f} ms, "
         f"gguf.GGUFReader {h['reference_s'] * 1e3:.1f} ms ({h['reference_s'] / h['pack_s']:.1f}x)",
@@ -66,5 +128,7 @@ def format_report(results: dict) -> str:
         f"(budget 1.1 x file + largest dequantized {_mib(synthetic['largest_dequantized_bytes'])} = "
         f"{_mib(synthetic['rss_budget_bytes'])}), read {_mib(synthetic['read_bytes'])}, {synthetic['seconds']:.2f} s, "
         f"header parsed {synthetic['header_parses']}x",
+        "",
+        format_conditioning_cache(results["conditioning_cache"]),
     ]
     return "\n".join(lines)

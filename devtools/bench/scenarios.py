@@ -1,7 +1,9 @@
 """The benchmarks behind `flux2dev bench`, reported as figures and ratios (never pass/fail): dequantization per
-quant type against the gguf library it replaces, the parse of a Mistral-sized tokenizer header, the
-tokenizer cache, and the memory and disk reads of loading an encoder and a GGUF transformer. Each function
-returns plain data so the command can print it, emit it as JSON, or compare runs.
+quant type against the gguf library it replaces (on its own, inside a CPU forward pass at FLUX.2 shapes,
+and beside a competing load), the parse of a Mistral-sized tokenizer header, the
+tokenizer cache, the memory and disk reads of loading an encoder and a GGUF transformer, and the conditioning
+cache against encoding (encode_scenarios.py). Each function returns plain data so the command can print it,
+emit it as JSON, or compare runs.
 
 Loads are measured in a fresh child process each, so that nothing this process has imported, cached or
 mapped counts, and after evicting the files from the page cache, so that the bytes read are real reads."""
@@ -24,7 +26,8 @@ import torch
 from ...tiny.gguf_blocks import random_blocks, write_and_close
 from ...tokenizers.ladder import bundled_tekken_path
 from ...tokenizers.vocab import byte_level_string
-from .meters import Measured, best, evict, machine
+from .encode_scenarios import bench_conditioning_cache
+from .meters import Measured, best, competing_load, evict, machine, timings
 
 # Values per benchmarked tensor. The full size (32 MiB of fp16) is still below most FLUX.2 weights
 # (6144 x 6144 = 38M values), so the output does not fit in cache, as in a real load.
@@ -76,6 +79,123 @@ def bench_dequant(quick: bool) -> list[dict]:
             }
         )
     return results
+
+
+# FLUX.2 [dev] weight shapes [out, in] (the double blocks' MLP out, the single blocks' fused in); quick: one
+# small one. The contention rows use the first.
+_FORWARD_SHAPES = {True: ((512, 2048),), False: ((3072, 12288), (6144, 18432))}
+_COMPETING_PROCESSES = 2
+_FORWARD_DTYPE = torch.float16
+
+
+def _median(values: list[float]) -> float:
+    return float(np.median(values))
+
+
+def _gguf_case(qtype, shape, rng):
+    """(packed rows as the loader keeps them, companions, gguf's rows for its numpy reference)."""
+    raw = random_blocks(qtype, (shape[0] * shape[1],), rng).reshape(shape[0], -1)
+    return torch.from_numpy(raw), {"weight_gguf_type": torch.tensor(int(qtype))}, raw
+
+
+def _previous_fp8(weight, companions):
+    """The ops' fp8 dequantization until 2026-12-01 (the reference): float32 cast, multiply, cast."""
+    return (weight.to(torch.float32) * companions["weight_scale"]).to(_FORWARD_DTYPE)
+
+
+def _previous_nvfp4(packed, companions):
+    """The ops' NVFP4 dequantization until 2026-12-01 (the reference): int64 codes, a float32 table
+    lookup, the scales, a multiply and a cast, each into a new tensor."""
+    from ...loaders.quant import _E2M1, NVFP4_BLOCK, unswizzle_block_scales
+
+    rows, cols = packed.shape[0], packed.shape[1] * 2
+    codes = torch.stack((packed >> 4, packed & 0x0F), dim=-1).reshape(rows, cols).long()
+    values = torch.tensor(_E2M1, dtype=torch.float32)[codes]
+    scales = unswizzle_block_scales(companions["weight_scale"], rows, cols // NVFP4_BLOCK).to(torch.float32)
+    scales = scales * companions["weight_scale_2"].to(torch.float32)
+    values = values.reshape(rows, cols // NVFP4_BLOCK, NVFP4_BLOCK) * scales.unsqueeze(-1)
+    return values.reshape(rows, cols).to(_FORWARD_DTYPE)
+
+
+def _float_case(fmt: str, shape, rng):
+    """(stored weight, companions, the previous dequantization) of a fp8 or NVFP4 weight."""
+    from ...loaders.quant import swizzle_block_scales
+
+    g = torch.Generator().manual_seed(int(rng.integers(1 << 31)))
+    if fmt == "fp8-scaled":
+        weight = (torch.randn(shape, generator=g) * 0.5).to(torch.float8_e4m3fn)
+        return weight, {"weight_scale": torch.rand(shape[0], 1, generator=g) + 0.1}, _previous_fp8
+    packed = torch.randint(0, 256, (shape[0], shape[1] // 2), dtype=torch.uint8, generator=g)
+    block_scales = (torch.rand(shape[0], shape[1] // 16, generator=g) * 4).to(torch.float8_e4m3fn)
+    return packed, {"weight_scale": swizzle_block_scales(block_scales), "weight_scale_2": torch.tensor(0.01)}, _previous_nvfp4
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.view(torch.int16), b.view(torch.int16))
+
+
+def bench_forward_dequant(quick: bool) -> dict:
+    """Dequantization per layer and forward pass at FLUX.2 weight shapes, to fp16, as a CPU forward pass
+    runs it: host/ops.forward_weight under inference mode (as ComfyUI runs nodes), into the scratch buffer.
+    Against, in the same run: the same dequantizer into a new tensor per call (what the ops did before);
+    for GGUF, gguf's numpy reference; for fp8 and NVFP4, the ops' previous dequantization."""
+    import gguf
+
+    from ...host.ops import forward_weight
+    from ...loaders import quant
+    from ...loaders.gguf_dequant import QUANTIZED_TYPES
+
+    repeats, reference_repeats = (2, 1) if quick else (5, 2)
+    rng = np.random.default_rng(2)
+    gguf_rows, float_rows = [], []
+    for shape in _FORWARD_SHAPES[quick]:
+        for qtype in QUANTIZED_TYPES:
+            stored, companions, raw = _gguf_case(qtype, shape, rng)
+            with torch.inference_mode():
+                forward_s = best(lambda: forward_weight(stored, companions, _FORWARD_DTYPE, shape), repeats)
+                got = forward_weight(stored, companions, _FORWARD_DTYPE, shape).clone()
+            new_s = best(lambda: quant.dequantize(stored, companions, _FORWARD_DTYPE, shape), repeats)
+            reference = []
+            reference_s = best(lambda: reference.append(gguf.quants.dequantize(raw, qtype)), reference_repeats)
+            with np.errstate(over="ignore"):  # large K-quant values overflow fp16 the same way on both sides
+                want = torch.from_numpy(reference[-1].astype(np.float16))
+            gguf_rows.append({"type": qtype.name, "shape": list(shape), "forward_s": forward_s, "new_tensor_s": new_s,
+                              "reference_s": reference_s, "exact": _same_bits(got, want)})
+        for fmt in ("fp8-scaled", "nvfp4"):
+            stored, companions, previous = _float_case(fmt, shape, rng)
+            with torch.inference_mode():
+                forward_s = best(lambda: forward_weight(stored, companions, _FORWARD_DTYPE, shape), repeats)
+                got = forward_weight(stored, companions, _FORWARD_DTYPE, shape).clone()
+            new_s = best(lambda: quant.dequantize(stored, companions, _FORWARD_DTYPE, shape), repeats)
+            before_s = best(lambda: previous(stored, companions), repeats)
+            float_rows.append({"format": fmt, "shape": list(shape), "forward_s": forward_s, "new_tensor_s": new_s,
+                               "before_s": before_s, "exact": _same_bits(got, previous(stored, companions))})
+    return {"gguf": gguf_rows, "float": float_rows}
+
+
+def bench_contention(quick: bool) -> dict:
+    """The GGUF rows of bench_forward_dequant at the first shape, run beside busy processes: medians of
+    several calls (the pack's and gguf's numpy reference, both under the same load), and the pack's spread
+    (median over fastest call), which shows calls stalled by the other jobs."""
+    import gguf
+
+    from ...host.ops import forward_weight
+    from ...loaders.gguf_dequant import QUANTIZED_TYPES
+
+    shape = _FORWARD_SHAPES[quick][0]
+    repeats, reference_repeats = (3, 1) if quick else (9, 3)
+    rng = np.random.default_rng(3)
+    rows = []
+    with competing_load(_COMPETING_PROCESSES):
+        load = os.getloadavg()[0]
+        for qtype in QUANTIZED_TYPES:
+            stored, companions, raw = _gguf_case(qtype, shape, rng)
+            with torch.inference_mode():
+                forward = timings(lambda: forward_weight(stored, companions, _FORWARD_DTYPE, shape), repeats)
+            reference = timings(lambda: gguf.quants.dequantize(raw, qtype), reference_repeats)
+            rows.append({"type": qtype.name, "forward_median_s": _median(forward), "forward_best_s": min(forward),
+                         "reference_median_s": _median(reference)})
+    return {"shape": list(shape), "competing_processes": _COMPETING_PROCESSES, "load_average": load, "rows": rows}
 
 
 def _tokenizer_arrays(n_tokens: int, n_merges: int) -> tuple[list[str], list[str]]:
@@ -304,10 +424,13 @@ def run_all(quick: bool) -> dict:
     return {
         "machine": machine(),
         "dequant": bench_dequant(quick),
+        "forward_dequant": bench_forward_dequant(quick),
+        "contention": bench_contention(quick),
         "header": bench_header(quick),
         "tokenizer": bench_tokenizer(),
         "encoder_load": bench_encoder_load(),
         "load": bench_gguf_load(quick),
+        "conditioning_cache": bench_conditioning_cache(quick),
     }
 
 

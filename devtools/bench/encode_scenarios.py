@@ -1,0 +1,156 @@
+"""The conditioning cache in `flux2dev bench`: time to conditioning for a 512-token prompt through the host's
+CLIP, cold (load + encode), warm (loaded, encode) and from the cache (a fresh lazy CLIP, a hit), with the
+bytes read and the peak RSS of each, and the RSS left after an encode with keep_loaded off; bf16 and fp8
+files of the same random encoder (quick: bf16 only).
+
+The quick encoder is the tiny test geometry (30 layers); the full one is the benchmark geometry: the real width
+of FLUX.2 [dev]'s Mistral-Small (hidden 5120, 32 query and 8 key/value heads of 128, MLP 32768, vocabulary
+131072) with 3 layers, read as hidden states 1, 2, 3 (loaders/variants.py), so the conditioning is as wide as
+real [dev]'s. Each file is
+measured in a fresh child process, after evicting it from the page cache. Needs the host (COMFYUI_ROOT)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import torch
+
+from ...loaders.variants import BENCH_MISTRAL, TINY_MISTRAL, TINY_MODELS_ENV, MistralEncoderGeometry
+from .meters import Measured, evict
+
+# quick: the tiny test encoder (pruned, 30 layers); full: real width, 3 layers. Files hold the layers FLUX.2 keeps.
+_ENCODERS = {True: TINY_MISTRAL, False: BENCH_MISTRAL}
+_PROMPTS = ("a red fox sitting in fresh snow at dawn", "a lighthouse on a cliff at dusk, oil painting",
+            "three cats asleep on a sofa", "a bowl of ramen, top view")  # reference padding: 512 tokens each
+_PARTS = {"self_attn.q_proj": ("heads", "width"), "self_attn.k_proj": ("kv_heads", "width"),
+          "self_attn.v_proj": ("kv_heads", "width"), "self_attn.o_proj": ("width", "heads"),
+          "mlp.gate_proj": ("mlp", "width"), "mlp.up_proj": ("mlp", "width"), "mlp.down_proj": ("width", "mlp")}
+
+
+def _dim(g: MistralEncoderGeometry, name: str) -> int:
+    return {"heads": g.heads * g.head_dim, "kv_heads": g.kv_heads * g.head_dim}.get(name) or getattr(g, name)
+
+
+def write_encoder(path: str, g: MistralEncoderGeometry, layers: int, fmt: str) -> None:
+    """A random encoder in ComfyUI's single-file form (model.* keys, tekken_model): bf16, or fp8 linear
+    weights with a per-tensor weight_scale."""
+    from safetensors.torch import save_file
+
+    from ...tiny.encoders import tekken_data
+
+    gen = torch.Generator().manual_seed(0)
+    out = {"model.embed_tokens.weight": (0.5 * torch.randn(g.vocab, g.width, generator=gen)).to(torch.bfloat16)}
+    for i in range(layers):
+        prefix = f"model.layers.{i}."
+        for part, (rows, cols) in _PARTS.items():
+            shape = (_dim(g, rows), _dim(g, cols))
+            w = torch.randn(shape, generator=gen) / shape[1] ** 0.5
+            if fmt == "fp8":
+                scale = w.abs().amax() / torch.finfo(torch.float8_e4m3fn).max
+                out[prefix + part + ".weight"] = (w / scale).to(torch.float8_e4m3fn)
+                out[prefix + part + ".weight_scale"] = scale.reshape(()).float()
+            else:
+                out[prefix + part + ".weight"] = w.to(torch.bfloat16)
+            del w
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            out[prefix + norm + ".weight"] = torch.ones(g.width, dtype=torch.bfloat16)
+    out["tekken_model"] = torch.frombuffer(bytearray(tekken_data()), dtype=torch.uint8)
+    save_file(out, path)
+
+
+def _figures(m: Measured) -> dict:
+    return {"seconds": m.seconds, "read_bytes": m.read_bytes, "peak_rss_bytes": m.peak_rss_bytes}
+
+
+def _encode(clip, prompt: str):
+    return clip.encode_from_tokens(clip.tokenize(prompt), return_dict=True)["cond"]
+
+
+def _child_encode(path: str, cache: str) -> dict:
+    """cold, warm and hit for one file; then a keep_loaded-off encode's RSS against the RSS before it."""
+    from ...host.clip import lazy_clip, release_weights
+    from ...loaders.conditioning_cache import ConditioningCache
+    from .meters import _proc_kib
+
+    # Unmeasured: imports, the tokenizer, and the weights' fingerprint (once per file, then remembered).
+    first = lazy_clip(path, cache=cache)
+    _encode(first, "warm-up")
+    release_weights(first)  # the host keeps the models it ran: only the measured CLIP may hold weights
+    del first
+    evict([path])
+    with Measured() as cold:
+        clip = lazy_clip(path, cache=cache)
+        cond = _encode(clip, _PROMPTS[0])
+    with Measured() as warm:
+        _encode(clip, _PROMPTS[1])
+    release_weights(clip)
+    del clip
+    fresh = lazy_clip(path, cache=cache)
+    with Measured() as hit:
+        cached = _encode(fresh, _PROMPTS[0])
+    assert torch.equal(cached, cond) and not fresh.flux2dev_source.loaded
+    del fresh
+    released = lazy_clip(path, cache=cache, keep_loaded=False)
+    with Measured() as off:
+        _encode(released, _PROMPTS[2])
+    rss_left = _proc_kib("VmRSS") * 1024 - off.base_rss
+    entry = max(e.bytes for e in ConditioningCache(cache).entries())
+    return {
+        "tokens": int(cond.shape[1]),
+        "file_bytes": os.path.getsize(path),
+        "entry_bytes": entry,
+        "cold": _figures(cold),
+        "warm": _figures(warm),
+        "hit": _figures(hit),
+        "keep_loaded_off": {**_figures(off), "rss_left_bytes": rss_left},
+    }
+
+
+def _in_child(path: str, cache: str) -> dict:
+    code = ("import json; from comfyui_flux2dev.devtools.bench import encode_scenarios as s; "
+            f"print(json.dumps(s._child_encode({path!r}, {cache!r})))")
+    env = {**os.environ, TINY_MODELS_ENV: "1"}
+    done = subprocess.run([sys.executable, "-P", "-c", code], env=env, capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"bench child (conditioning cache, {path}) failed:\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def bench_conditioning_cache(quick: bool) -> dict:
+    """{"geometry": {width, heads, kv_heads, mlp, vocab, layers}, "rows": [one per format: {"format",
+    "tokens", "file_bytes", "entry_bytes", "cold", "warm", "hit", "keep_loaded_off"}]}; cold/warm/hit hold
+    seconds, read_bytes and peak_rss_bytes, keep_loaded_off also rss_left_bytes."""
+    g = _ENCODERS[quick]
+    layers = g.layers[0]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for fmt in ("bf16",) if quick else ("bf16", "fp8"):
+            path = os.path.join(tmp, f"encoder-{fmt}.safetensors")
+            write_encoder(path, g, layers, fmt)
+            rows.append({"format": fmt, **_in_child(path, os.path.join(tmp, f"cache-{fmt}"))})
+            os.remove(path)
+    geometry = {"width": g.width, "heads": g.heads, "kv_heads": g.kv_heads, "mlp": g.mlp, "vocab": g.vocab, "layers": layers}
+    return {"geometry": geometry, "rows": rows}
+
+
+def format_conditioning_cache(result: dict) -> str:
+    """The rows as text, for the report."""
+    g = result["geometry"]
+    lines = [f"conditioning cache (encoder {g['width']} wide, {g['heads']}/{g['kv_heads']} heads, MLP {g['mlp']}, "
+             f"{g['layers']} layers; time to conditioning of a {result['rows'][0]['tokens']}-token prompt):"]
+    for r in result["rows"]:
+        parts = []
+        for name in ("cold", "warm", "hit"):
+            m = r[name]
+            parts.append(f"{name} {m['seconds'] * 1e3:.0f} ms, read {m['read_bytes'] / 2**20:.1f} MiB, "
+                         f"peak RSS {m['peak_rss_bytes'] / 2**20:.1f} MiB")
+        off = r["keep_loaded_off"]
+        lines.append(f"  {r['format']} ({r['file_bytes'] / 2**20:.0f} MiB file, {r['entry_bytes'] / 2**20:.1f} MiB entry): "
+                     + "; ".join(parts)
+                     + f"; hit / warm {r['hit']['seconds'] / r['warm']['seconds']:.2%}; keep_loaded off leaves "
+                     f"{off['rss_left_bytes'] / 2**20:.1f} MiB of RSS (peak {off['peak_rss_bytes'] / 2**20:.1f} MiB)")
+    return "\n".join(lines)
