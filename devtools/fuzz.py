@@ -1119,6 +1119,7 @@ class Worker:
     process: Any
     conn: Any
     index: int | None = None
+    running: bool = False  # the input is written and the entry point runs: the limits apply from here
     started: float = 0.0
     cpu0: float = 0.0
     idle_since: float = 0.0
@@ -1202,7 +1203,7 @@ class Fuzzer:
                     worker = self.workers[slot]
                     if pending and (worker is None or worker.index is None):
                         worker = worker or self._start(slot)
-                        worker.index = pending.pop()
+                        worker.index, worker.running = pending.pop(), False
                         worker.started = worker.idle_since = time.monotonic()
                         worker.cpu0 = worker.idle_cpu = _cpu_seconds(worker.process.pid)[0]
                         worker.conn.send(worker.index)
@@ -1217,6 +1218,7 @@ class Fuzzer:
                         try:
                             verdict = worker.conn.recv()
                             if verdict == "started":  # the input is written: its time starts now
+                                worker.running = True
                                 worker.started = worker.idle_since = now
                                 worker.cpu0 = worker.idle_cpu = _cpu_seconds(worker.process.pid)[0]
                                 continue
@@ -1233,11 +1235,12 @@ class Fuzzer:
                     if cpu - worker.idle_cpu > 0.05:
                         worker.idle_since, worker.idle_cpu = now, cpu
                     problem = None
-                    if cpu - worker.cpu0 > self.cpu_limit:
+                    # Writing a huge input costs the harness, not the entry point: only the wall clock bounds it.
+                    if worker.running and cpu - worker.cpu0 > self.cpu_limit:
                         problem = ("slow", f"more than {self.cpu_limit:g} s of CPU")
                     elif now - worker.started > WALL_LIMIT_S:
                         problem = ("hang", f"no answer after {WALL_LIMIT_S:g} s")
-                    elif state in ("S", "D") and now - worker.idle_since > BLOCKED_S:
+                    elif worker.running and state in ("S", "D") and now - worker.idle_since > BLOCKED_S:
                         problem = ("hang", f"blocked for {BLOCKED_S:g} s without using CPU")
                     if problem:
                         index = worker.index
