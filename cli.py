@@ -195,7 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=_inspect)
 
-    p = sub.add_parser("bench", help="dequantization, GGUF header, tokenizer and load figures")
+    p = sub.add_parser("bench", help="dequantization (alone, in a CPU forward pass, under load), GGUF header, tokenizer, load and conditioning cache figures")
     p.add_argument("--quick", action="store_true", help="small sizes, for CI")
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=_bench)
