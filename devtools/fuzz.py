@@ -48,6 +48,7 @@ from typing import Any, Callable
 
 QUICK_INPUTS = 2000
 LONG_INPUTS = 20000
+MAX_FILE = 1 << 40  # the largest (sparse) file an input is written as
 CPU_LIMIT_S = 5.0  # refusing a damaged file should take well under a second
 WALL_LIMIT_S = 120.0  # even on a loaded machine
 BLOCKED_S = 3.0  # this long asleep without using CPU is a hang (a FIFO opened, a lock never released)
@@ -72,21 +73,27 @@ class FileSpec:
     chunks: tuple[tuple[int, bytes], ...]
     size: int
 
+    @property
+    def written(self) -> int:
+        """Bytes the file has on disk: a mutated size past what file systems hold is cut to that (the
+        header's claims beyond it stay claims, which the readers must refuse)."""
+        return min(self.size, MAX_FILE)
+
     def write(self, path: Path) -> None:
         # A new inode each time: a map still open on the previous content never sees this one.
         if path.is_symlink() or path.exists():
             _remove(path)
         with open(path, "wb") as f:
             for offset, data in self.chunks:
-                if offset < self.size:
+                if offset < self.written:
                     f.seek(offset)
-                    f.write(data[: self.size - offset])
-            f.truncate(self.size)
+                    f.write(data[: self.written - offset])
+            f.truncate(self.written)
 
     def bytes(self) -> bytes:
-        out = bytearray(self.size)
+        out = bytearray(self.written)
         for offset, data in self.chunks:
-            piece = data[: max(0, self.size - offset)]
+            piece = data[: max(0, self.written - offset)]
             out[offset : offset + len(piece)] = piece
         return bytes(out)
 
@@ -1017,7 +1024,7 @@ def run_case(case: Case, root: Path, stamp: int, started: Callable[[], None] = l
         case.spec.write(path)
         # A distinct mtime per input: caches keyed on (path, mtime, size) never mistake one input for another.
         os.utime(path, ns=(stamp, stamp))
-    size = case.spec.size if case.spec is not None else 0
+    size = case.spec.written if case.spec is not None else 0
     try:
         Path("/proc/self/clear_refs").write_text("5")  # the peak (VmHWM) restarts from here
     except OSError:
