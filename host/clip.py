@@ -17,6 +17,7 @@ frees them again after each encode. A CLIP with patches (LoRAs), hooks or a clip
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import logging
 import math
@@ -376,6 +377,17 @@ def release_weights(clip) -> None:
             delattr(layer, companion)
         layer.companions, layer.lazy_patches = (), []
     src.loaded, src.fingerprint = False, None
+    _return_freed_memory()
+
+
+def _return_freed_memory() -> None:
+    # glibc keeps freed blocks for reuse, so RSS would stay up by the encode's working memory; with
+    # keep_loaded off the point is to give that memory to the transformer. Elsewhere there is nothing to do.
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return
+    libc.malloc_trim(0)
 
 
 def lazy_clip(path: str, *, padding: str = "reference", allow_network: bool = False, dtype: torch.dtype | None = None,
