@@ -34,7 +34,7 @@ from ..loaders.conditioning_cache import (
     stat_signature,
     weights_fingerprint,
 )
-from ..loaders.encoder import EncoderPlan, load_encoder, plan_encoder, resolve_plan_tokenizer
+from ..loaders.encoder import EncoderPlan, plan_encoder, read_weights, resolve_plan_tokenizer
 from . import ensure_comfy
 
 CLIP_NAME = "mistral3_24b"  # the host's name of the FLUX.2 text encoder slot
@@ -173,14 +173,6 @@ def cache_folder(choice: str = "") -> str:
     return os.path.join(folder_paths.get_user_directory(), choice)
 
 
-def _host_version() -> str:
-    try:
-        import comfyui_version
-    except ImportError:
-        return "unknown"
-    return str(comfyui_version.__version__)
-
-
 @dataclass(eq=False)
 class EncoderSource:
     """What a lazy CLIP reads its weights from and caches under; shared by the CLIP's clones, as its model is."""
@@ -266,6 +258,7 @@ def _cache_bypass(clip, tokens) -> str | None:
 def _key(clip, tokens) -> dict:
     """Everything that shapes this conditioning; computing it may read the weights once, to fingerprint them."""
     from ..loaders.variants import dev_variant_for_encoder
+    from . import compat
 
     src = clip.flux2dev_source
     if src.fingerprint is None:
@@ -282,7 +275,7 @@ def _key(clip, tokens) -> dict:
         dtype=str(src.dtype),
         device=clip.patcher.load_device.type,
         layers=list(dev_variant_for_encoder(src.plan.geometry).encoder_layers),
-        host=_host_version(),
+        host=compat.host_version(),
     )
 
 
@@ -342,14 +335,16 @@ def load_weights(clip) -> None:
     src = clip.flux2dev_source
     if src.loaded:
         return
+    # Planned again: the files may have been replaced since the CLIP was built, and the old plan's offsets
+    # would then read the wrong bytes. The tokenizer is the CLIP's own and is not resolved again.
     with compat.load_progress():
-        encoder = load_encoder(src.plan.path, allow_network=src.allow_network)
+        state_dict = read_weights(plan_encoder(src.plan.path))
     src.fingerprint = None
     if src.cache is not None:
-        src.fingerprint = weights_fingerprint(src.cache, src.plan.path, lambda: encoder.state_dict)
+        src.fingerprint = weights_fingerprint(src.cache, src.plan.path, lambda: state_dict)
     # The weights are loaded here rather than in the constructor (which only logs missing keys), so that a
     # missing one stops the load.
-    missing, _ = clip.load_sd(encoder.state_dict)
+    missing, _ = clip.load_sd(state_dict)
     if missing:  # the host model has exactly the layers + embeddings the loader reads (variants.layers_kept)
         raise HostError(
             f"This ComfyUI's FLUX.2 text encoder has weights the pack does not provide ({', '.join(missing[:5])}); "
@@ -377,17 +372,16 @@ def release_weights(clip) -> None:
             delattr(layer, companion)
         layer.companions, layer.lazy_patches = (), []
     src.loaded, src.fingerprint = False, None
-    _return_freed_memory()
+    return_freed_memory()  # with keep_loaded off the point is to give the memory to the transformer
 
 
-def _return_freed_memory() -> None:
-    # glibc keeps freed blocks for reuse, so RSS would stay up by the encode's working memory; with
-    # keep_loaded off the point is to give that memory to the transformer. Elsewhere there is nothing to do.
+def return_freed_memory() -> None:
+    """Hand the C heap's free pages back to the system. glibc keeps freed blocks for reuse, so RSS stays up by
+    whatever was freed last; elsewhere there is nothing to do."""
     try:
-        libc = ctypes.CDLL("libc.so.6")
-    except OSError:
-        return
-    libc.malloc_trim(0)
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def lazy_clip(path: str, *, padding: str = "reference", allow_network: bool = False, dtype: torch.dtype | None = None,

@@ -35,6 +35,13 @@ REQUIRED = (
     ("moving weights to the compute device", "comfy.model_management:cast_to"),
     ("whether a device copies asynchronously", "comfy.model_management:device_supports_non_blocking"),
     ("the CLIP object", "comfy.sd:CLIP.load_sd"),
+    ("the CLIP methods the lazy encoder overrides", "comfy.sd:CLIP.encode_from_tokens"),
+    ("the CLIP's model load, where the lazy encoder reads its weights", "comfy.sd:CLIP.load_model"),
+    ("the CLIP's clone, whose copies share the lazy weights", "comfy.sd:CLIP.clone"),
+    ("the hooks a cached conditioning carries like an encoded one", "comfy.sd:CLIP.add_hooks_to_dict"),
+    ("the models the host holds, which keep_loaded off unloads", "comfy.model_management:current_loaded_models"),
+    ("unloading one held model", "comfy.model_management:LoadedModel.model_unload"),
+    ("the user folder the conditioning cache lives in", "folder_paths:get_user_directory"),
     ("the VAE object", "comfy.sd:VAE.throw_exception_if_invalid"),
     ("the pruned FLUX.2 text encoder", "comfy.text_encoders.flux:flux2_te"),
     ("the Mistral encoder class the pack masks left padding in", "comfy.text_encoders.flux:Mistral3_24BModel.process_tokens"),
@@ -186,3 +193,13 @@ def set_reload(patcher, factory, args: tuple) -> None:
     the multi-GPU clone rebuild a model with factory(*args) or factory(*args, disable_dynamic=True), which
     must return a patcher. Releases without device nodes never call it."""
     patcher.cached_patcher_init = (factory, args)
+
+
+def host_version() -> str:
+    """The running ComfyUI's version ("unknown" for a tree without comfyui_version.py): part of the
+    conditioning cache's key, since the host's encoder code shapes the numbers."""
+    try:
+        import comfyui_version
+    except ImportError:
+        return "unknown"
+    return str(comfyui_version.__version__)

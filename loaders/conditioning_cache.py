@@ -80,7 +80,9 @@ def weight_files(path: str) -> list[str]:
     if os.path.isfile(path):
         return [path]
     found = []
-    for root, _, names in os.walk(path, followlinks=True):
+    # Linked files count (os.stat follows them, as in the Hugging Face cache); linked folders are not walked,
+    # so a folder that links back into itself cannot multiply the walk.
+    for root, _, names in os.walk(path):
         found += [os.path.join(root, n) for n in names if n.endswith(WEIGHT_FILES)]
     return sorted(found)
 

@@ -163,9 +163,8 @@ def undo_rotary_permute(weight: torch.Tensor, heads: int) -> torch.Tensor:
     return weight.reshape(heads, rows // heads // 2, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
 
 
-def load_encoder(path: str, *, allow_network: bool = False) -> LoadedEncoder:
-    """Read a FLUX.2 [dev] text encoder from any supported layout, with its tokenizer."""
-    plan = plan_encoder(path)
+def read_weights(plan: EncoderPlan) -> dict[str, torch.Tensor]:
+    """Exactly the planned tensors, in the host's names (packed ones with their companions)."""
     state_dict = {}
     for host, stored in progress.tracked(plan.mapping.items()):
         entries = plan.source.state_entries(host, stored)
@@ -173,6 +172,13 @@ def load_encoder(path: str, *, allow_network: bool = False) -> LoadedEncoder:
         if module in plan.unpermute_heads and host.endswith(".weight"):
             entries[host] = undo_rotary_permute(entries[host], plan.unpermute_heads[module])
         state_dict.update(entries)
+    return state_dict
+
+
+def load_encoder(path: str, *, allow_network: bool = False) -> LoadedEncoder:
+    """Read a FLUX.2 [dev] text encoder from any supported layout, with its tokenizer."""
+    plan = plan_encoder(path)
+    state_dict = read_weights(plan)
     tokenizer = resolve_plan_tokenizer(plan, allow_network=allow_network)
     return LoadedEncoder(
         path=plan.path,

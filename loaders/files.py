@@ -80,8 +80,8 @@ def is_pipeline(folder: str | Path) -> bool:
 def shard_names(index: Path) -> list[str]:
     """The distinct shard names an index's weight_map names, each a plain string."""
     weight_map = read_json(index, SHARD_INDEX, "index")["weight_map"]
-    names = set(name for name in weight_map.values() if isinstance(name, str))
-    if len(names) > _MAX_SHARDS or not all(isinstance(name, str) for name in weight_map.values()):
+    names = set(weight_map.values()) if all(isinstance(name, str) for name in weight_map.values()) else None
+    if names is None or len(names) > _MAX_SHARDS:
         raise CorruptFileError(
             f"{index}: weight_map must map each tensor to a shard file name, naming at most {_MAX_SHARDS} shards; "
             "the index is damaged. Download it again."

@@ -55,7 +55,7 @@ def held(paths):
 """
 
 RELEASE_CHILD = PRELUDE + r"""
-import ctypes
+from comfyui_flux2dev.host.clip import return_freed_memory
 
 
 def rss_kb():
@@ -70,7 +70,7 @@ def release():
     gc.collect()
     # glibc keeps freed blocks for reuse (its mmap threshold moves after the first large free), so RSS would
     # wander by tens of MB with no object alive; trimming measures what is still held.
-    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    return_freed_memory()
 
 
 def use(out):

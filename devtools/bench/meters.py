@@ -5,7 +5,6 @@ code's own."""
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import datetime
 import gc
 import os
@@ -15,6 +14,8 @@ import sys
 import time
 
 import torch
+
+from ...host.clip import return_freed_memory
 
 
 def timings(fn, repeats: int) -> list[float]:
@@ -66,22 +67,14 @@ def evict(paths: list[str]) -> None:
             os.close(fd)
 
 
-def _release_free_heap() -> None:
-    """Hand the C heap's free pages back to the system (glibc), so that what the measured code allocates
-    shows as RSS growth instead of quietly reusing memory an earlier step freed."""
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
 class Measured:
     """Peak RSS above the RSS at entry (the high-water mark is reset where the kernel allows it), bytes
     read from disk and seconds, of the code inside the with-block."""
 
     def __enter__(self) -> Measured:
         gc.collect()
-        _release_free_heap()
+        # what the measured code allocates shows as RSS growth, not as reuse of memory an earlier step freed
+        return_freed_memory()
         self.base_rss = _proc_kib("VmRSS") * 1024
         try:
             with open("/proc/self/clear_refs", "w") as f:
