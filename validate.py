@@ -7,6 +7,7 @@ the field and what was expected, and never quotes the content of a file that is 
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import math
 import os
@@ -28,11 +29,12 @@ JSON_LIMITS = {
     "index": 16 * MiB,  # <weights>.index.json
     "vocabulary": 64 * MiB,  # tekken.json, tokenizer.json
     "header": 16 * MiB,  # a safetensors header
+    "prompt": 1 * MiB,  # one line of a prompts file (a JSON string)
 }
 # The most strings and containers (objects, lists) a document of each kind may hold: each costs tens of bytes
 # once parsed however short it is in the file, so a file of "{}" or "" is refused before it is parsed. Real
 # files hold far fewer (a Tekken vocabulary about 750k, a FLUX.2 safetensors header about 8k).
-JSON_VALUES = {"config": 1 << 16, "index": 1 << 20, "vocabulary": 1 << 22, "header": 1 << 19}
+JSON_VALUES = {"config": 1 << 16, "index": 1 << 20, "vocabulary": 1 << 22, "header": 1 << 19, "prompt": 1 << 16}
 MAX_DEPTH = 32  # real files nest 4 deep at most
 # A JSON string, escapes included: what is removed to leave a document's skeleton of brackets and numbers.
 # An unterminated one runs to the end: every match attempt succeeds, so the scan stays linear. Only texts
@@ -46,16 +48,76 @@ def regular_file(path: str | os.PathLike, what: str = "file") -> Path:
     path = Path(path)
     try:
         mode = os.stat(path).st_mode
-    except FileNotFoundError:
-        raise ModelNotFoundError(f"{path}: the {what} is not there.") from None
-    except OSError as e:  # a symlink loop, a name too long, no permission
-        raise CorruptFileError(f"{path}: the {what} cannot be opened ({e.strerror}).") from None
-    except ValueError:  # a NUL or a lone surrogate: no file system has such a name
-        raise CorruptFileError(f"{ascii(str(path))} cannot be a file name; the {what} was named by a damaged file.") from None
+    except OSError as e:
+        raise _unopenable(path, what, e) from None
+    except ValueError:
+        raise _bad_name(path, what) from None
+    _check_regular(path, mode, what)
+    return path
+
+
+def _unopenable(path: Path, what: str, e: OSError, follow_links: bool = True) -> Exception:
+    if isinstance(e, FileNotFoundError):
+        return ModelNotFoundError(f"{path}: the {what} is not there.")
+    if e.errno == errno.ELOOP and not follow_links:
+        return CorruptFileError(f"{path}: the {what} is a link, and links are not followed there.")
+    # a symlink loop, a name too long, no permission
+    return CorruptFileError(f"{path}: the {what} cannot be opened ({e.strerror}).")
+
+
+def _bad_name(path: Path, what: str) -> Exception:  # a NUL or a lone surrogate: no file system has such a name
+    return CorruptFileError(f"{ascii(str(path))} cannot be a file name; the {what} was named by a damaged file.")
+
+
+def _check_regular(path: Path, mode: int, what: str) -> None:
     if not stat.S_ISREG(mode):
         kind = "a folder" if stat.S_ISDIR(mode) else "not a regular file (a pipe, device or socket)"
         raise CorruptFileError(f"{path} is {kind}, but a {what} was expected there. Choose the file itself.")
-    return path
+
+
+# Opening never blocks (a FIFO opens at once, then is refused by what it is) and, where asked, never
+# follows a link at the last name; elsewhere (Windows) these flags do not exist and are not needed.
+_OPEN_FLAGS = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0) | getattr(os, "O_CLOEXEC", 0)
+NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+
+
+@contextlib.contextmanager
+def open_regular(path: str | os.PathLike, what: str = "file", *, follow_links: bool = True):
+    """(the open file, its size) of a regular file. What is checked is the file opened, not a name looked at
+    before, so nothing swapped in between is read. Opening never blocks (a FIFO opens at once and is then
+    refused by what it is); follow_links=False refuses a link at the last name (for files the pack writes)."""
+    path = Path(path)
+    if not follow_links and os.name == "nt" and os.path.islink(path):  # Windows has no O_NOFOLLOW
+        raise CorruptFileError(f"{path}: the {what} is a link, and links are not followed there.")
+    try:
+        fd = os.open(path, _OPEN_FLAGS | (0 if follow_links else NOFOLLOW))
+    except OSError as e:
+        raise _unopenable(path, what, e, follow_links) from None
+    except ValueError:
+        raise _bad_name(path, what) from None
+    try:
+        s = os.fstat(fd)
+        _check_regular(path, s.st_mode, what)
+    except BaseException:
+        os.close(fd)
+        raise
+    with open(fd, "rb", buffering=0) as f, reading(path, what):
+        yield f, s.st_size
+
+
+def read_bounded(path: str | os.PathLike, limit: int, what: str = "file", *, follow_links: bool = True) -> bytes:
+    """The bytes of a regular file of at most `limit` bytes (open_regular); one that grows while it is read is
+    still cut at the limit."""
+    with open_regular(path, what, follow_links=follow_links) as (f, size):
+        if size > limit:
+            raise CorruptFileError(
+                f"{path} is {size} bytes, more than any real {what} ({limit} at most); it is damaged or not the "
+                "file it is named as."
+            )
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise CorruptFileError(f"{path} grew past {limit} bytes while it was read; no real {what} is that large.")
+    return data
 
 
 @contextlib.contextmanager
@@ -133,16 +195,7 @@ def _refuse_constant(name: str):
 
 def read_json(path: str | os.PathLike, kind: str = "config") -> Any:
     """A JSON file of a known kind, read only if it is a regular file within the kind's size bound."""
-    path = regular_file(path, f"{kind} file")
-    size = path.stat().st_size
-    if size > JSON_LIMITS[kind]:
-        raise CorruptFileError(
-            f"{path} is {size} bytes, more than any real {kind} file ({JSON_LIMITS[kind]} at most); "
-            "it is damaged or not the file it is named as."
-        )
-    with reading(path, f"{kind} file"):
-        data = path.read_bytes()
-    return parse_json(data, str(path), kind)
+    return parse_json(read_bounded(path, JSON_LIMITS[kind], f"{kind} file"), str(path), kind)
 
 
 @dataclass(frozen=True)
@@ -195,7 +248,8 @@ def check_field(value: Any, field: Field, where: str, name: str) -> Any:
         expected += f" of at most {field.max_len} items"
     ok = _matches(value, field.kind)
     if ok and isinstance(value, (int, float)) and not isinstance(value, bool):
-        ok = math.isfinite(value) and (field.lo is None or value >= field.lo) and (field.hi is None or value <= field.hi)
+        # integers are compared exactly: one of 400 digits has no float (math.isfinite would overflow)
+        ok = (isinstance(value, int) or math.isfinite(value)) and (field.lo is None or value >= field.lo) and (field.hi is None or value <= field.hi)
     if ok and field.max_len is not None and isinstance(value, (str, list, dict)):
         ok = len(value) <= field.max_len
     if not ok:

@@ -13,19 +13,17 @@ from __future__ import annotations
 
 import mmap
 import os
-import stat
 import struct
 from dataclasses import dataclass, field
 
 import numpy as np
-import torch
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from ..errors import CorruptFileError, UnsupportedFormatError
-from ..validate import Field, check_field, regular_file
+from ..validate import Field, check_field, open_regular
 from .kinds import gguf_kind
 
 _MAGIC = b"GGUF"
+_START_BYTES = 24  # magic, version, tensor count, metadata count
 _VERSIONS = (2, 3)
 _DEFAULT_ALIGNMENT = 32
 _ALIGNMENTS = (8, 1 << 16)  # the spec asks for a multiple of 8; real files use 32
@@ -69,14 +67,14 @@ def parse_count() -> int:
 @dataclass(frozen=True)
 class GGUFTensor:
     name: str
-    qtype: GGMLQuantizationType
+    qtype: "GGMLQuantizationType"
     shape: tuple[int, ...]  # torch order: GGUF stores dims innermost first
     offset: int  # absolute byte offset in the file
     nbytes: int
     _file: GGUFFile = field(repr=False, compare=False)
 
     @property
-    def data(self) -> torch.Tensor:
+    def data(self) -> "torch.Tensor":
         """The raw bytes, a zero-copy uint8 view of the mapped file."""
         return self._file._bytes(self.offset, self.nbytes)
 
@@ -89,6 +87,8 @@ class GGUFFile:
         self.metadata = metadata
         self.tensors = tensors
         self._mmap = mapped
+        import torch
+
         # Through numpy, whose buffer export keeps the map from being closed under a live view.
         self._base = torch.from_numpy(np.frombuffer(mapped, dtype=np.uint8))
 
@@ -96,7 +96,7 @@ class GGUFFile:
     def architecture(self) -> str | None:
         return self.metadata.get("general.architecture")
 
-    def _bytes(self, offset: int, nbytes: int) -> torch.Tensor:
+    def _bytes(self, offset: int, nbytes: int) -> "torch.Tensor":
         if self._base is None:
             raise ValueError(f"{self.path} is closed.")
         return self._base[offset : offset + nbytes]
@@ -119,10 +119,10 @@ class GGUFFile:
 class _Cursor:
     """Bounds-checked little-endian reads over the mapped bytes."""
 
-    def __init__(self, path: str, buf: mmap.mmap):
+    def __init__(self, path: str, buf, size: int | None = None):
         self.path = path
         self.buf = buf
-        self.size = len(buf)
+        self.size = len(buf) if size is None else size  # of the file, when buf holds only its first bytes
         self.pos = 0
         self.made = {"strings": 0, "nested arrays": 0}  # materialised so far, over all keys
 
@@ -299,24 +299,14 @@ def check_metadata(path: str, metadata: dict) -> None:
 def open_gguf(path: str | os.PathLike) -> GGUFFile:
     """Parse one GGUF file's header, metadata and tensor table (once) over a memory map."""
     global _parse_count
-    path = os.fspath(regular_file(path, "GGUF file"))
-    # Non-blocking: should the name turn into a FIFO after the check above, opening it must not hang.
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
-    except OSError as e:
-        raise CorruptFileError(f"{path}: the GGUF file cannot be opened ({e.strerror}).") from None
-    try:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise CorruptFileError(f"{path} is not a regular file, but a GGUF file was expected there.")
-        if info.st_size < 24:
-            raise CorruptFileError(f"{path} is too short to be a GGUF file ({info.st_size} bytes).")
-        # Copy-on-write: torch wants a writable buffer, and nothing written through it reaches the file.
-        mapped = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
-    except OSError as e:
-        raise CorruptFileError(f"{path}: the GGUF file cannot be mapped ({e.strerror}).") from None
-    finally:
-        os.close(fd)  # the map keeps its own reference to the file
+    path = os.fspath(path)
+    with open_regular(path, "GGUF file") as (f, size):
+        if size < _START_BYTES:
+            raise CorruptFileError(f"{path} is too short to be a GGUF file ({size} bytes).")
+        try:  # copy-on-write: torch wants a writable buffer, and nothing written through it reaches the file
+            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        except OSError as e:
+            raise CorruptFileError(f"{path}: the GGUF file cannot be mapped ({e.strerror}).") from None
     try:
         metadata, tensors = _parse(path, mapped)
         check_metadata(path, metadata)
@@ -331,16 +321,27 @@ def open_gguf(path: str | os.PathLike) -> GGUFFile:
     return gfile
 
 
-def _parse(path: str, buf: mmap.mmap):
-    cur = _Cursor(path, buf)
-    if buf[:4] != _MAGIC:
-        raise CorruptFileError(f"{path} is not a GGUF file (it does not start with 'GGUF').")
+def check_start(path: str | os.PathLike) -> None:
+    """The checks of a GGUF file's first bytes (magic, version, counts against its size), without mapping or
+    parsing the rest: what the command line asks before it imports torch, so a bad file is refused at once."""
+    path = os.fspath(path)
+    with open_regular(path, "GGUF file") as (f, size):
+        head = f.read(_START_BYTES)
+    if size < _START_BYTES:
+        raise CorruptFileError(f"{path} is too short to be a GGUF file ({size} bytes).")
+    _start(_Cursor(path, head, size))
+
+
+def _start(cur: _Cursor) -> tuple[int, int]:
+    """(tensor count, metadata count) from the file's first bytes, each checked."""
+    if cur.buf[:4] != _MAGIC:
+        raise CorruptFileError(f"{cur.path} is not a GGUF file (it does not start with 'GGUF').")
     cur.pos = 4
     version = cur.u32("version")
     if version & 0xFFFF == 0 and version:
-        raise UnsupportedFormatError(f"{path} is a big-endian GGUF file; only little-endian files are supported.")
+        raise UnsupportedFormatError(f"{cur.path} is a big-endian GGUF file; only little-endian files are supported.")
     if version not in _VERSIONS:
-        raise UnsupportedFormatError(f"{path} is GGUF version {version}; supported versions are {_VERSIONS}.")
+        raise UnsupportedFormatError(f"{cur.path} is GGUF version {version}; supported versions are {_VERSIONS}.")
     n_tensors = cur.u64("tensor count")
     n_kv = cur.u64("metadata count")
     # Each entry takes at least 12 (key/value) or 24 (tensor) bytes: larger counts cannot fit the file.
@@ -348,6 +349,14 @@ def _parse(path: str, buf: mmap.mmap):
         raise cur.fail(f"it claims {n_kv} metadata entries, more than the file can hold or any real file has")
     if n_tensors * 24 > cur.size - cur.pos or n_tensors > _MAX_TENSORS:
         raise cur.fail(f"it claims {n_tensors} tensors, more than the file can hold or any real file has")
+    return n_tensors, n_kv
+
+
+def _parse(path: str, buf: mmap.mmap):
+    from gguf import GGML_QUANT_SIZES
+
+    cur = _Cursor(path, buf)
+    n_tensors, n_kv = _start(cur)
 
     metadata: dict = {}
     for _ in range(n_kv):
@@ -402,7 +411,9 @@ def _parse(path: str, buf: mmap.mmap):
     return metadata, tensors
 
 
-def _quant_type(path: str, name: str, raw_type: int) -> GGMLQuantizationType:
+def _quant_type(path: str, name: str, raw_type: int) -> "GGMLQuantizationType":
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
     try:
         qtype = GGMLQuantizationType(raw_type)
     except ValueError:

@@ -31,7 +31,7 @@ import torch
 from ..errors import CorruptFileError, UnsupportedFormatError
 from ..validate import JSON_LIMITS, Field, checked, parse_json
 from .dequant_steps import few_threads, fill_by_rows, output
-from .safetensors_file import DTYPES
+from .safetensors_file import torch_dtype
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 GGUF_TYPE = "weight_gguf_type"
@@ -166,14 +166,14 @@ def label(name: str, dtype: str, plain: str, declared: str | None) -> str:
                 f"{name} is declared as {declared!r} quantization (its comfy_quant tensor); the pack reads {known}. "
                 "Use a bf16, fp8 or NVFP4 file of this model."
             )
-        if DTYPES.get(dtype, (None, None))[1] not in found.dtypes:
+        if torch_dtype(dtype) not in found.dtypes:
             raise CorruptFileError(f"{name} is declared {declared!r} but stored as {dtype}; the file is damaged.")
         return found.label
-    torch_dtype = DTYPES.get(dtype, (None, None))[1]
-    guessed = next((f for f in FORMATS if f.guessed and torch_dtype in f.dtypes), None)
+    stored = torch_dtype(dtype)
+    guessed = next((f for f in FORMATS if f.guessed and stored in f.dtypes), None)
     if guessed is not None:
         return guessed.label
-    if name.endswith(".weight") and torch_dtype is not None and not torch_dtype.is_floating_point:
+    if name.endswith(".weight") and stored is not None and not stored.is_floating_point:
         raise UnsupportedFormatError(
             f"{name} is stored as {dtype} with no comfy_quant tensor saying how it is packed. Packed 4-bit weights "
             "differ between writers, so the pack does not guess: use a file written by ComfyUI (NVFP4 with its "

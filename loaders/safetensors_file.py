@@ -8,26 +8,32 @@ import os
 import struct
 from dataclasses import dataclass
 
-import torch
-
 from ..errors import CorruptFileError, UnsupportedFormatError
-from ..validate import JSON_LIMITS, describe, parse_json, reading, regular_file
+from ..validate import JSON_LIMITS, describe, open_regular, parse_json, reading
 
 
-# Each safetensors dtype: its plain name (packed formats are told apart by loaders/quant.py) and torch dtype.
+# Each safetensors dtype: its plain name (packed formats are told apart by loaders/quant.py), its size in bytes
+# and its torch dtype's name. torch is imported only to read tensors, so headers are checked without it.
 DTYPES = {
-    "BF16": ("bf16", torch.bfloat16),
-    "F16": ("fp16", torch.float16),
-    "F32": ("fp32", torch.float32),
-    "F64": ("fp64", torch.float64),
-    "F8_E4M3": ("float8_e4m3fn", torch.float8_e4m3fn),
-    "F8_E5M2": ("float8_e5m2", torch.float8_e5m2),
-    "U8": ("uint8", torch.uint8),
-    "I8": ("int8", torch.int8),
-    "I32": ("int32", torch.int32),
-    "I64": ("int64", torch.int64),
-    "BOOL": ("bool", torch.bool),
+    "BF16": ("bf16", 2, "bfloat16"),
+    "F16": ("fp16", 2, "float16"),
+    "F32": ("fp32", 4, "float32"),
+    "F64": ("fp64", 8, "float64"),
+    "F8_E4M3": ("float8_e4m3fn", 1, "float8_e4m3fn"),
+    "F8_E5M2": ("float8_e5m2", 1, "float8_e5m2"),
+    "U8": ("uint8", 1, "uint8"),
+    "I8": ("int8", 1, "int8"),
+    "I32": ("int32", 4, "int32"),
+    "I64": ("int64", 8, "int64"),
+    "BOOL": ("bool", 1, "bool"),
 }
+
+
+def torch_dtype(dtype: str):
+    """The torch dtype of a safetensors dtype name, or None for one the pack does not read."""
+    import torch
+
+    return getattr(torch, DTYPES[dtype][2]) if dtype in DTYPES else None
 
 
 @dataclass(frozen=True)
@@ -87,7 +93,7 @@ def _entry_reader(path: str, data_start: int, data_size: int):
             raise bad(f"points outside the file (bytes {start} to {end} of {data_size})")
         count = math.prod(shape)  # exact: Python integers do not overflow
         if dtype in DTYPES:
-            fits = count * DTYPES[dtype][1].itemsize == end - start
+            fits = count * DTYPES[dtype][1] == end - start
         else:  # a type the pack does not read: every real type takes at least a bit per element
             fits = count <= 8 * (end - start)
         if not fits:
@@ -101,11 +107,10 @@ def _is_size(value) -> bool:
     return type(value) is int and 0 <= value < 1 << 62
 
 
-def read_header(path: str) -> tuple[dict[str, TensorInfo], dict[str, str]]:
-    """{name: TensorInfo} and the string metadata of one .safetensors file."""
-    path = str(regular_file(path, "safetensors file"))
-    size = os.path.getsize(path)
-    with reading(path, "safetensors file"), open(path, "rb") as f:
+def _header_bytes(path: str, follow_links: bool = True) -> tuple[bytes, int]:
+    """The JSON header of a safetensors file, its length checked against the file and the bound first, and
+    the file's size."""
+    with open_regular(path, "safetensors file", follow_links=follow_links) as (f, size):
         raw = f.read(8)
         if len(raw) < 8:
             raise CorruptFileError(f"{path} is too short to be a safetensors file ({size} bytes).")
@@ -118,6 +123,16 @@ def read_header(path: str) -> tuple[dict[str, TensorInfo], dict[str, str]]:
                 "safetensors file at all; download it again."
             )
         data = f.read(length)
+    if len(data) < length:
+        raise CorruptFileError(f"{path} ended inside its safetensors header; the file is truncated. Download it again.")
+    return data, size
+
+
+def read_header(path: str) -> tuple[dict[str, TensorInfo], dict[str, str]]:
+    """{name: TensorInfo} and the string metadata of one .safetensors file."""
+    path = str(path)
+    data, size = _header_bytes(path)
+    length = len(data)
     data_start = 8 + length
     where = f"{path} (safetensors header)"
     header = parse_json(data, where, "header", _entry_reader(path, data_start, size - data_start))
@@ -137,12 +152,24 @@ def read_header(path: str) -> tuple[dict[str, TensorInfo], dict[str, str]]:
     return header, metadata
 
 
+def read_metadata(path: str, *, follow_links: bool = True) -> dict[str, str]:
+    """The string metadata of a safetensors file, from its header alone: its tensor entries are not checked
+    against the data, so a file cut short still tells what it is."""
+    data, _ = _header_bytes(str(path), follow_links)
+    header = parse_json(data, f"{path} (safetensors header)", "header")
+    metadata = header.get("__metadata__") if isinstance(header, dict) else None
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        raise CorruptFileError(f"{path}: the safetensors header holds no __metadata__ object of strings.")
+    return metadata
+
+
 class SafetensorsFiles:
     """One or more shards read as one checkpoint. A tensor is read on request, exactly its own bytes, into
     memory of its own: nothing else of the file is read (no read-ahead) or kept mapped, so what a load costs
     in reads and memory is what it keeps."""
 
     def __init__(self, paths: list[str]):
+        self.paths = [str(p) for p in paths]
         self.infos: dict[str, TensorInfo] = {}
         self.metadata: dict[str, str] = {}
         self._where: dict[str, str] = {}
@@ -158,12 +185,14 @@ class SafetensorsFiles:
                 self.infos[name] = info
                 self._where[name] = path
 
-    def read(self, name: str) -> torch.Tensor:
+    def read(self, name: str) -> "torch.Tensor":
         info, path = self.infos[name], self._where[name]
         if info.dtype not in DTYPES:
             raise UnsupportedFormatError(
                 f"{path}: tensor {name} is stored as {info.dtype}, a type the pack does not read."
             )
+        import torch
+
         out = torch.empty(info.nbytes, dtype=torch.uint8)
         with reading(path, "safetensors file"), open(path, "rb", buffering=0) as f:
             if hasattr(os, "posix_fadvise"):
@@ -171,4 +200,4 @@ class SafetensorsFiles:
             f.seek(info.start)
             if f.readinto(out.numpy()) != info.nbytes:
                 raise CorruptFileError(f"{path} ended inside tensor {name}; the file is truncated. Download it again.")
-        return out.view(DTYPES[info.dtype][1]).reshape(info.shape)
+        return out.view(torch_dtype(info.dtype)).reshape(info.shape)
