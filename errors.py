@@ -67,6 +67,10 @@ class VariantMismatchError(Flux2DevError):
     """Parts of different FLUX.2 variants were wired together (a Klein encoder into [dev], ...)."""
 
 
+class CacheError(Flux2DevError):
+    """The conditioning cache folder cannot be used as given (it holds other files, or is no folder)."""
+
+
 class HostError(Flux2DevError):
     """ComfyUI itself cannot serve: not found, too old for FLUX.2, or its server failed."""
 

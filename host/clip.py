@@ -26,11 +26,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..errors import HostError
+from ..errors import CacheError, HostError
 from ..loaders.conditioning_cache import (
     CACHE_DIR_ENV,
     ConditioningCache,
-    conditioning_key,
+    ConditioningKey,
     stat_signature,
     weights_fingerprint,
 )
@@ -163,14 +163,22 @@ def _compute_dtype(plan: EncoderPlan) -> torch.dtype:
 
 def cache_folder(choice: str = "") -> str:
     """The conditioning cache folder a node input names: empty for FLUX2DEV_CACHE_DIR, else a folder in the
-    host's user directory; a relative folder lies in the user directory, an absolute one anywhere."""
+    host's user directory; a relative folder lies in the user directory (a name that climbs out of it is
+    refused), an absolute one anywhere."""
     choice = os.path.expanduser(choice.strip() or os.environ.get(CACHE_DIR_ENV, "") or CACHE_FOLDER)
     if os.path.isabs(choice):
         return choice
     ensure_comfy()
     import folder_paths
 
-    return os.path.join(folder_paths.get_user_directory(), choice)
+    user = os.path.abspath(folder_paths.get_user_directory())
+    folder = os.path.normpath(os.path.join(user, choice))
+    if os.path.commonpath([user, folder]) != user:
+        raise CacheError(
+            f"The cache folder {choice!r} leads out of ComfyUI's user folder ({user}); a relative cache folder lies "
+            "inside it. Give a plain name, or an absolute path for a folder elsewhere."
+        )
+    return folder
 
 
 @dataclass(eq=False)
@@ -223,7 +231,7 @@ def _clip_class():
                 out = super().encode_from_tokens(tokens, return_pooled=return_pooled, return_dict=True)
                 tensors = {k: v for k, v in out.items() if isinstance(v, torch.Tensor)}
                 if key is not None and all(v is None or k in tensors or k == "hooks" for k, v in out.items()):
-                    _store(src.cache, key, tensors)
+                    src.cache.put(key, tensors)
             if not src.keep_loaded:
                 release_weights(self)
             if return_dict:
@@ -231,14 +239,6 @@ def _clip_class():
             return (out["cond"], out["pooled_output"]) if return_pooled else out["cond"]
 
     return Flux2DevCLIP
-
-
-def _store(cache: ConditioningCache, key: dict, tensors: dict) -> None:
-    try:
-        cache.put(key, tensors)
-    except OSError as e:  # a full disk or a read-only shared folder: the conditioning itself is right
-        logging.warning("FLUX.2 [dev] conditioning cache: could not store this prompt's conditioning in %s (%s).",
-                        cache.folder, e)
 
 
 def _cache_bypass(clip, tokens) -> str | None:
@@ -255,28 +255,33 @@ def _cache_bypass(clip, tokens) -> str | None:
     return None
 
 
-def _key(clip, tokens) -> dict:
+def _key(clip, tokens) -> ConditioningKey:
     """Everything that shapes this conditioning; computing it may read the weights once, to fingerprint them."""
     from ..loaders.variants import dev_variant_for_encoder
     from . import compat
 
     src = clip.flux2dev_source
     if src.fingerprint is None:
-        src.fingerprint = src.cache.known_fingerprint(stat_signature(src.plan.path))
+        src.fingerprint = src.cache.known_fingerprint(_signature(src.plan))
     if src.fingerprint is None:
         load_weights(clip)  # fingerprints what it reads
-    return conditioning_key(
+    return ConditioningKey(
         weights=src.fingerprint,
         layout=src.plan.layout,
-        formats=dict(sorted(src.plan.formats.items())),
+        formats=tuple(sorted(src.plan.formats.items())),
+        settings=tuple(sorted(model_config(src.plan).items())),
         vocabulary=src.tokenizer.tokenizer.vocab_digest,
         padding=src.padding,
-        tokens=[[[p[0], float(p[1])] for p in seq] for seq in tokens[CLIP_NAME]],
+        tokens=tuple(tuple((p[0], float(p[1])) for p in seq) for seq in tokens[CLIP_NAME]),
         dtype=str(src.dtype),
         device=clip.patcher.load_device.type,
-        layers=list(dev_variant_for_encoder(src.plan.geometry).encoder_layers),
+        layers=tuple(dev_variant_for_encoder(src.plan.geometry).encoder_layers),
         host=compat.host_version(),
     )
+
+
+def _signature(plan: EncoderPlan) -> str:
+    return stat_signature(plan.path, plan.source.files)
 
 
 def _build_clip(plan: EncoderPlan, tokenizer, *, padding: str, dtype: torch.dtype | None, keep_loaded: bool,
@@ -338,10 +343,11 @@ def load_weights(clip) -> None:
     # Planned again: the files may have been replaced since the CLIP was built, and the old plan's offsets
     # would then read the wrong bytes. The tokenizer is the CLIP's own and is not resolved again.
     with compat.load_progress():
-        state_dict = read_weights(plan_encoder(src.plan.path))
+        plan = plan_encoder(src.plan.path)
+        state_dict = read_weights(plan)
     src.fingerprint = None
     if src.cache is not None:
-        src.fingerprint = weights_fingerprint(src.cache, src.plan.path, lambda: state_dict)
+        src.fingerprint = weights_fingerprint(src.cache, _signature(plan), lambda: state_dict)
     # The weights are loaded here rather than in the constructor (which only logs missing keys), so that a
     # missing one stops the load.
     missing, _ = clip.load_sd(state_dict)

@@ -1,34 +1,46 @@
 """The conditioning cache: a prompt's conditioning, encoded once, kept on disk and served again without the
 encoder's weights.
 
-An entry is a safetensors file named by the hash of its key. The key (`conditioning_key`) is everything that
-changes the numbers: the content hash of the weights the encoder keeps, their layout and formats, the
-tokenizer's vocabulary, the token ids (template and padding mode included), the compute dtype and device
-class, the encoder layers read, the host's version and ENCODING_VERSION below. Each entry stores its own key
-and a checksum of its tensor bytes, so a damaged, truncated or foreign file is a miss, never wrong numbers.
+An entry is a safetensors file named by the hash of its key (`ConditioningKey`: everything that changes the
+numbers). Each entry stores its key and a checksum of key and tensors, so a damaged, truncated or foreign
+file is a miss, never wrong numbers. With FLUX2DEV_CACHE_SECRET set the checksum is an HMAC: entries written
+without the secret are misses, so a shared folder cannot be poisoned by someone who lacks it.
 
-Several processes may share one folder: entries are written under a temporary name in the folder and renamed
-into place (atomic on one file system), readers never see half a file, and the eviction pass (least
-recently used first, by the mtime a hit touches) holds an flock and tolerates files that vanish under it.
+The folder is the cache's own, and the cache touches nothing else in it:
+- it is refused when it holds files the cache did not write (a models folder, say), unless it carries the
+  cache's CACHEDIR.TAG, and even then only the cache's own names are ever written or deleted;
+- eviction deletes an entry only after proving the cache wrote it (its name is the hash of the key stored
+  inside it), and a temporary file only once its writer is gone (it no longer holds its lock);
+- every file is written under a fresh, unpredictable name created exclusively (never through a link) and
+  renamed into place, so readers never see half a file and a link planted at any name is replaced, never
+  written through;
+- every file is read through the bounded reader, opened without following links and without blocking;
+- a folder that cannot be written (read-only, full) still serves hits: stores are skipped with one warning,
+  and the weights' fingerprint is kept in memory for the process;
+- its lock is waited for a bounded time only; a lock file that is not a regular file is left alone.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import hashlib
+import hmac
 import json
+import logging
 import os
+import re
 import secrets
+import stat
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import ClassVar
 
-import torch
-
-from ..errors import Flux2DevError
-from ..validate import parse_json
-from .safetensors_file import SafetensorsFiles
+from ..errors import CacheError, Flux2DevError
+from ..validate import NOFOLLOW, Field, check_field, parse_json, read_bounded
+from .safetensors_file import SafetensorsFiles, read_metadata
 
 try:
     import fcntl
@@ -37,25 +49,110 @@ except ImportError:  # Windows: msvcrt's byte-range lock instead
     import msvcrt
 
 # Raise when the pack's encoding math changes (template, masking, layer choice ...): old entries then miss.
-ENCODING_VERSION = 1
+ENCODING_VERSION = 2
 CACHE_DIR_ENV = "FLUX2DEV_CACHE_DIR"
+SECRET_ENV = "FLUX2DEV_CACHE_SECRET"
 DEFAULT_MAX_BYTES = 20 * 2**30
-SUFFIX = ".safetensors"
-TEMP_SUFFIX = ".tmp"
-LOCK_FILE = ".lock"
-FINGERPRINTS = "fingerprints.json"  # stat signature of an encoder's files -> content hash of its kept weights
+MAX_ENTRY_BYTES = 1 << 30  # a batch of 8 full-length float32 conditionings is 252 MiB
+INDEX_LIMIT = 1 << 20  # the fingerprint index holds at most _FINGERPRINTS_KEPT short lines
+LOCK_WAIT_S = 10.0  # a lock held longer is someone else's problem: skip what needed it, this time
 _FINGERPRINTS_KEPT = 256
-_STALE_TEMP_S = 3600  # a temporary file this old belongs to a writer that died
+
+# The names the cache owns in its folder; it creates, replaces and deletes only these.
+SUFFIX = ".safetensors"
+ENTRY_NAME = re.compile(r"[0-9a-f]{64}\.safetensors")
+TEMP_NAME = re.compile(r"\.(?:[0-9a-f]{64}|fingerprints|tag)\.[0-9a-f]{32}\.tmp")
+FINGERPRINTS = "fingerprints.json"  # stat signature of an encoder's files -> content hash of its kept weights
+LOCK_FILE = ".lock"
+TAG = "CACHEDIR.TAG"  # https://bford.info/cachedir/: backup tools skip the folder, and it marks the folder as the cache's
+TAG_SIGNATURE = b"Signature: 8a477f597d28d172789f06886806bc55"
+TAG_TEXT = TAG_SIGNATURE + (
+    b"\n# This folder is a conditioning cache of ComfyUI-Flux2Dev (FLUX.2 [dev] text encoder).\n"
+    b"# Its entries can be deleted at any time; they are encoded again when needed.\n"
+    b"# For information about cache directory tags see https://bford.info/cachedir/\n"
+)
+OWN_NAMES = (FINGERPRINTS, LOCK_FILE, TAG)
+# What file managers leave in any folder they show: neither the cache's nor a reason to refuse the folder.
+OS_LITTER = frozenset({".DS_Store", "Thumbs.db", "desktop.ini", ".directory"})
 _KEY_META = "flux2dev_key"
 _CHECKSUM_META = "flux2dev_checksum"
-WEIGHT_FILES = (".safetensors", ".gguf")
+
+# Files are created exclusively (O_EXCL: whatever is at the name, a link included, makes it fail) and opened
+# without following a link at the last name and without blocking (a pipe opens at once, then is refused).
+_FLAGS = NOFOLLOW | getattr(os, "O_BINARY", 0) | getattr(os, "O_CLOEXEC", 0)
+_CREATE = os.O_CREAT | os.O_EXCL | _FLAGS
+_OPEN_EXISTING = getattr(os, "O_NONBLOCK", 0) | _FLAGS
+
+# Per process: folders that could not be written (warned about once), and the fingerprints this process
+# computed or read, which stand in for an index the folder cannot hold.
+_UNWRITABLE: dict[str, int] = {}
+_WARNED: set[tuple[str, str]] = set()
+_KNOWN_FINGERPRINTS: dict[str, str] = {}
 
 
-def _tensor_bytes(t: torch.Tensor):
+# --- the key ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ConditioningKey:
+    """Everything that shapes one prompt's conditioning."""
+
+    weights: str  # content hash of the weights the encoder keeps (tensors_digest)
+    layout: str
+    formats: tuple[tuple[str, int], ...]  # weight format -> tensors in it
+    settings: tuple[tuple[str, float], ...]  # the model settings the host runs with (rope theta, eps, heads ...)
+    vocabulary: str  # digest of the tokenizer's vocabulary
+    padding: str
+    tokens: tuple[tuple[tuple[int, float], ...], ...]  # per sequence: (id, weight)
+    dtype: str
+    device: str  # device type (cpu, cuda ...): kernels differ between them
+    layers: tuple[int, ...]  # the hidden states read
+    host: str  # the host's version
+    encoding_version: int = ENCODING_VERSION
+    kind: ClassVar[str] = "conditioning"
+
+    def to_json(self) -> str:
+        return json.dumps({"kind": self.kind, **asdict(self)}, sort_keys=True)
+
+
+# What `flux2dev cache` reads back from a stored key to list it; anything else in it is only compared.
+STORED_KEY_FIELDS = {
+    "kind": Field(str, max_len=32),
+    "weights": Field(str, max_len=64),
+    "layout": Field(str, max_len=64),
+    "padding": Field(str, max_len=32),
+    "dtype": Field(str, max_len=32),
+    "device": Field(str, max_len=32),
+    "tokens": Field(list, max_len=1 << 12),
+}
+
+
+def stored_key(key_json: str, where: str) -> dict | None:
+    """The listed fields of a stored key, each what STORED_KEY_FIELDS declares, and its token count; None
+    when the text is not such a key."""
+    try:
+        doc = parse_json(key_json, where, "config")
+        if not isinstance(doc, dict):
+            return None
+        out = {name: check_field(doc[name], f, where, name) for name, f in STORED_KEY_FIELDS.items() if name in doc}
+    except Flux2DevError:
+        return None
+    sequences = out.get("tokens", [])
+    out["tokens"] = sum(len(s) for s in sequences) if all(isinstance(s, list) for s in sequences) else None
+    return out
+
+
+def key_name(key_json: str) -> str:
+    return hashlib.sha256(key_json.encode()).hexdigest()
+
+
+def _tensor_bytes(t):
+    import torch
+
     return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
 
 
-def tensors_digest(tensors: dict[str, torch.Tensor]) -> str:
+def tensors_digest(tensors: dict) -> str:
     """sha256 over the tensors' names, dtypes, shapes and bytes, in name order."""
     h = hashlib.sha256()
     for name in sorted(tensors):
@@ -65,35 +162,43 @@ def tensors_digest(tensors: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-def conditioning_key(**parts) -> dict:
-    """The key of one conditioning: the parts given (all JSON values) and ENCODING_VERSION."""
-    return {"encoding_version": ENCODING_VERSION, **parts}
+def _secret() -> bytes | None:
+    secret = os.environ.get(SECRET_ENV, "")
+    return secret.encode() if secret else None
 
 
-def key_name(key: dict) -> str:
-    return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+def _seal(message: bytes) -> str:
+    """A checksum of `message`: keyed (HMAC) when the secret is set, so only its holders can make one."""
+    secret = _secret()
+    if secret is not None:
+        return "hmac-sha256:" + hmac.new(secret, message, "sha256").hexdigest()
+    return "sha256:" + hashlib.sha256(message).hexdigest()
 
 
-def weight_files(path: str) -> list[str]:
-    """The weight files of an encoder file or folder (every one below a folder), whose stat signature stands
-    for its content in the fingerprint index."""
-    if os.path.isfile(path):
-        return [path]
-    found = []
-    # Linked files count (os.stat follows them, as in the Hugging Face cache); linked folders are not walked,
-    # so a folder that links back into itself cannot multiply the walk.
-    for root, _, names in os.walk(path):
-        found += [os.path.join(root, n) for n in names if n.endswith(WEIGHT_FILES)]
-    return sorted(found)
+def _sealed(seal, message: bytes) -> bool:
+    return isinstance(seal, str) and hmac.compare_digest(seal, _seal(message))
 
 
-def stat_signature(path: str) -> str:
-    """Size, mtime and inode of each weight file: changes whenever a file is replaced or rewritten."""
+def _entry_seal_message(key_json: str, tensors: dict) -> bytes:
+    # The key is sealed with the tensors: another prompt's valid tensors copied under this key's name fail.
+    return key_json.encode() + b"\0" + tensors_digest(tensors).encode()
+
+
+# --- the weights' stat signature --------------------------------------------------------------------------
+
+
+def stat_signature(base: str, files) -> str:
+    """Size, mtime and inode of each weight file the encoder reads (names relative to `base`): changes
+    whenever one is replaced or rewritten."""
     stats = []
-    for f in weight_files(path):
+    folder = base if os.path.isdir(base) else os.path.dirname(base)
+    for f in sorted(files):
         s = os.stat(f)
-        stats.append([os.path.relpath(f, path) if f != path else "", s.st_size, s.st_mtime_ns, s.st_ino, s.st_dev])
+        stats.append([os.path.relpath(f, folder), s.st_size, s.st_mtime_ns, s.st_ino, s.st_dev])
     return hashlib.sha256(json.dumps(stats).encode()).hexdigest()
+
+
+# --- the folder -------------------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -101,159 +206,414 @@ class Entry:
     path: Path
     bytes: int
     last_used: float  # mtime, touched on every hit
+    key_json: str = field(repr=False)
+    inode: tuple[int, int] = field(repr=False)  # (st_dev, st_ino) when it was proved the cache's
+
+
+def _owned(name: str) -> bool:
+    return name in OWN_NAMES or ENTRY_NAME.fullmatch(name) is not None or TEMP_NAME.fullmatch(name) is not None
+
+
+def _regular(path: Path) -> os.stat_result | None:
+    """The stat of `path` itself when it is a regular file (a link, folder or pipe there: None)."""
+    try:
+        s = os.lstat(path)
+    except OSError:
+        return None
+    return s if stat.S_ISREG(s.st_mode) else None
 
 
 class ConditioningCache:
-    """One cache folder. `get` and `put` never raise for a damaged entry or a racing process: the worst is a
-    miss. A failure to write (a full disk, a read-only folder) is the caller's to report."""
+    """One cache folder. `get` and `put` never raise for a damaged entry, a racing process, or a folder that
+    cannot be written: the worst is a miss, or a store skipped with a warning. Opening a folder that holds
+    files the cache did not write raises CacheError."""
 
     def __init__(self, folder: str | os.PathLike, max_bytes: int = DEFAULT_MAX_BYTES):
         self.folder = Path(folder)
         self.max_bytes = max_bytes
+        self._made = False  # the folder and its tag are there
+        self._check_folder()
 
-    def path_of(self, key: dict) -> Path:
-        return self.folder / (key_name(key) + SUFFIX)
+    def _check_folder(self) -> None:
+        try:
+            names = os.listdir(self.folder)
+        except FileNotFoundError:
+            return  # made on the first store
+        except NotADirectoryError:
+            raise CacheError(f"{self.folder} is a file, not a folder; the conditioning cache needs a folder of its own.") from None
+        except OSError as e:
+            raise CacheError(f"{self.folder} cannot be read as the conditioning cache folder ({e.strerror}).") from None
+        foreign = sorted(n for n in names if not _owned(n) and n not in OS_LITTER)
+        if foreign and not self._tagged():
+            shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")
+            raise CacheError(
+                f"{self.folder} holds files the conditioning cache did not write ({shown}), so it is not used as a "
+                "cache: a cache deletes old entries to stay within its size, and this pack never touches files it "
+                "did not write. Give the cache a new or empty folder of its own (or leave the cache input empty "
+                "for the default one)."
+            )
+        self._warn_if_shared()
+
+    def _tagged(self) -> bool:
+        try:
+            return read_bounded(self.folder / TAG, 4096, "cache tag", follow_links=False).startswith(TAG_SIGNATURE)
+        except Flux2DevError:
+            return False
+
+    def _warn_if_shared(self) -> None:
+        if os.name != "posix" or _secret() is not None:
+            return
+        try:
+            s = os.stat(self.folder)
+        except OSError:
+            return
+        if s.st_mode & (stat.S_IWGRP | stat.S_IWOTH) or s.st_uid != os.geteuid():
+            self._warn_once(
+                "shared",
+                "FLUX.2 [dev] conditioning cache: %s can be written by other users, and anyone who can write it can "
+                "change the conditioning it serves. Make it writable by you alone, or set %s to the same secret in "
+                "every ComfyUI that shares it.", self.folder, SECRET_ENV,
+            )
+
+    def _warn_once(self, what: str, message: str, *args) -> None:
+        if (str(self.folder), what) not in _WARNED:
+            _WARNED.add((str(self.folder), what))
+            logging.warning(message, *args)
+
+    @property
+    def read_only(self) -> bool:
+        return str(self.folder) in _UNWRITABLE
+
+    def _cannot_write(self, e: OSError) -> None:
+        """A store or index write failed: say so once; a folder that cannot be written is not tried again."""
+        if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):
+            _UNWRITABLE[str(self.folder)] = e.errno
+            self._warn_once("read-only", "FLUX.2 [dev] conditioning cache: %s cannot be written (%s); it is used "
+                            "read-only: prompts it holds are served, new ones are not stored.", self.folder, e.strerror)
+        else:
+            self._warn_once(f"write {e.errno}", "FLUX.2 [dev] conditioning cache: could not store in %s (%s); "
+                            "prompts it holds are still served.", self.folder, e.strerror or e)
+
+    def path_of(self, key: ConditioningKey) -> Path:
+        return self.folder / (key_name(key.to_json()) + SUFFIX)
 
     # --- entries ---------------------------------------------------------------------------------------
 
-    def get(self, key: dict) -> dict[str, torch.Tensor] | None:
-        """The tensors stored under `key`, or None (absent, damaged, or another key's file)."""
-        path = self.path_of(key)
-        if not path.exists():
+    def get(self, key: ConditioningKey) -> dict | None:
+        """The tensors stored under `key`, or None (absent, damaged, another key's file, or not a file)."""
+        key_json = key.to_json()
+        path = self.folder / (key_name(key_json) + SUFFIX)
+        tensors = self._load(path, key_json)
+        if tensors is not None:
+            # LRU: a hit is a use. Of the entry itself: where utime can be told not to follow a link, it is.
+            with contextlib.suppress(OSError):
+                os.utime(path, follow_symlinks=os.utime not in os.supports_follow_symlinks)
+        return tensors
+
+    def read(self, entry: Entry) -> dict | None:
+        """An entry's tensors, or None when they no longer match its seal (damaged, or sealed with another
+        secret)."""
+        return self._load(entry.path, entry.key_json)
+
+    def _load(self, path: Path, key_json: str) -> dict | None:
+        s = _regular(path)
+        if s is None or s.st_size > MAX_ENTRY_BYTES:
             return None
         try:  # the pack's own checked reader: whatever is wrong with the file is its error, and a miss
             files = SafetensorsFiles([str(path)])
-            if files.metadata.get(_KEY_META) != json.dumps(key, sort_keys=True):
+            if files.metadata.get(_KEY_META) != key_json:
                 return None
             tensors = {name: files.read(name) for name in files.infos}
         except Flux2DevError:
             return None
-        if files.metadata.get(_CHECKSUM_META) != tensors_digest(tensors):  # damaged, or replaced while read
-            return None
-        with contextlib.suppress(OSError):  # LRU: a hit is a use
-            os.utime(path)
+        if not _sealed(files.metadata.get(_CHECKSUM_META), _entry_seal_message(key_json, tensors)):
+            return None  # damaged, replaced while read, or sealed without (or with another) secret
         return tensors
 
-    def put(self, key: dict, tensors: dict[str, torch.Tensor]) -> Path:
-        """Store `tensors` under `key` atomically (replacing a damaged entry), then evict down to max_bytes."""
+    def put(self, key: ConditioningKey, tensors: dict) -> Path | None:
+        """Store `tensors` under `key` (replacing a damaged entry), then evict down to max_bytes. None when the
+        folder cannot take it (read-only, full: warned about once)."""
+        if self.read_only:
+            return None
         from safetensors.torch import save
 
-        self.folder.mkdir(parents=True, exist_ok=True)
+        key_json = key.to_json()
         tensors = {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
-        meta = {_KEY_META: json.dumps(key, sort_keys=True), _CHECKSUM_META: tensors_digest(tensors)}
-        path = self.path_of(key)
-        temp = path.with_name(f".{path.stem}.{os.getpid()}.{secrets.token_hex(4)}{TEMP_SUFFIX}")
+        meta = {_KEY_META: key_json, _CHECKSUM_META: _seal(_entry_seal_message(key_json, tensors))}
+        name = key_name(key_json)
         try:
-            with open(temp, "wb") as f:
-                f.write(save(tensors, metadata=meta))
+            self._make_folder()
+            self._write(name + SUFFIX, name, lambda: save(tensors, metadata=meta))
+        except OSError as e:
+            self._cannot_write(e)
+            return None
+        self.evict()
+        return self.folder / (name + SUFFIX)
+
+    def _make_folder(self) -> None:
+        if self._made:
+            return
+        self.folder.mkdir(parents=True, exist_ok=True)
+        if not self._tagged():
+            # The tag only marks the folder; a folder where it cannot be written (a folder is at its name)
+            # still takes entries, and one that takes nothing fails at the entry.
+            with contextlib.suppress(OSError):
+                self._write(TAG, "tag", lambda: TAG_TEXT)
+        self._made = True
+
+    def _write(self, name: str, stem: str, content) -> None:
+        """`content()`'s bytes at `name`, through a fresh temporary file renamed into place."""
+        fd, temp = _fresh(self.folder, stem)
+        try:
+            with open(fd, "wb", closefd=False) as f:
+                f.write(content())
                 f.flush()
                 os.fsync(f.fileno())
-            os.replace(temp, path)
+            os.replace(temp, self.folder / name)  # replaces a link or file at the name, never writes through it
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(temp)
+            raise
         finally:
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(temp)
-        self.evict()
-        return path
+            os.close(fd)  # its lock goes with it, once the file is in place
 
     def entries(self) -> list[Entry]:
-        """The entries, least recently used first; files that vanish while listed are left out."""
+        """The cache's own entries, least recently used first: regular files whose name is the hash of the key
+        stored in them. Anything else (a folder, a link, a pipe, someone else's file) is not one."""
         found = []
-        for p in self.folder.glob("*" + SUFFIX):
-            with contextlib.suppress(FileNotFoundError):
-                s = p.stat()
-                found.append(Entry(p, s.st_size, s.st_mtime))
+        try:
+            listing = list(os.scandir(self.folder))
+        except OSError:
+            return []
+        for item in listing:
+            if ENTRY_NAME.fullmatch(item.name) is None:
+                continue
+            path = Path(item.path)
+            s = _regular(path)
+            if s is None or s.st_size > MAX_ENTRY_BYTES:
+                continue
+            try:
+                key_json = read_metadata(path, follow_links=False).get(_KEY_META)
+            except Flux2DevError:
+                continue
+            if isinstance(key_json, str) and key_name(key_json) + SUFFIX == item.name:
+                found.append(Entry(path, s.st_size, s.st_mtime, key_json, (s.st_dev, s.st_ino)))
         return sorted(found, key=lambda e: e.last_used)
 
-    def describe(self, entry: Entry) -> dict | None:
-        """An entry's stored key, or None when the file is not a readable entry."""
+    def others(self) -> list[str]:
+        """Names in the folder that are neither entries nor the cache's own files: what it leaves alone."""
+        with contextlib.suppress(OSError):
+            entries = {e.path.name for e in self.entries()}
+            return sorted(n for n in os.listdir(self.folder) if n not in entries and n not in OWN_NAMES
+                          and TEMP_NAME.fullmatch(n) is None and n not in OS_LITTER)
+        return []
+
+    def _delete(self, entry: Entry) -> bool:
+        """Delete an entry if the file at its name is still the one proved the cache's."""
+        s = _regular(entry.path)
+        if s is None or (s.st_dev, s.st_ino) != entry.inode:
+            return False
         try:
-            key = parse_json(SafetensorsFiles([str(entry.path)]).metadata[_KEY_META], str(entry.path), "config")
-        except (Flux2DevError, KeyError):
-            return None
-        return key if isinstance(key, dict) else None
+            entry.path.unlink()
+        except FileNotFoundError:
+            return False
+        except OSError as e:
+            self._cannot_write(e)
+            return False
+        return True
+
+    def prune(self) -> list[Path]:
+        """Delete the entries whose tensors no longer match their seal (damaged, or sealed with another
+        secret); returns what was deleted."""
+        return [e.path for e in self.entries() if self.read(e) is None and self._delete(e)]
 
     def evict(self, max_bytes: int | None = None) -> list[Path]:
-        """Delete least recently used entries until the folder holds at most max_bytes (default: the cache's
-        limit), and temporary files left by writers that died. Returns what was deleted."""
+        """Delete least recently used entries until the folder's entries and live temporary files take at most
+        max_bytes (default: the cache's limit), and the temporary files of writers that are gone. Returns what
+        was deleted."""
         limit = self.max_bytes if max_bytes is None else max_bytes
-        removed = []
-        with self.locked():
-            now = time.time()
-            for temp in self.folder.glob(".*" + TEMP_SUFFIX):
-                with contextlib.suppress(FileNotFoundError):
-                    if now - temp.stat().st_mtime > _STALE_TEMP_S:
-                        temp.unlink()
+        removed: list[Path] = []
+        with self._locked() as held:
+            if held is False or self.read_only:
+                return removed
+            total = 0
+            for temp in self._temps():
+                live = _live_writer_bytes(temp)
+                if live is None:
+                    removed.append(temp)
+                else:
+                    total += live
             entries = self.entries()
-            total = sum(e.bytes for e in entries)
+            total += sum(e.bytes for e in entries)
             for e in entries:
                 if total <= limit:
                     break
-                with contextlib.suppress(FileNotFoundError):
-                    e.path.unlink()
+                if self._delete(e):
                     removed.append(e.path)
-                total -= e.bytes
+                    total -= e.bytes
         return removed
 
+    def _temps(self) -> list[Path]:
+        with contextlib.suppress(OSError):
+            return [self.folder / n for n in os.listdir(self.folder) if TEMP_NAME.fullmatch(n)]
+        return []
+
     @contextlib.contextmanager
-    def locked(self) -> Iterator[None]:
-        """The folder's lock, held by one process at a time (eviction and the fingerprint index)."""
-        self.folder.mkdir(parents=True, exist_ok=True)
-        with open(self.folder / LOCK_FILE, "a+") as f:
-            _lock(f.fileno())
+    def _locked(self) -> Iterator[bool | None]:
+        """The folder's lock: yields True when held, False when another process kept it past LOCK_WAIT_S, and
+        None when there is no regular lock file to hold (a link, folder or pipe is at its name, or the folder
+        cannot be written); the caller then goes on without it."""
+        fd = _open_lock(self.folder / LOCK_FILE)
+        if fd is None:
+            yield None
+            return
+        try:
+            deadline = time.monotonic() + LOCK_WAIT_S
+            held = _try_lock(fd)
+            while not held and time.monotonic() < deadline:
+                time.sleep(0.05)
+                held = _try_lock(fd)
             try:
-                yield
+                yield held
             finally:
-                _unlock(f.fileno())
+                if held:
+                    _unlock(fd)
+        finally:
+            os.close(fd)
 
     # --- weights fingerprints ----------------------------------------------------------------------------
 
     def known_fingerprint(self, signature: str) -> str | None:
-        return self._fingerprints().get(signature)
+        return _KNOWN_FINGERPRINTS.get(signature) or self._read_index().get(signature)
 
     def remember_fingerprint(self, signature: str, fingerprint: str) -> None:
-        with self.locked():
-            index = self._fingerprints()
-            index.pop(signature, None)
-            index[signature] = fingerprint  # newest last: the oldest go first
-            kept = dict(list(index.items())[-_FINGERPRINTS_KEPT:])
-            temp = self.folder / f".{FINGERPRINTS}.{os.getpid()}{TEMP_SUFFIX}"
-            temp.write_text(json.dumps(kept))
-            os.replace(temp, self.folder / FINGERPRINTS)
+        """Record a fingerprint in memory for this process, and in the folder's index where it can be written."""
+        _KNOWN_FINGERPRINTS[signature] = fingerprint
+        if self.read_only:
+            return
+        try:
+            self._make_folder()
+            with self._locked() as held:
+                if held is False:
+                    return
+                index = self._read_index()
+                index.pop(signature, None)
+                index[signature] = fingerprint  # newest last: the oldest go first
+                kept = dict(list(index.items())[-_FINGERPRINTS_KEPT:])
+                self._write(FINGERPRINTS, "fingerprints", lambda: _index_text(kept))
+        except OSError as e:
+            self._cannot_write(e)
 
-    def _fingerprints(self) -> dict[str, str]:
+    def _read_index(self) -> dict[str, str]:
+        """The folder's fingerprint index; empty when absent, damaged, not a regular file, or (with the secret
+        set) not sealed with it."""
         path = self.folder / FINGERPRINTS
         try:
-            index = parse_json(path.read_bytes(), str(path), "config")
-        except (OSError, Flux2DevError):  # absent or damaged: fingerprints are hashed again
+            doc = parse_json(read_bounded(path, INDEX_LIMIT, "fingerprint index", follow_links=False), str(path), "config")
+        except Flux2DevError:
             return {}
-        return {k: v for k, v in index.items() if isinstance(v, str)} if isinstance(index, dict) else {}
+        index = doc.get("fingerprints") if isinstance(doc, dict) else None
+        if not isinstance(index, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in index.items()):
+            return {}
+        if _secret() is not None and not _sealed(doc.get("seal"), _index_message(index)):
+            return {}
+        return index
 
 
-def _lock(fd: int) -> None:
-    if fcntl is not None:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        return
-    os.lseek(fd, 0, os.SEEK_SET)  # msvcrt locks bytes from the current position: always the first one
-    while True:  # msvcrt gives up after 10 s of waiting; keep waiting as flock does
+def _index_message(index: dict[str, str]) -> bytes:
+    return json.dumps(list(index.items())).encode()
+
+
+def _index_text(index: dict[str, str]) -> bytes:
+    return json.dumps({"fingerprints": index, "seal": _seal(_index_message(index))}).encode()
+
+
+def _fresh(folder: Path, stem: str) -> tuple[int, Path]:
+    """A new, locked file in `folder` under an unpredictable name, created exclusively (a link or anything
+    else already at the name makes creation fail, and another name is drawn)."""
+    for _ in range(16):
+        temp = folder / f".{stem}.{secrets.token_hex(16)}.tmp"
         try:
-            msvcrt.locking(fd, msvcrt.LK_LOCK, 1)
-            return
-        except OSError:
+            fd = os.open(temp, os.O_WRONLY | _CREATE, 0o644)
+        except FileExistsError:
             continue
+        # Locked at once, so that eviction knows a live writer; a temporary file deleted before that (by an
+        # eviction that found it unlocked) is given up for another.
+        if _try_lock(fd) and os.fstat(fd).st_nlink > 0:
+            return fd, temp
+        os.close(fd)
+    raise OSError(errno.EEXIST, "no fresh temporary file name could be created")
+
+
+def _live_writer_bytes(path: Path) -> int | None:
+    """The size of a temporary file whose writer still holds its lock; a writer that is gone (killed
+    mid-write) left it unlocked, and it is deleted: None. A name that is no regular file counts 0."""
+    try:
+        fd = os.open(path, os.O_RDONLY | _OPEN_EXISTING)
+    except OSError:
+        return 0
+    try:
+        s = os.fstat(fd)
+        if not stat.S_ISREG(s.st_mode):
+            return 0
+        if not _try_lock(fd):
+            return s.st_size
+        now = _regular(path)
+        if now is None or (now.st_dev, now.st_ino) != (s.st_dev, s.st_ino):
+            return 0  # replaced or renamed meanwhile: not this file any more
+        try:
+            path.unlink()
+        except OSError:
+            return 0
+        return None
+    finally:
+        os.close(fd)
+
+
+def _open_lock(path: Path) -> int | None:
+    """The lock file, created exclusively if absent; None when what is at its name is not a regular file or
+    it cannot be opened for writing."""
+    try:
+        fd = os.open(path, os.O_RDWR | _CREATE, 0o644)
+    except FileExistsError:
+        try:
+            fd = os.open(path, os.O_RDWR | _OPEN_EXISTING)
+        except OSError:
+            return None
+    except OSError:
+        return None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        return None
+    return fd
+
+
+def _try_lock(fd: int) -> bool:
+    """Take the exclusive lock without waiting: False only when another holder has it (a file system without
+    locks counts as free)."""
+    try:
+        if fcntl is not None:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        else:
+            os.lseek(fd, 0, os.SEEK_SET)  # msvcrt locks bytes from the current position: always the first one
+            msvcrt.locking(fd, msvcrt.LK_NBLCK, 1)
+    except OSError as e:
+        return e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES, errno.EDEADLK)
+    return True
 
 
 def _unlock(fd: int) -> None:
-    if fcntl is not None:
-        fcntl.flock(fd, fcntl.LOCK_UN)
-    else:
-        os.lseek(fd, 0, os.SEEK_SET)
-        msvcrt.locking(fd, msvcrt.LK_UNLCK, 1)
+    with contextlib.suppress(OSError):
+        if fcntl is not None:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        else:
+            os.lseek(fd, 0, os.SEEK_SET)
+            msvcrt.locking(fd, msvcrt.LK_UNLCK, 1)
 
 
-def weights_fingerprint(cache: ConditioningCache, path: str, state_dict) -> str:
-    """The content hash of an encoder's kept weights: from the cache's index when its files are unchanged,
-    else hashed from `state_dict()` (called only then: it may read the weights) and remembered."""
-    signature = stat_signature(path)
+def weights_fingerprint(cache: ConditioningCache, signature: str, state_dict) -> str:
+    """The content hash of an encoder's kept weights: from memory or the cache's index when its files are
+    unchanged, else hashed from `state_dict()` (called only then: it may read the weights) and remembered."""
     known = cache.known_fingerprint(signature)
     if known is None:
         known = tensors_digest(state_dict())

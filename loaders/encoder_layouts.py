@@ -120,6 +120,7 @@ class Source:
     read: Callable[[str], torch.Tensor]
     nbytes: Callable[[str], int]
     settings: dict
+    files: tuple[str, ...]  # the weight files the tensors are read from
     architecture: str | None = None  # GGUF only
     # The state-dict entries (host name -> tensor) of a stored tensor: the tensor as read, or for GGUF the
     # tensor and its packing companion (quant.from_gguf).
@@ -137,7 +138,7 @@ def _logical(label: str, shape: tuple[int, ...]) -> tuple[int, ...]:
 def _files_source(files: SafetensorsFiles, settings: dict) -> Source:
     labels = quant.labels(files)
     entries = {k: (labels[k], _logical(labels[k], v.shape)) for k, v in files.infos.items()}
-    return Source(entries, files.read, lambda k: files.infos[k].nbytes, settings)
+    return Source(entries, files.read, lambda k: files.infos[k].nbytes, settings, tuple(files.paths))
 
 
 def _safetensors_source(paths: list[str], settings: dict) -> Source:
@@ -181,6 +182,7 @@ def _gguf_source(ck: Checkpoint) -> Source:
         lambda name: quant.from_gguf(name, gguf.tensors[name])[name],
         lambda name: gguf.tensors[name].nbytes,
         gguf.metadata,
+        (ck.path,),
         gguf.architecture,
         entries_of=lambda host, name: quant.from_gguf(host, gguf.tensors[name]),
     )

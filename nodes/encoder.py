@@ -43,9 +43,10 @@ class Flux2DevEncoderLoader(io.ComfyNode):
                     optional=True,
                     tooltip="The conditioning cache folder: each prompt is encoded once and served from here after "
                     "that, without reading the encoder's weights. Empty: the FLUX2DEV_CACHE_DIR folder if set, else "
-                    "flux2dev-conditioning-cache in ComfyUI's user folder; a relative folder lies in the user folder. "
-                    "Several ComfyUI instances may share one folder (an absolute path, e.g. on a shared drive). A CLIP "
-                    "with a LoRA applied bypasses the cache.",
+                    "flux2dev-conditioning-cache in ComfyUI's user folder; a relative folder lies inside the user "
+                    "folder. It must be a folder of the cache's own: one holding other files (a models folder) is "
+                    "refused. Several ComfyUI instances may share one folder (an absolute path, e.g. on a shared "
+                    "drive). A CLIP with a LoRA applied bypasses the cache.",
                 ),
                 io.Boolean.Input(
                     "keep_loaded",

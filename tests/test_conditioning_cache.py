@@ -13,7 +13,9 @@ import sys
 import pytest
 import torch
 
-from comfyui_flux2dev.loaders.conditioning_cache import ConditioningCache, conditioning_key, tensors_digest, weights_fingerprint
+from comfyui_flux2dev.loaders.conditioning_cache import ConditioningCache, stat_signature, tensors_digest, weights_fingerprint
+
+from cache_keys import key_of
 
 PROMPT = "a red fox in the snow"
 BF16 = "text_encoders/mistral_3_small_flux2_bf16.safetensors"
@@ -23,7 +25,7 @@ BF16 = "text_encoders/mistral_3_small_flux2_bf16.safetensors"
 
 def test_entries_round_trip_and_a_foreign_or_damaged_file_is_a_miss(tmp_path):
     cache = ConditioningCache(tmp_path)
-    key, other = conditioning_key(prompt="a"), conditioning_key(prompt="b")
+    key, other = key_of("a"), key_of("b")
     values = {"cond": torch.randn(1, 7, 12), "attention_mask": torch.ones(1, 7, dtype=torch.long)}
     path = cache.put(key, values)
     got = cache.get(key)
@@ -37,12 +39,12 @@ def test_entries_round_trip_and_a_foreign_or_damaged_file_is_a_miss(tmp_path):
     assert cache.get(key) is None
     path.write_bytes(bytes(data[: len(data) // 2]))
     assert cache.get(key) is None
-    assert cache.describe(cache.entries()[0]) in (key, other, None)
+    assert [e.path for e in cache.entries()] == [], "a damaged file whose name is not its key's hash is no entry"
 
 
 def test_eviction_drops_the_least_recently_used_first(tmp_path):
     cache = ConditioningCache(tmp_path)
-    keys = [conditioning_key(prompt=str(i)) for i in range(4)]
+    keys = [key_of(str(i)) for i in range(4)]
     for i, key in enumerate(keys):
         cache.put(key, {"cond": torch.full((1, 256), float(i))})
         os.utime(cache.path_of(key), (1000 + i, 1000 + i))
@@ -64,11 +66,15 @@ def test_a_known_file_is_never_hashed_again(tmp_path):
         calls.append(1)
         return state
 
-    first = weights_fingerprint(cache, str(weights), read)
+    def signature():
+        return stat_signature(str(weights), [str(weights)])
+
+    first = weights_fingerprint(cache, signature(), read)
     assert first == tensors_digest(state)
-    assert weights_fingerprint(cache, str(weights), read) == first and len(calls) == 1
+    assert weights_fingerprint(cache, signature(), read) == first and len(calls) == 1
+    assert weights_fingerprint(ConditioningCache(tmp_path / "other"), signature(), read) == first and len(calls) == 1
     os.utime(weights, (1, 1))  # touched: the file may have changed
-    weights_fingerprint(cache, str(weights), read)
+    weights_fingerprint(cache, signature(), read)
     assert len(calls) == 2
 
 
@@ -206,8 +212,8 @@ def test_a_damaged_entry_is_a_miss_and_is_replaced(comfy_host, encoder, tmp_path
     clip = _lazy(encoder, cache)
     assert torch.equal(_encode(clip), fresh)
     assert clip.flux2dev_source.loaded, "the damaged entry was not served"
-    key = ConditioningCache(cache).describe(ConditioningCache(cache).entries()[0])
-    assert torch.equal(ConditioningCache(cache).get(key)["cond"], fresh)
+    (entry,) = ConditioningCache(cache).entries()
+    assert torch.equal(ConditioningCache(cache).read(entry)["cond"], fresh)
 
 
 FILL = """
@@ -234,8 +240,7 @@ def test_two_processes_filling_one_cache_leave_only_valid_entries(comfy_host, en
     assert len(entries) == len(prompts)
     assert not list(cache.glob(".*.tmp"))
     for entry in entries:
-        key = store.describe(entry)
-        assert key is not None and store.path_of(key) == entry.path and store.get(key) is not None
+        assert store.read(entry) is not None
     clip = _lazy(encoder, cache)
     for prompt in prompts:
         cached = _encode(clip, prompt)
@@ -248,7 +253,7 @@ def test_tokens_are_part_of_the_key_through_the_template(comfy_host, encoder, tm
     cache = tmp_path / "cache"
     clip = _lazy(encoder, cache)
     _encode(clip)
-    key = ConditioningCache(cache).describe(ConditioningCache(cache).entries()[0])
+    key = json.loads(ConditioningCache(cache).entries()[0].key_json)
     ids = [pair[0] for pair in clip.tokenize(PROMPT)["mistral3_24b"][0]]
     assert [t[0] for t in key["tokens"][0]] == ids
     assert key["vocabulary"] == clip.flux2dev_source.tokenizer.tokenizer.vocab_digest
