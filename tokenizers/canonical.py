@@ -69,9 +69,37 @@ class Flux2Tokenizer:
         self.num_special_tokens = len(vocab.specials)
         self.vocab_size = len(vocab.specials) + len(vocab.ranks)
         self.vocab_digest = vocab.digest
+        # How far before the end of a cut text its tokens may differ from the whole text's: a special string
+        # cut in two, and the split pattern's look at the next character.
+        self._cut_margin = max(map(len, vocab.specials), default=0) + 3
 
-    def encode(self, text: str) -> list[int]:
-        return self.backend.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, limit: int | None = None) -> list[int]:
+        """The reference ids of `text`, without BOS; with `limit`, only its first `limit` ids, for which only
+        as much of a long text is tokenized as they need."""
+        if limit is None:
+            return self.backend.encode(text, add_special_tokens=False).ids
+        size = 16 * limit + 4 * self._cut_margin
+        while size < len(text):
+            ids = self._leading_ids(text[:size], size - self._cut_margin)
+            if len(ids) >= limit:
+                return ids[:limit]
+            size *= 4
+        return self.backend.encode(text, add_special_tokens=False).ids[:limit]
+
+    def _leading_ids(self, head: str, safe: int) -> list[int]:
+        """The ids of the words of `head` that end by character `safe`: the same as the whole text's first ids.
+        Words (the split pattern's pieces, and special tokens) are tokenized each on its own, and a word that
+        ends before the cut margin was split and tokenized exactly as in the whole text."""
+        enc = self.backend.encode(head, add_special_tokens=False)
+        ends: dict = {}
+        for i, (word, (_, end)) in enumerate(zip(enc.word_ids, enc.offsets)):
+            ends[i if word is None else word] = end
+        kept = []
+        for i, (token, word) in enumerate(zip(enc.ids, enc.word_ids)):
+            if ends[i if word is None else word] > safe:
+                break
+            kept.append(token)
+        return kept
 
     def decode(self, ids: list[int]) -> str:
         return self.backend.decode(ids, skip_special_tokens=False)

@@ -50,13 +50,15 @@ def prompt_ids(tokenizer: Flux2Tokenizer, prompt: str, padding: str, pieces: Pie
     if padding == "comfy":
         ids = [BOS_ID, *(i for piece in pieces(prompt) for i in tokenizer.encode(piece))]
         return ids, [1] * len(ids)
+    system = tokenizer.encode(SYSTEM_PROMPT)
+    room = MAX_LENGTH - len(system) - 4  # what the cut at MAX_LENGTH leaves of the prompt: no more is tokenized
     ids = [
         BOS_ID,
         SYSTEM_PROMPT_ID,
-        *tokenizer.encode(SYSTEM_PROMPT),
+        *system,
         SYSTEM_PROMPT_END_ID,
         INST_ID,
-        *tokenizer.encode(prompt.replace(IMAGE_MARKER, "")),
+        *tokenizer.encode(prompt.replace(IMAGE_MARKER, ""), limit=max(room, 0)),
         INST_END_ID,
     ][:MAX_LENGTH]
     pads = MAX_LENGTH - len(ids)
