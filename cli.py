@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -31,10 +32,9 @@ def _tiny(args) -> None:
 
 
 def _read_prompts(args) -> list[str]:
-    if args.prompts:
-        lines = Path(args.prompts).read_text(encoding="utf-8").splitlines()
-        return [json.loads(line) for line in lines if line.strip()]
-    return [args.prompt]
+    from .loaders.files import read_prompts
+
+    return read_prompts(args.prompts) if args.prompts else [args.prompt]
 
 
 def _tokenize(args) -> None:
@@ -81,49 +81,52 @@ def _fill_cache(clip, prompts: list[str], folder: str) -> None:
     print(f"{len(prompts)} prompts: {new} encoded into {folder}, the others were already cached")
 
 
+_SIZE = re.compile(r"(\d+(?:\.\d+)?)([KMGT]?)", re.IGNORECASE)
+_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
 def _size(text: str) -> int:
-    """Bytes from "500M", "20G", "1.5T" or a plain number."""
-    units = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
-    text = text.strip().upper().removesuffix("B").removesuffix("I")
-    try:
-        return int(float(text[:-1]) * units[text[-1]]) if text[-1:] in units else int(text)
-    except ValueError:
-        raise UsageError(f"{text!r} is not a size; write it as bytes or with K, M, G or T (for example 20G).") from None
+    """Bytes from a positive size: a number, or one followed by K, M, G or T (powers of 1024): 500M, 20G, 1.5T."""
+    match = _SIZE.fullmatch(text.strip())
+    size = int(float(match[1]) * _UNITS[match[2].upper()]) if match else 0
+    if size <= 0:
+        raise UsageError(f"{text!r} is not a size; write a positive number of bytes, or one followed by K, M, G or "
+                         "T (powers of 1024), for example 500M or 20G.")
+    return size
 
 
 def _cache(args) -> None:
-    from .loaders.conditioning_cache import ConditioningCache
+    from .loaders.conditioning_cache import ConditioningCache, stored_key
 
+    limit = _size(args.max_size) if args.max_size is not None else None
     if not Path(args.dir).is_dir():
         raise UsageError(f"{args.dir} is not a folder; give a conditioning cache folder.")
-    cache = ConditioningCache(args.dir)
-    removed = []
-    if args.prune:  # entries that fail their own check: damaged, truncated or foreign files
-        for entry in cache.entries():
-            key = cache.describe(entry)
-            if key is None or cache.get(key) is None:
-                entry.path.unlink(missing_ok=True)
-                removed.append(entry.path)
-    if args.max_size is not None:
-        removed += cache.evict(_size(args.max_size))
+    cache = ConditioningCache(args.dir)  # refused when it holds files the cache did not write
+    removed = cache.prune() if args.prune else []  # entries that fail their own check: damaged or truncated
+    if limit is not None:
+        removed += cache.evict(limit)
     rows = []
     for entry in cache.entries():
-        key = cache.describe(entry) or {}
+        key = stored_key(entry.key_json, str(entry.path)) or {}
         rows.append({"file": entry.path.name, "bytes": entry.bytes, "last_used": entry.last_used,
-                     "tokens": sum(len(seq) for seq in key.get("tokens", [])), "padding": key.get("padding"),
-                     "dtype": key.get("dtype"), "device": key.get("device"), "layout": key.get("layout"),
+                     "tokens": key.get("tokens"), "padding": key.get("padding"), "dtype": key.get("dtype"),
+                     "device": key.get("device"), "layout": key.get("layout"),
                      "weights": (key.get("weights") or "?")[:12]})
+    others = cache.others()
     if args.json:
-        print(json.dumps({"entries": rows, "removed": [p.name for p in removed]}))
+        print(json.dumps({"entries": rows, "removed": [p.name for p in removed], "left_alone": others}))
         return
     import datetime
 
     for r in rows:
         used = datetime.datetime.fromtimestamp(r["last_used"]).isoformat(sep=" ", timespec="seconds")
-        print(f"{r['file'][:16]}  {r['bytes'] / 2**20:8.1f} MiB  {used}  {r['tokens']:>5} tokens  {r['padding']}  "
+        print(f"{r['file'][:16]}  {r['bytes'] / 2**20:8.1f} MiB  {used}  {r['tokens'] or '?':>5} tokens  {r['padding']}  "
               f"{r['dtype']}  {r['device']}  {r['layout']}  weights {r['weights']}")
     total = sum(r["bytes"] for r in rows)
     print(f"{len(rows)} entries, {total / 2**20:.1f} MiB" + (f"; removed {len(removed)}" if removed else ""))
+    if others:
+        print(f"{len(others)} other name(s) in the folder, not the cache's, left alone: {', '.join(others[:5])}"
+              + (" ..." if len(others) > 5 else ""))
 
 
 def _inspect(args) -> None:
@@ -186,7 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("cache", help="list a conditioning cache folder, and prune it")
     p.add_argument("dir")
     p.add_argument("--prune", action="store_true", help="delete entries that fail their check (damaged or truncated)")
-    p.add_argument("--max-size", help="delete least recently used entries until the folder holds at most this (e.g. 20G)")
+    p.add_argument("--max-size", help="delete least recently used entries until they take at most this: a positive number of "
+                   "bytes, or one followed by K, M, G or T (powers of 1024), e.g. 20G")
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=_cache)
 
@@ -210,6 +214,10 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
+        if getattr(args, "path", None):  # a bad file is refused here, before torch and the host are imported
+            from .loaders.files import first_look
+
+            first_look(args.path)
         args.run(args)
     except (KeyboardInterrupt, SystemExit):
         raise

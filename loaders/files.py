@@ -12,7 +12,7 @@ import os
 from pathlib import Path
 
 from ..errors import CorruptFileError, MissingWeightsError, UnsupportedFormatError
-from ..validate import NULL, Field, checked, inside, read_json as read_json_document, regular_file
+from ..validate import MiB, NULL, Field, checked, describe, inside, parse_json, read_bounded, read_json as read_json_document, regular_file
 
 MODEL_INDEX = "model_index.json"  # marks a diffusers pipeline folder
 DIFFUSERS_WEIGHTS = "diffusion_pytorch_model.safetensors"  # a diffusers model folder's weights (or its index's stem)
@@ -126,3 +126,49 @@ def part_files(path: str | Path, part: str, choose: str) -> list[Path]:
     if not found:
         raise none
     return found
+
+
+PROMPTS_LIMIT = 64 * MiB  # a prompts file: a hundred thousand long prompts fit
+
+
+def read_prompts(path: str | Path) -> list[str]:
+    """The prompts of a prompts file: JSON lines, each line one JSON string (blank lines skipped, a leading
+    byte order mark allowed). Lines are split on "\n" alone, so a prompt may hold any other line break."""
+    data = read_bounded(path, PROMPTS_LIMIT, "prompts file").removeprefix(b"\xef\xbb\xbf")
+    prompts = []
+    for number, line in enumerate(data.split(b"\n"), 1):
+        if not line.strip():
+            continue
+        where = f"{path} line {number}"
+        value = parse_json(line, where, "prompt")
+        if not isinstance(value, str):
+            raise CorruptFileError(
+                f"{where} holds {describe(value)}, not a JSON string; each line of a prompts file is one prompt "
+                'written as a JSON string, such as "a red fox in the snow".'
+            )
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as e:  # "\ud800" is valid JSON, but no text
+            raise CorruptFileError(f"{where}: character {e.start + 1} of the prompt is a lone surrogate escape "
+                                   f"({ascii(value[e.start])}), which is no character; fix that line.") from None
+        prompts.append(value)
+    if not prompts:
+        raise CorruptFileError(f"{path} holds no prompt; write one JSON string a line, such as \"a red fox\".")
+    return prompts
+
+
+def first_look(path: str | Path) -> None:
+    """What a model file's first bytes tell, without torch or the host: that it is a regular file, and for a
+    .safetensors or .gguf file that its header starts right. The command line asks this first, so a bad file
+    is refused at once; the loaders then check everything (folders and missing paths are theirs alone)."""
+    from . import gguf_file, safetensors_file
+
+    path = Path(path)
+    if not os.path.lexists(path) or path.is_dir():
+        return
+    if path.suffix == ".safetensors":
+        safetensors_file.read_header(str(path))
+    elif path.suffix == ".gguf":
+        gguf_file.check_start(path)
+    else:
+        regular_file(path, "model file")
