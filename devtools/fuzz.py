@@ -114,6 +114,17 @@ class JsonDoc:
         return FileSpec(((0, data),), len(data))
 
 
+class JsonLines:
+    """A prompts file: one JSON value a line."""
+
+    def __init__(self, values: list):
+        self.values = values
+
+    def spec(self) -> FileSpec:
+        data = "\n".join(json.dumps(v, ensure_ascii=False) for v in self.values).encode("utf-8", "surrogatepass") + b"\n"
+        return FileSpec(((0, data),), len(data))
+
+
 class RawFile:
     def __init__(self, data: bytes):
         self.data = data
@@ -440,6 +451,26 @@ def _show_path(path: list) -> str:
     return "/" + "/".join(str(p) for p in path)
 
 
+ODD_LINES = ("", "\ufeff\"x\"", '"a\u2028b"', '"a\u2029b"', '"\\ud800"', '"\\udfff\\ud800"', "\r", "[" * 64 + "]" * 64,
+             "null", "5", '{"prompt": "x"}', '"x', "\x00", '"[INST] <s> <pad> [IMG]"', " " * 10000)
+
+
+def mutate_lines(model: JsonLines, rng: random.Random, notes: list[str]) -> RawFile:
+    """A prompts file with one line's JSON mutated, an odd line inserted, or a line repeated many times."""
+    lines = [json.dumps(v, ensure_ascii=False) for v in model.values]
+    at = rng.randrange(len(lines))
+    op = rng.choice(("json", "json", "odd", "repeat"))
+    if op == "json":
+        _, lines[at] = mutate_json(model.values[at], rng, notes)
+    elif op == "odd":
+        lines.insert(at, rng.choice(ODD_LINES))
+        notes.append(f"lines: odd line {lines[at][:40]!r} at {at}")
+    else:
+        lines[at:at + 1] = [lines[at]] * rng.choice((100, 10000))
+        notes.append(f"lines: line {at} repeated")
+    return RawFile("\n".join(lines).encode("utf-8", "surrogatepass"))
+
+
 def mutate_safetensors(model: Safetensors, rng: random.Random, notes: list[str]) -> Safetensors:
     model = Safetensors(copy.deepcopy(model.header), model.data, model.data_size, model.length)
     op = rng.choice(("length", "json", "json", "entry", "entry", "entry", "metadata"))
@@ -755,6 +786,22 @@ class Fixtures:
         return Gguf.read(path, {"tokenizer.ggml.tokens": tokens, "tokenizer.ggml.token_type": types,
                                 "tokenizer.ggml.merges": GArray(G_STRING, [])}, {"tekken_model": (1, f16)})
 
+    def cache_tree(self) -> Tree:
+        """A conditioning cache folder as the cache writes it (its tag, two entries, a fingerprint index and the
+        lock), with a file of the user's beside them that it must leave alone."""
+        from ..loaders.conditioning_cache import ConditioningCache
+
+        folder = Path(tempfile.mkdtemp(prefix="fuzz-cache-"))
+        cache = ConditioningCache(folder)
+        for i, key in enumerate(CACHE_KEYS):
+            cache.put(key, {"cond": _full((1, 4, 32), float(i))})
+        cache.remember_fingerprint(CACHE_SIGNATURE, "f" * 64)
+        files: dict[str, Any] = {p.name: RawFile(p.read_bytes()) for p in folder.iterdir()}
+        files[CACHE_FINGERPRINTS] = JsonDoc(json.loads(files[CACHE_FINGERPRINTS].data))
+        files[USER_FILE] = RawFile(b"a user's model file, which no cache operation may touch\n" * 64)
+        shutil.rmtree(folder)
+        return Tree("cache", files, "", tuple(sorted(n for n in files if n != USER_FILE)), run_cache_folder)
+
     def tree(self, name: str, rel: str, run: Callable[[Path], str | None], *, files: tuple[str, ...] = (),
              mutable: tuple[str, ...] | None = None, entry: str | None = None) -> Tree:
         """A tree of the fixture `rel` (a file, or a folder's `files`, all of them by default)."""
@@ -873,6 +920,80 @@ def run_pipeline(folder: Path) -> None:
     dev_encoder_folder(folder)
 
 
+def run_prompts_file(path: Path) -> None:
+    from ..loaders.files import read_prompts
+    from ..tokenizers import prompt_ids, resolve_tokenizer
+
+    tokenizer = resolve_tokenizer(None).tokenizer  # the bundled vocabulary, built once per worker
+    for prompt in dict.fromkeys(read_prompts(path)):  # each distinct prompt: a repeated line costs its reading only
+        prompt_ids(tokenizer, prompt, "reference")
+
+
+USER_FILE = "flux2-dev.safetensors"
+CACHE_SIGNATURE = "s" * 64
+CACHE_FINGERPRINTS = "fingerprints.json"
+
+
+def _cache_keys():
+    from ..loaders.conditioning_cache import ConditioningKey
+
+    return [ConditioningKey(weights="0" * 64, layout="comfy-single-file", formats=(("bf16", 3),), settings=(),
+                            vocabulary=str(i), padding="reference", tokens=(((1, 1.0),),), dtype="torch.float32",
+                            device="cpu", layers=(10, 20, 30), host="fuzz") for i in range(2)]
+
+
+CACHE_KEYS = _cache_keys()
+
+
+def _full(shape, value):
+    import torch
+
+    return torch.full(shape, value)
+
+
+def _regular_files(folder: Path) -> dict[str, bytes]:
+    """The folder's regular files (not following links, opening nothing else), by name."""
+    import stat as stat_
+
+    out = {}
+    for item in os.scandir(folder):
+        if stat_.S_ISREG(item.stat(follow_symlinks=False).st_mode):
+            with open(item.path, "rb") as f:
+                out[item.name] = f.read()
+    return out
+
+
+def run_cache_folder(folder: Path) -> str | None:
+    """Every cache operation on the folder: open, list, read, look up, prune, store, remember, evict to
+    nothing. The user's file must come through byte-identical; the folder is then put back as it was."""
+    from ..loaders.conditioning_cache import ConditioningCache
+
+    before = _regular_files(folder)
+    try:
+        cache = ConditioningCache(folder)
+        for entry in cache.entries():
+            cache.read(entry)
+        cache.known_fingerprint(CACHE_SIGNATURE)
+        for key in CACHE_KEYS:
+            cache.get(key)
+        cache.others()
+        cache.prune()
+        cache.put(CACHE_KEYS[0], {"cond": _full((1, 2, 8), 7.0)})
+        cache.remember_fingerprint("r" * 64, "e" * 64)
+        cache.evict(0)
+    finally:
+        after = _regular_files(folder)
+        for name in after.keys() - before.keys():  # what the operations wrote goes again
+            os.unlink(folder / name)
+        for name, data in before.items():
+            if after.get(name) != data:
+                (folder / name).unlink(missing_ok=True)
+                (folder / name).write_bytes(data)
+    if after.get(USER_FILE) != before.get(USER_FILE):
+        return f"the user's file {USER_FILE} beside the cache was changed or deleted"
+    return None
+
+
 TE, DM, UNET, DIFF = "text_encoders", "diffusion_models", "unet", "diffusers"
 DEV_PIPELINE = f"{DIFF}/flux2-dev-tiny-pipeline"
 PIPELINE_FILES = ("model_index.json", "transformer/config.json", "text_encoder/config.json",
@@ -925,6 +1046,11 @@ def _trees(target: str, fx: Fixtures) -> list[Tree]:
         return [t(n, f"{UNET}/{n}.gguf", run_gguf_transformer) for n in ("flux2-dev-tiny-Q4_K", "flux2-dev-tiny-Q8_0", "flux2-klein-4b-tiny-Q8_0")]
     if target == "pipeline":
         return [t("dev-pipeline", DEV_PIPELINE, run_pipeline, files=PIPELINE_FILES)]
+    if target == "cache-folder":
+        return [fx.cache_tree()]
+    if target == "prompts-file":
+        prompts = JsonLines([PROMPT, "a lighthouse at dusk, 35mm", "東京の夜景", "x" * 3000, "line\u2028break"])
+        return [Tree("prompts", {"prompts.jsonl": prompts}, "prompts.jsonl", ("prompts.jsonl",), run_prompts_file)]
     raise KeyError(target)
 
 
@@ -941,8 +1067,10 @@ TARGETS = {
     "transformer": "loaders.transformer.load_transformer (BFL file, scaled fp8, diffusers folder)",
     "gguf-transformer": "loaders.gguf_transformer.load_gguf_transformer",
     "pipeline": "loaders.pipeline.describe_pipeline and dev_encoder_folder",
+    "cache-folder": "loaders.conditioning_cache: open, list, read, get, prune, put, remember, evict (a user's file beside)",
+    "prompts-file": "loaders.files.read_prompts, then prompt_ids of each prompt",
 }
-LADDER_TARGETS = ("tekken-ladder", "gguf-vocab", "inspect", "encoder")
+LADDER_TARGETS = ("tekken-ladder", "gguf-vocab", "inspect", "encoder", "prompts-file")
 
 
 # ------------------------------------------------------------------------------------------- one input
@@ -980,6 +1108,8 @@ def make_case(target: str, trees: list[Tree], seed: int, index: int) -> Case:
                 model = mutate_safetensors(model, rng, notes)
             elif isinstance(model, JsonDoc):
                 value, text = mutate_json(value, rng, notes)
+            elif isinstance(model, JsonLines):
+                model = mutate_lines(model, rng, notes)
         if text is not None:
             model = RawFile(text.encode("utf-8", "surrogatepass"))
     spec = model.spec()

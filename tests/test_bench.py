@@ -23,10 +23,16 @@ def _positive(x) -> bool:
 
 def test_documented_keys(results):
     assert set(results) == {"machine", "dequant", "forward_dequant", "contention", "header", "tokenizer", "encoder_load", "load",
-                            "conditioning_cache"}
+                            "conditioning_cache", "refusal", "long_prompt"}
     assert {"cpu_count", "torch_threads", "torch_version", "platform", "date"} <= set(results["machine"])
     assert {"first_s", "second_s", "rung"} <= set(results["tokenizer"])
     assert {"file_bytes", "peak_rss_bytes", "seconds", "header_parses", "synthetic_read"} <= set(results["load"])
+
+
+def test_refusal_and_long_prompt_rows_are_measured(results):
+    assert _positive(results["refusal"]["refuse_s"]) and _positive(results["refusal"]["python_s"])
+    p = results["long_prompt"]
+    assert p["chars"] > p["whole_head_chars"] > 0 and _positive(p["pack_s"]) and _positive(p["whole_head_s"])
 
 
 def test_dequant_rows_are_exact_for_every_type(results):

@@ -91,6 +91,7 @@ def _mib(n: float) -> str:
 
 def format_report(results: dict) -> str:
     m, h, t, e, load, c = (results[k] for k in ("machine", "header", "tokenizer", "encoder_load", "load", "contention"))
+    r, p = results["refusal"], results["long_prompt"]
     tiny, synthetic = load, load["synthetic_read"]
     lines = [
         f"machine: {m['cpu_count']} CPUs, torch {m['torch_version']} with {m['torch_threads']} threads, "
@@ -130,5 +131,10 @@ def format_report(results: dict) -> str:
         f"header parsed {synthetic['header_parses']}x",
         "",
         format_conditioning_cache(results["conditioning_cache"]),
+        "",
+        f"`flux2dev inspect` refusing an 8-byte .safetensors file: {r['refuse_s'] * 1e3:.0f} ms, `python -c pass` "
+        f"{r['python_s'] * 1e3:.0f} ms ({r['refuse_s'] / r['python_s']:.1f}x)",
+        f"reference ids of a {p['chars'] / 1e6:.0f}-million-character prompt: {p['pack_s'] * 1e3:.1f} ms; tokenizing "
+        f"the whole of its first {p['whole_head_chars'] / 1e6:.0f} million characters: {p['whole_head_s'] * 1e3:.0f} ms",
     ]
     return "\n".join(lines)

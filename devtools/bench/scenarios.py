@@ -419,6 +419,34 @@ def bench_gguf_load(quick: bool) -> dict:
         return {**_in_child("gguf_transformer", tiny), "synthetic_read": _in_child("gguf_read", synthetic)}
 
 
+def bench_refusal(quick: bool) -> dict:
+    """Seconds for `flux2dev inspect` to refuse an 8-byte file named .safetensors (a fresh process each time, as a
+    user runs it), against `python -c pass` in the same run: the command refuses before importing torch."""
+    repeats = 3 if quick else 7
+    with tempfile.TemporaryDirectory() as tmp:
+        bad = os.path.join(tmp, "bad.safetensors")
+        with open(bad, "wb") as f:
+            f.write(b"12345678")
+        refuse = [sys.executable, "-P", "-m", "comfyui_flux2dev.cli", "inspect", bad]
+        refuse_s = best(lambda: subprocess.run(refuse, capture_output=True), repeats)
+        python_s = best(lambda: subprocess.run([sys.executable, "-c", "pass"], capture_output=True), repeats)
+    return {"refuse_s": refuse_s, "python_s": python_s}
+
+
+def bench_long_prompt(quick: bool) -> dict:
+    """The reference ids of a prompt of many megabytes (only its first 512 tokens are used): the pack, which
+    tokenizes only as far as they need, against tokenizing the whole text, on the first 1 MB of it."""
+    from ...tokenizers import prompt_ids, resolve_tokenizer
+
+    tokenizer = resolve_tokenizer(None).tokenizer
+    sentence = "a red fox in the snow beside a lighthouse at dusk, 35mm, soft light; "
+    text = sentence * ((4 if quick else 20) * 10**6 // len(sentence))
+    head = text[: 10**6]
+    pack_s = best(lambda: prompt_ids(tokenizer, text, "reference"), 3)
+    whole_s = best(lambda: tokenizer.encode(head), 2)
+    return {"chars": len(text), "pack_s": pack_s, "whole_head_chars": len(head), "whole_head_s": whole_s}
+
+
 def run_all(quick: bool) -> dict:
     """Every benchmark: small sizes with quick (for CI), realistic ones otherwise."""
     return {
@@ -431,6 +459,8 @@ def run_all(quick: bool) -> dict:
         "encoder_load": bench_encoder_load(),
         "load": bench_gguf_load(quick),
         "conditioning_cache": bench_conditioning_cache(quick),
+        "refusal": bench_refusal(quick),
+        "long_prompt": bench_long_prompt(quick),
     }
 
 
