@@ -1,4 +1,5 @@
-"""The `flux2dev` command: the pack's loaders without the ComfyUI UI.
+"""The `flux2dev` command: the pack's loaders without the ComfyUI UI (the dev tools have their own,
+`python -m comfyui_flux2dev.devtools`).
 
 Every failure ends with exit status 2 and one plain sentence on stderr; --debug shows the traceback."""
 
@@ -13,39 +14,25 @@ from pathlib import Path
 from .errors import Flux2DevError
 
 
-def _tiny(args) -> None:
-    from . import tiny
-    from .errors import ModelNotFoundError
-    from .loaders.variants import TINY_MODELS_ENV
-
-    if args.comfyui:
-        if not (Path(args.comfyui) / "main.py").is_file():
-            raise ModelNotFoundError(f"{args.comfyui} is not a ComfyUI folder (it has no main.py); give the folder that holds main.py.")
-        # Each part goes to the model folder of its name (models/text_encoders, models/unet, ...).
-        target = Path(args.comfyui) / "models"
-    else:
-        target = Path(args.dir)
-    entries = tiny.write_all(target, manifest=not args.comfyui)
-    print(f"wrote {len(entries)} tiny models to {target}")
-    print(f"ComfyUI lists them in the pack's nodes, and loads them only when started with {TINY_MODELS_ENV}=1 "
-          f"(for example: {TINY_MODELS_ENV}=1 python main.py).")
-
-
 def _read_prompts(args) -> list[str]:
-    from .loaders.files import read_prompts
+    from .loaders.formats.files import read_prompts
 
     return read_prompts(args.prompts) if args.prompts else [args.prompt]
 
 
 def _tokenize(args) -> None:
     from . import tokenizers
-    from .loaders.encoder import encoder_tokenizer
+    from .loaders.models.encoder import encoder_tokenizer
 
     resolution = encoder_tokenizer(args.path, allow_network=args.allow_network)
     for prompt in _read_prompts(args):
-        ids, _ = tokenizers.prompt_ids(resolution.tokenizer, prompt, "comfy")
-        record = {"rung": resolution.rung, "source": str(resolution.source), "ids": ids}
-        print(json.dumps(record) if args.json else " ".join(map(str, ids)))
+        ids, mask = tokenizers.prompt_ids(resolution.tokenizer, prompt, args.padding)
+        if args.json:  # the ids the encoder attends to; the left pads are what the mask's zeros stand for
+            pads = mask.index(1) if 1 in mask else len(mask)
+            print(json.dumps({"rung": resolution.rung, "source": str(resolution.source), "padding": args.padding,
+                              "ids": ids[pads:], "mask": mask}))
+        else:
+            print(" ".join(map(str, ids)))
 
 
 def _encode(args) -> None:
@@ -70,7 +57,7 @@ def _encode(args) -> None:
 
 
 def _fill_cache(clip, prompts: list[str], folder: str) -> None:
-    from .loaders.conditioning_cache import ConditioningCache
+    from .loaders.cache.store import ConditioningCache
 
     cache = ConditioningCache(folder)
     before = {e.path for e in cache.entries()}
@@ -96,7 +83,8 @@ def _size(text: str) -> int:
 
 
 def _cache(args) -> None:
-    from .loaders.conditioning_cache import ConditioningCache, stored_key
+    from .loaders.cache.keys import stored_key
+    from .loaders.cache.store import ConditioningCache
 
     limit = _size(args.max_size) if args.max_size is not None else None
     if not Path(args.dir).is_dir():
@@ -130,28 +118,21 @@ def _cache(args) -> None:
 
 
 def _inspect(args) -> None:
-    from .loaders.inspect import inspect_path
+    from .loaders.models.inspect import inspect_path
 
     report = inspect_path(args.path)
     print(json.dumps(report, indent=None if args.json else 1, default=str))
 
 
-def _bench(args) -> None:
-    from .devtools import bench
-
-    results = bench.run_all(quick=args.quick)
-    print(json.dumps(results) if args.json else bench.format_report(results))
-
-
-def _demo(args) -> None:
-    from .devtools.demo import run_demo
-
-    image = run_demo(Path(args.out), prompt=args.prompt)
-    print(f"wrote {image}")
-
-
 class UsageError(Flux2DevError):
     """A command line that cannot work as given."""
+
+
+def _padding_option(parser) -> None:
+    from .tokenizers import PADDING_MODES
+
+    parser.add_argument("--padding", choices=PADDING_MODES, default=PADDING_MODES[0],
+                        help=f"how the prompt's tokens are laid out, as the encoder node's input (default {PADDING_MODES[0]})")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -159,18 +140,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--debug", action="store_true", help="show the traceback of a failure")
     sub = parser.add_subparsers(dest="command", required=True)
 
-    p = sub.add_parser("tiny", help="write tiny FLUX.2 weights in every layout, with DIR/manifest.json")
-    where = p.add_mutually_exclusive_group(required=True)
-    where.add_argument("dir", nargs="?", help="a folder: one subfolder per part, and manifest.json")
-    where.add_argument("--comfyui", metavar="COMFYUI_DIR", help="into that ComfyUI's models folders, to try the nodes")
-    p.set_defaults(run=_tiny)
-
     p = sub.add_parser("tokenize", help="the token ids an encoder would see (template included)")
     p.add_argument("path", help="an encoder file or folder, or a folder of tokenizer files")
     group = p.add_mutually_exclusive_group(required=True)
     group.add_argument("--prompt")
     group.add_argument("--prompts", help="a .jsonl file, one JSON string a line")
-    p.add_argument("--json", action="store_true")
+    _padding_option(p)
+    p.add_argument("--json", action="store_true", help="one object a prompt: rung, source, padding, the ids without the "
+                   "left pads, and the attention mask (0 for each pad)")
     p.add_argument("--allow-network", action="store_true", help="let the last rung fetch the tokenizer from the hub")
     p.set_defaults(run=_tokenize)
 
@@ -180,7 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--prompt", help="one prompt, written to --out")
     group.add_argument("--prompts", help="a .jsonl file, one JSON string a line: each encoded into --cache")
     p.add_argument("--cache", help="a conditioning cache folder (as the encoder node's cache input); needed with --prompts")
-    p.add_argument("--padding", choices=("reference", "comfy"), default="reference")
+    _padding_option(p)
     p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default="float32", help="of the --out file")
     p.add_argument("--out")
     p.add_argument("--allow-network", action="store_true")
@@ -199,23 +176,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=_inspect)
 
-    p = sub.add_parser("bench", help="dequantization (alone, in a CPU forward pass, under load), GGUF header, tokenizer, load and conditioning cache figures")
-    p.add_argument("--quick", action="store_true", help="small sizes, for CI")
-    p.add_argument("--json", action="store_true")
-    p.set_defaults(run=_bench)
-
-    p = sub.add_parser("demo", help="run the official [dev] graph with the pack's nodes in a headless ComfyUI")
-    p.add_argument("--out", default="demo-out")
-    p.add_argument("--prompt", default="a red fox in the snow")
-    p.set_defaults(run=_demo)
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def run(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> int:
+    """Parse and run one command under the command line's contract: a model path is looked at first, and any
+    failure is one sentence on stderr and exit status 2 (--debug: the traceback)."""
+    args = parser.parse_args(argv)
     try:
         if getattr(args, "path", None):  # a bad file is refused here, before torch and the host are imported
-            from .loaders.files import first_look
+            from .loaders.formats.files import first_look
 
             first_look(args.path)
         args.run(args)
@@ -229,9 +199,13 @@ def main(argv: list[str] | None = None) -> int:
         else:  # a fault of the pack, not of the user's file: no Python type or traceback, but how to report it
             text = (f"the pack failed unexpectedly ({e}); this is a bug of the pack, not of your file. Run the same "
                     "command with --debug and report what it prints.")
-        print(f"flux2dev {args.command}: {' '.join(text.split())}", file=sys.stderr)
+        print(f"{parser.prog} {args.command}: {' '.join(text.split())}", file=sys.stderr)
         return 2
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run(build_parser(), argv)
 
 
 if __name__ == "__main__":

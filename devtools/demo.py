@@ -8,10 +8,10 @@ import os
 import shutil
 from pathlib import Path
 
-from .. import tiny
+from . import tiny
 from ..errors import HostError
 from ..host import COMFYUI_ROOT_ENV
-from ..loaders.variants import TINY_MODELS_ENV
+from .tiny.geometry import DECLARATION, test_models_env
 from .headless import HeadlessComfy
 from .workflows import node, official_dev_graph
 
@@ -34,10 +34,9 @@ def run_demo(out: Path, prompt: str) -> Path:
     root = os.environ.get(COMFYUI_ROOT_ENV)
     if not root:
         raise HostError(f"The demo needs a ComfyUI tree: set {COMFYUI_ROOT_ENV}, or run it as `bash tests/run demo`.")
-    os.environ[TINY_MODELS_ENV] = "1"
     models = out / "models"
     tiny.write_all(models, parts=DEMO_PARTS)
-    with HeadlessComfy(root, models={part: [models / part] for part in DEMO_PARTS}, env={TINY_MODELS_ENV: "1"}) as server:
+    with HeadlessComfy(root, models={part: [models / part] for part in DEMO_PARTS}, env=test_models_env(models)) as server:
         outputs = server.run(demo_graph(prompt))
         image = outputs["save"]["images"][0]
         target = out / IMAGE_NAME

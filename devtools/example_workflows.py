@@ -103,13 +103,13 @@ def write_all(object_info: dict) -> list[Path]:
     return written
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
     from .headless import HeadlessComfy
 
+    argparse.ArgumentParser(prog="python -m comfyui_flux2dev.devtools workflows", description=__doc__.splitlines()[0]).parse_args(argv)
     with HeadlessComfy(os.environ["COMFYUI_ROOT"]) as server:
         for path in write_all(server.get("/object_info")):
             print(f"wrote {path.relative_to(PACK_ROOT)}")
-
-
-if __name__ == "__main__":
-    main()
+    return 0

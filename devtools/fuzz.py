@@ -16,9 +16,9 @@ PanicException), more than --cpu seconds of CPU, blocking (a hang without CPU us
 shards outside it. Inputs run in forked worker processes that live until one fails, so a hang or a blowup
 never takes the harness down.
 
-    python -m comfyui_flux2dev.devtools.fuzz                     # quick mode: 2,000 inputs per target
-    python -m comfyui_flux2dev.devtools.fuzz --long              # 20,000 inputs per target
-    python -m comfyui_flux2dev.devtools.fuzz --target gguf-reader --seed 7 --index 123   # one input, traceback
+    python -m comfyui_flux2dev.devtools fuzz                     # quick mode: 2,000 inputs per target
+    python -m comfyui_flux2dev.devtools fuzz --long              # 20,000 inputs per target
+    python -m comfyui_flux2dev.devtools fuzz --target gguf-reader --seed 7 --index 123   # one input, traceback
 """
 
 from __future__ import annotations
@@ -789,7 +789,7 @@ class Fixtures:
     def cache_tree(self) -> Tree:
         """A conditioning cache folder as the cache writes it (its tag, two entries, a fingerprint index and the
         lock), with a file of the user's beside them that it must leave alone."""
-        from ..loaders.conditioning_cache import ConditioningCache
+        from ..loaders.cache.store import ConditioningCache
 
         folder = Path(tempfile.mkdtemp(prefix="fuzz-cache-"))
         cache = ConditioningCache(folder)
@@ -819,7 +819,7 @@ class Fixtures:
 
 
 def run_gguf_reader(path: Path) -> None:
-    from ..loaders.gguf_file import open_gguf
+    from ..loaders.formats.gguf_file import open_gguf
 
     with open_gguf(path) as gguf:
         for tensor in gguf.tensors.values():
@@ -827,7 +827,7 @@ def run_gguf_reader(path: Path) -> None:
 
 
 def run_safetensors_header(path: Path) -> None:
-    from ..loaders.safetensors_file import read_header
+    from ..loaders.formats.safetensors_file import read_header
 
     read_header(str(path))
 
@@ -840,7 +840,7 @@ def _outside(folder: Path, found) -> str | None:
 
 def run_shards(weights: str) -> Callable[[Path], str | None]:
     def run(folder: Path) -> str | None:
-        from ..loaders.files import shards
+        from ..loaders.formats.files import shards
 
         return _outside(folder, shards(folder, weights))
 
@@ -848,7 +848,7 @@ def run_shards(weights: str) -> Callable[[Path], str | None]:
 
 
 def run_part_files(folder: Path) -> str | None:
-    from ..loaders.files import part_files
+    from ..loaders.formats.files import part_files
 
     return _outside(folder, part_files(folder, "transformer", "Choose another."))
 
@@ -867,7 +867,7 @@ def run_tekken_ladder(folder: Path) -> None:
 
 
 def run_gguf_vocab(path: Path) -> None:
-    from ..loaders.gguf_file import open_gguf
+    from ..loaders.formats.gguf_file import open_gguf
     from ..tokenizers import resolve_tokenizer
 
     with open_gguf(path) as gguf:
@@ -876,52 +876,52 @@ def run_gguf_vocab(path: Path) -> None:
 
 
 def run_pipeline_class(folder: Path) -> None:
-    from ..loaders.pipeline import holds_variant, pipeline_class
+    from ..loaders.models.pipeline import holds_variant, pipeline_class
 
     pipeline_class(folder)
     holds_variant(folder, "dev")
 
 
 def run_plan_encoder(path: Path) -> None:
-    from ..loaders.encoder import plan_encoder
+    from ..loaders.models.encoder import plan_encoder
 
     plan_encoder(str(path))
 
 
 def run_inspect(path: Path) -> None:
-    from ..loaders.inspect import inspect_path
+    from ..loaders.models.inspect import inspect_path
 
     json.dumps(inspect_path(path))
 
 
 def run_encoder(path: Path) -> None:
-    from ..loaders.encoder import load_encoder
+    from ..loaders.models.encoder import load_encoder
 
     loaded = load_encoder(str(path))
     _encode(loaded.tokenizer)
 
 
 def run_transformer(path: Path) -> None:
-    from ..loaders.transformer import load_transformer
+    from ..loaders.models.transformer import load_transformer
 
     load_transformer(path)
 
 
 def run_gguf_transformer(path: Path) -> None:
-    from ..loaders.gguf_transformer import load_gguf_transformer
+    from ..loaders.models.gguf_transformer import load_gguf_transformer
 
     load_gguf_transformer(path)
 
 
 def run_pipeline(folder: Path) -> None:
-    from ..loaders.pipeline import describe_pipeline, dev_encoder_folder
+    from ..loaders.models.pipeline import describe_pipeline, dev_encoder_folder
 
     describe_pipeline(folder)
     dev_encoder_folder(folder)
 
 
 def run_prompts_file(path: Path) -> None:
-    from ..loaders.files import read_prompts
+    from ..loaders.formats.files import read_prompts
     from ..tokenizers import prompt_ids, resolve_tokenizer
 
     tokenizer = resolve_tokenizer(None).tokenizer  # the bundled vocabulary, built once per worker
@@ -935,7 +935,7 @@ CACHE_FINGERPRINTS = "fingerprints.json"
 
 
 def _cache_keys():
-    from ..loaders.conditioning_cache import ConditioningKey
+    from ..loaders.cache.keys import ConditioningKey
 
     return [ConditioningKey(weights="0" * 64, layout="comfy-single-file", formats=(("bf16", 3),), settings=(),
                             vocabulary=str(i), padding="reference", tokens=(((1, 1.0),),), dtype="torch.float32",
@@ -966,7 +966,7 @@ def _regular_files(folder: Path) -> dict[str, bytes]:
 def run_cache_folder(folder: Path) -> str | None:
     """Every cache operation on the folder: open, list, read, look up, prune, store, remember, evict to
     nothing. The user's file must come through byte-identical; the folder is then put back as it was."""
-    from ..loaders.conditioning_cache import ConditioningCache
+    from ..loaders.cache.store import ConditioningCache
 
     before = _regular_files(folder)
     try:
@@ -1446,19 +1446,19 @@ def reproduce(target: str, fixtures: Fixtures, seed: int, index: int, out: Path)
 def prepare(fixtures: str | None) -> Fixtures:
     """The process's setup before any worker forks: tiny models known, tokenizers single-threaded, the
     bundled tokenizer built once (every worker inherits it), the loaders imported."""
-    from ..loaders.variants import TINY_MODELS_ENV
+    from .tiny.geometry import test_models_env
 
-    os.environ[TINY_MODELS_ENV] = "1"
+    os.environ.update(test_models_env())
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
     os.environ["RAYON_NUM_THREADS"] = "1"
     os.environ["HF_HUB_OFFLINE"] = "1"
     if fixtures is None:
-        from .. import tiny
+        from . import tiny
 
         fixtures = tempfile.mkdtemp(prefix="fuzz-tiny-")
         print(f"writing the tiny fixtures to {fixtures} (pass --fixtures to reuse them)")
         tiny.write_all(fixtures)
-    from ..loaders import encoder, gguf_transformer, inspect, pipeline, transformer  # noqa: F401
+    from ..loaders.models import encoder, gguf_transformer, inspect, pipeline, transformer
     from ..tokenizers import resolve_tokenizer
 
     resolve_tokenizer(None)
@@ -1466,7 +1466,7 @@ def prepare(fixtures: str | None) -> Fixtures:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m comfyui_flux2dev.devtools.fuzz", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m comfyui_flux2dev.devtools fuzz", description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", action="append", choices=sorted(TARGETS), help="repeatable; default: all")
     parser.add_argument("--inputs", type=int, default=QUICK_INPUTS, help=f"per target (default {QUICK_INPUTS})")
     parser.add_argument("--long", action="store_true", help=f"{LONG_INPUTS} inputs per target")
@@ -1474,7 +1474,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--index", type=int, help="run this one input in this process and show its traceback")
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
     parser.add_argument("--cpu", type=float, default=CPU_LIMIT_S, help="CPU seconds one input may take")
-    parser.add_argument("--fixtures", help="a folder written by `flux2dev tiny` (default: write one to a temp dir)")
+    parser.add_argument("--fixtures", help="a folder written by the dev tools' `tiny` (default: write one to a temp dir)")
     parser.add_argument("--out", help=f"where failing inputs go (default ${OUT_ENV} or a temp dir)")
     parser.add_argument("--json", help="write the reports here as JSON")
     args = parser.parse_args(argv)
@@ -1495,6 +1495,3 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{len(reports)} target(s), {sum(r.inputs for r in reports)} inputs, {total} failure(s); inputs under {out}")
     return 1 if total else 0
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -15,8 +15,8 @@ import os
 import tempfile
 from pathlib import Path
 
-from .. import tiny
-from ..loaders.variants import TINY_MODELS_ENV
+from . import tiny
+from .tiny.geometry import test_models_env
 from .example_workflows import EXAMPLES, UI_FOLDER
 from .headless import PACK_FOLDER, HeadlessComfy
 
@@ -35,7 +35,7 @@ def take(name: str, out: Path) -> None:
     with tempfile.TemporaryDirectory() as models:
         tiny.write_all(models, manifest=False)
         parts = {folder: [Path(models) / folder] for folder in tiny.PARTS}
-        with HeadlessComfy(os.environ["COMFYUI_ROOT"], models=parts, env={TINY_MODELS_ENV: "1"}) as server, \
+        with HeadlessComfy(os.environ["COMFYUI_ROOT"], models=parts, env=test_models_env(models)) as server, \
                 sync_playwright() as pw:
             browser = pw.chromium.launch(executable_path=CHROMIUM, args=["--no-sandbox", "--disable-gpu"])
             page = browser.new_page(viewport=VIEW)
@@ -54,14 +54,11 @@ def take(name: str, out: Path) -> None:
             browser.close()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m comfyui_flux2dev.devtools screenshot", description=__doc__.splitlines()[0])
     parser.add_argument("name", nargs="?", default=DEFAULT, choices=sorted(EXAMPLES))
     parser.add_argument("--out", type=Path, default=DOCS, help="the folder for the two PNGs")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     take(args.name, args.out)
     print(f"wrote {args.out}")
-
-
-if __name__ == "__main__":
-    main()
+    return 0

@@ -27,14 +27,9 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import CacheError, HostError
-from ..loaders.conditioning_cache import (
-    CACHE_DIR_ENV,
-    ConditioningCache,
-    ConditioningKey,
-    stat_signature,
-    weights_fingerprint,
-)
-from ..loaders.encoder import EncoderPlan, plan_encoder, read_weights, resolve_plan_tokenizer
+from ..loaders.cache.keys import ConditioningKey
+from ..loaders.cache.store import CACHE_DIR_ENV, ConditioningCache, stat_signature, weights_fingerprint
+from ..loaders.models.encoder import EncoderPlan, plan_encoder, read_weights, resolve_plan_tokenizer
 from . import ensure_comfy
 
 CLIP_NAME = "mistral3_24b"  # the host's name of the FLUX.2 text encoder slot
@@ -257,7 +252,7 @@ def _cache_bypass(clip, tokens) -> str | None:
 
 def _key(clip, tokens) -> ConditioningKey:
     """Everything that shapes this conditioning; computing it may read the weights once, to fingerprint them."""
-    from ..loaders.variants import dev_variant_for_encoder
+    from ..loaders.models.variants import dev_variant_for_encoder
     from . import compat
 
     src = clip.flux2dev_source
@@ -289,7 +284,7 @@ def _build_clip(plan: EncoderPlan, tokenizer, *, padding: str, dtype: torch.dtyp
     """The host CLIP of a planned encoder, its weights not read yet. dtype: the weights' dtype in the host
     (default: as stored). The host picks the CLIP's patcher class as for its own encoders (disable_dynamic:
     the plain one)."""
-    from ..loaders.variants import dev_variant_for_encoder, layers_kept
+    from ..loaders.models.variants import dev_variant_for_encoder, layers_kept
     from ..tokenizers import PADDING_MODES
 
     if padding not in PADDING_MODES:

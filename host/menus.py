@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..errors import Flux2DevError, ModelNotFoundError
-from ..loaders.files import MODEL_INDEX
+from ..loaders.formats.files import MODEL_INDEX
 
 FOLDER_MARK = "/"
 QUALIFIER = ":"  # between a model folder's name and an entry's, where two folders of one menu hold that name
@@ -27,14 +27,14 @@ def has_config(path: str) -> bool:
 
 def is_pipeline(path: str) -> bool:
     """A FLUX.2 diffusers pipeline folder (model_index.json naming a FLUX.2 pipeline class)."""
-    from ..loaders.pipeline import pipeline_class
+    from ..loaders.models.pipeline import pipeline_class
 
     return _listed_if_damaged(lambda: pipeline_class(path) is not None)
 
 
 def is_dev_pipeline(path: str) -> bool:
     """A FLUX.2 [dev] pipeline folder: the only ones whose text encoder conditions [dev]."""
-    from ..loaders.pipeline import holds_variant
+    from ..loaders.models.pipeline import holds_variant
 
     return _listed_if_damaged(lambda: holds_variant(path, "dev"))
 

@@ -1,6 +1,7 @@
-"""FLUX.2 transformers as the host's MODEL, built from the pack's own geometry detection, with the wiring
-guard: conditioning of the wrong width stops the sampler at setup, naming both sides, instead of failing
-deep in the first step with a matmul error."""
+"""FLUX.2 transformers (safetensors files and folders, and GGUF files) as the host's MODEL, built from the
+pack's own geometry detection, with the wiring guard: conditioning of the wrong width stops the sampler at
+setup, naming both sides, instead of failing deep in the first step with a matmul error. Packed weights (scaled
+fp8, GGUF blocks) stay as stored; host/ops.py dequantizes them per layer."""
 
 from __future__ import annotations
 
@@ -10,10 +11,15 @@ from pathlib import Path
 import torch
 
 from ..errors import HostError, MissingWeightsError, UnknownModelError
-from ..loaders import quant
-from ..loaders.transformer import LoadedTransformer, check_conditioning_width, load_transformer
+from ..loaders.formats import quant
+from ..loaders.models.gguf_transformer import load_gguf_transformer
+from ..loaders.models.transformer import LoadedTransformer, check_conditioning_width, load_transformer
 from . import compat, ensure_comfy
 from .ops import packed_operations, packed_patcher
+
+# The GGUF loader node's choices: the dtype layers are expanded to, and the one LoRA patches are computed in.
+DEQUANT_DTYPES = {"default": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+PATCH_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 # unet_config entries the pack fills from its own detection; the host's sniffing fixes num_heads at 48.
@@ -159,4 +165,16 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None, disable_dynam
         loaded = load_transformer(path)
     patcher = build_model(loaded, dtype=dtype, disable_dynamic=disable_dynamic)
     compat.set_reload(patcher, load_model, (str(path), dtype))
+    return patcher
+
+
+def load_gguf_model(path, dequant_dtype: torch.dtype | None = None, patch_dtype: torch.dtype = torch.float32,
+                    dtype: torch.dtype | None = None, disable_dynamic: bool = False):
+    """The FLUX.2 transformer GGUF at `path` as a host MODEL whose weights stay packed, which the host's device
+    nodes can load again from the same file."""
+    with compat.load_progress():
+        loaded = load_gguf_transformer(path)
+    patcher = build_model(loaded, dtype=dtype, dequant_dtype=dequant_dtype,
+                          patch_dtype=patch_dtype, disable_dynamic=disable_dynamic)
+    compat.set_reload(patcher, load_gguf_model, (str(path), dequant_dtype, patch_dtype, dtype))
     return patcher

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..loaders import quant
+from ..loaders.formats import quant
 from . import ensure_comfy
 
 

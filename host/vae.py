@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..errors import HostError, MissingWeightsError
-from ..loaders.vae import LATENT_CHANNELS, load_vae_state_dict
+from ..loaders.models.vae import LATENT_CHANNELS, load_vae_state_dict
 from . import compat, ensure_comfy
 
 PATCH = 2  # the host packs 2x2 latent pixels into channels for FLUX.2

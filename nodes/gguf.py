@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from comfy_api.latest import io
 
-from ..host import gguf_ops
+from ..host import model
 from . import CATEGORY, MODEL_TOOLTIP
 from ..host.menus import chosen_path, model_choices
 
@@ -30,14 +30,14 @@ class Flux2DevGGUFTransformerLoader(io.ComfyNode):
                 ),
                 io.Combo.Input(
                     "dequant_dtype",
-                    options=list(gguf_ops.DEQUANT_DTYPES),
+                    options=list(model.DEQUANT_DTYPES),
                     default="default",
                     tooltip="The precision each layer's weights are expanded to while sampling. default: the model's "
                     "own compute precision (best for most); float32 uses more memory for no visible gain.",
                 ),
                 io.Combo.Input(
                     "patch_dtype",
-                    options=list(gguf_ops.PATCH_DTYPES),
+                    options=list(model.PATCH_DTYPES),
                     default="float32",
                     tooltip="The precision LoRAs are added in, on each expanded layer. float32 (the default) is exact; "
                     "bfloat16 or float16 save a little memory with large LoRAs.",
@@ -49,10 +49,9 @@ class Flux2DevGGUFTransformerLoader(io.ComfyNode):
     @classmethod
     def execute(cls, gguf_name, dequant_dtype, patch_dtype) -> io.NodeOutput:
         path = chosen_path("gguf", gguf_name, "The GGUF file")
-        model = gguf_ops.load_gguf_model(
-            path, dequant_dtype=gguf_ops.DEQUANT_DTYPES[dequant_dtype], patch_dtype=gguf_ops.PATCH_DTYPES[patch_dtype]
-        )
-        return io.NodeOutput(model)
+        return io.NodeOutput(model.load_gguf_model(
+            path, dequant_dtype=model.DEQUANT_DTYPES[dequant_dtype], patch_dtype=model.PATCH_DTYPES[patch_dtype]
+        ))
 
 
 NODES = [Flux2DevGGUFTransformerLoader]

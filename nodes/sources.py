@@ -67,7 +67,7 @@ class Flux2DevEncoderSource(io.ComfyNode):
     @classmethod
     def execute(cls, pipeline, padding) -> io.NodeOutput:
         from ..host.clip import load_clip
-        from ..loaders.pipeline import dev_encoder_folder
+        from ..loaders.models.pipeline import dev_encoder_folder
 
         # Any FLUX.2 pipeline is found, so that a Klein one (from a shared workflow) is refused by name.
         folder = dev_encoder_folder(chosen_path("pipeline", pipeline, "The pipeline folder"))

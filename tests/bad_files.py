@@ -162,7 +162,7 @@ def save(path: Path, tensors: dict) -> Path:
 def write_gguf(path: Path, architecture: str, tensors: dict[str, np.ndarray]) -> Path:
     import gguf
 
-    from comfyui_flux2dev.tiny.gguf_blocks import write_and_close
+    from comfyui_flux2dev.devtools.tiny.gguf_blocks import write_and_close
 
     writer = gguf.GGUFWriter(str(path), architecture)
     for name, array in tensors.items():
@@ -401,12 +401,12 @@ def run_cli(runs: list[tuple[str, Path]], work: Path, env: dict | None = None) -
 
 def entry_points() -> dict:
     """Each entry point a user's file reaches, by the name the tests use."""
-    from comfyui_flux2dev.loaders.encoder import encoder_tokenizer, load_encoder
-    from comfyui_flux2dev.loaders.gguf_transformer import load_gguf_transformer
-    from comfyui_flux2dev.loaders.inspect import inspect_path
-    from comfyui_flux2dev.loaders.pipeline import dev_encoder_folder
-    from comfyui_flux2dev.loaders.transformer import load_transformer
-    from comfyui_flux2dev.loaders.vae import load_vae_state_dict
+    from comfyui_flux2dev.loaders.models.encoder import encoder_tokenizer, load_encoder
+    from comfyui_flux2dev.loaders.models.gguf_transformer import load_gguf_transformer
+    from comfyui_flux2dev.loaders.models.inspect import inspect_path
+    from comfyui_flux2dev.loaders.models.pipeline import dev_encoder_folder
+    from comfyui_flux2dev.loaders.models.transformer import load_transformer
+    from comfyui_flux2dev.loaders.models.vae import load_vae_state_dict
     from comfyui_flux2dev.tokenizers import resolve_tokenizer
 
     return {

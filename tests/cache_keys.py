@@ -1,7 +1,7 @@
 """Conditioning keys for the cache tests that use the cache module alone: one field (the vocabulary digest)
 carries the test's label, the rest is a plausible key."""
 
-from comfyui_flux2dev.loaders.conditioning_cache import ConditioningKey
+from comfyui_flux2dev.loaders.cache.keys import ConditioningKey
 
 
 def key_of(label: str, **fields) -> ConditioningKey:

@@ -8,11 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from comfyui_flux2dev.loaders.conditioning_cache import CACHE_DIR_ENV
-from comfyui_flux2dev.loaders.variants import TINY_MODELS_ENV
+from comfyui_flux2dev.loaders.cache.store import CACHE_DIR_ENV
+from comfyui_flux2dev.devtools.tiny.geometry import test_models_env
+from comfyui_flux2dev.loaders.models.variants import TEST_MODELS_ENV
 
 # The tests run on tiny stand-ins for the real weights; the pack knows their geometry only when told.
-os.environ[TINY_MODELS_ENV] = "1"
+_declaration = tempfile.TemporaryDirectory(prefix="flux2dev-tiny-models-")
+os.environ.update(test_models_env(_declaration.name))
 # Conditioning caches the tests do not name go to a folder of this session (the host's user folder would keep
 # them from one run to the next, so a later run would hit where a test expects the encoder to run).
 _session_cache = tempfile.TemporaryDirectory(prefix="flux2dev-test-cache-")
@@ -41,7 +43,7 @@ def comfy_host():
 @pytest.fixture(scope="session")
 def tiny_root(tmp_path_factory) -> Path:
     """Every tiny layout, written once per session by the same factory as `flux2dev tiny DIR`."""
-    from comfyui_flux2dev import tiny
+    from comfyui_flux2dev.devtools import tiny
 
     root = tmp_path_factory.mktemp("tiny")
     tiny.write_all(root)
@@ -50,7 +52,7 @@ def tiny_root(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_manifest(tiny_root) -> list[dict]:
-    from comfyui_flux2dev import tiny
+    from comfyui_flux2dev.devtools import tiny
 
     return tiny.read_manifest(tiny_root)
 
@@ -85,13 +87,13 @@ def server_extras(tiny_root, tmp_path_factory) -> dict[str, Path]:
 
 @pytest.fixture(scope="session")
 def _server_session(tiny_root, server_extras):
-    from comfyui_flux2dev import tiny
+    from comfyui_flux2dev.devtools import tiny
     from comfyui_flux2dev.devtools.headless import HeadlessComfy
 
     models = {folder: [tiny_root / folder] for folder in tiny.PARTS}
     for folder, extra in server_extras.items():
         models[folder].append(extra)
-    with HeadlessComfy(_comfyui_root(), models=models, env={TINY_MODELS_ENV: "1"}) as server:
+    with HeadlessComfy(_comfyui_root(), models=models, env={TEST_MODELS_ENV: os.environ[TEST_MODELS_ENV]}) as server:
         yield server
 
 

@@ -169,7 +169,7 @@ def test_a_bad_input_ends_in_the_packs_error(bad, case, target):
 def test_shards_kept_as_symlinks_into_a_cache_still_load(tiny_root, tmp_path):
     """The Hugging Face cache keeps a snapshot's files as symlinks into blobs/: an index naming files inside
     the folder is fine wherever those links point (the check is on the names, not on where links lead)."""
-    from comfyui_flux2dev.loaders.encoder import plan_encoder
+    from comfyui_flux2dev.loaders.models.encoder import plan_encoder
 
     src = tiny_root / "text_encoders/hf-mistral3"
     blobs, snapshot = tmp_path / "blobs", tmp_path / "snapshots" / "0123abc"

@@ -9,7 +9,7 @@ import math
 import pytest
 
 from comfyui_flux2dev.devtools import bench
-from comfyui_flux2dev.loaders.gguf_dequant import QUANTIZED_TYPES
+from comfyui_flux2dev.loaders.formats.gguf_dequant import QUANTIZED_TYPES
 
 
 @pytest.fixture(scope="module")

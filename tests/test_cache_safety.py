@@ -26,8 +26,8 @@ from safetensors.torch import save_file
 from bad_files import time_bound
 from cache_keys import key_of
 from comfyui_flux2dev.errors import CacheError, CorruptFileError
-from comfyui_flux2dev.loaders import conditioning_cache as cc
-from comfyui_flux2dev.loaders.conditioning_cache import TAG, ConditioningCache
+from comfyui_flux2dev.loaders.cache import store as cc
+from comfyui_flux2dev.loaders.cache.store import TAG, ConditioningCache
 
 ENTRY_BYTES = 4096  # about what one small entry below takes
 
@@ -299,7 +299,7 @@ def test_a_killed_writers_temporary_file_counts_toward_the_limit_until_the_next_
     writer = subprocess.Popen([sys.executable, "-P", "-c", textwrap.dedent(f"""
         import os, sys, time
         from pathlib import Path
-        from comfyui_flux2dev.loaders import conditioning_cache as cc
+        from comfyui_flux2dev.loaders.cache import store as cc
         fd, temp = cc._fresh(Path({str(cache_dir)!r}), "e" * 64)
         os.write(fd, b"x" * 1_000_000)
         print(temp, flush=True)
@@ -346,7 +346,7 @@ READER = """
 import json, logging, sys, torch
 logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
 from comfyui_flux2dev.host.clip import lazy_clip
-from comfyui_flux2dev.loaders.conditioning_cache import ConditioningCache
+from comfyui_flux2dev.loaders.cache.store import ConditioningCache
 encoder, cache = ENCODER, CACHE
 clip = lazy_clip(encoder, cache=cache, dtype=torch.float32)
 out = {}
@@ -428,7 +428,7 @@ def test_a_prompts_file_that_is_no_regular_file_is_refused_at_once(tekken_folder
 
 
 def test_prompts_files_split_on_newlines_alone_with_a_byte_order_mark_allowed(tekken_folder, tmp_path):
-    from comfyui_flux2dev.loaders.files import read_prompts
+    from comfyui_flux2dev.loaders.formats.files import read_prompts
 
     prompts = tmp_path / "prompts.jsonl"
     lines = ["a red fox", "a line\u2028separator and a\u2029paragraph one", "tabs\tand\x0bvertical", "crlf line"]
@@ -549,7 +549,7 @@ def test_listing_survives_stored_keys_of_the_wrong_types(cache_dir):
 
 
 def test_a_400_digit_integer_in_a_config_is_the_packs_error(tiny_root, tmp_path):
-    from comfyui_flux2dev.loaders.encoder import plan_encoder
+    from comfyui_flux2dev.loaders.models.encoder import plan_encoder
 
     folder = tmp_path / "standalone"
     shutil.copytree(tiny_root / "text_encoders/standalone", folder)
@@ -579,7 +579,7 @@ def test_a_dangling_link_beside_the_encoder_breaks_no_cached_encode(comfy_host, 
 
 def test_the_fingerprint_covers_the_files_the_encoder_reads_and_no_others(comfy_host, tiny_root, tmp_path):
     from comfyui_flux2dev.host.clip import _signature
-    from comfyui_flux2dev.loaders.encoder import plan_encoder
+    from comfyui_flux2dev.loaders.models.encoder import plan_encoder
 
     folder = tmp_path / "hf"
     shutil.copytree(tiny_root / "text_encoders/hf-mistral3", folder)

@@ -25,18 +25,21 @@ def tekken_folder(tmp_path):
 
 
 @pytest.mark.transformers_matrix
-def test_tokenize_json_prints_rung_source_and_the_comfy_mode_ids(tekken_folder):
+@pytest.mark.parametrize("padding", [None, "reference", "comfy"])
+def test_tokenize_json_prints_rung_source_the_ids_without_pads_and_the_mask(tekken_folder, padding):
+    """The default padding is the encoder node's (reference); the ids are those the encoder attends to, the
+    mask has one 0 per left pad."""
     tmp_path = tekken_folder
-    out = flux2dev("tokenize", str(tmp_path), "--prompt", "a red fox", "--json")
+    out = flux2dev("tokenize", str(tmp_path), "--prompt", "a red fox", "--json", *(("--padding", padding) if padding else ()))
     assert out.returncode == 0, out.stderr
     record = json.loads(out.stdout)
     resolution = tokenizers.resolve_tokenizer(tmp_path)
-    assert record == {
-        "rung": resolution.rung,
-        "source": str(resolution.source),
-        "ids": tokenizers.prompt_ids(resolution.tokenizer, "a red fox", "comfy")[0],
-    }
-    assert record["ids"][:2] == [1, 17] and record["ids"][-1] == 4
+    mode = padding or "reference"
+    ids, mask = tokenizers.prompt_ids(resolution.tokenizer, "a red fox", mode)
+    pads = mask.count(0)
+    assert record == {"rung": resolution.rung, "source": str(resolution.source), "padding": mode, "ids": ids[pads:], "mask": mask}
+    assert record["ids"][:2] == [1, 17] and record["ids"][-1] == 4 and ids[:pads] == [tokenizers.PAD_ID] * pads
+    assert (pads > 0) == (mode == "reference") and len(mask) == (512 if mode == "reference" else len(ids))
     assert record["rung"] == "tekken-json"
 
 
@@ -59,7 +62,7 @@ RUNG_OF_LAYOUT = {
 
 @pytest.mark.transformers_matrix
 def test_each_tiny_layout_resolves_its_tokenizer_on_the_expected_rung(tiny_root, tiny_manifest):
-    from comfyui_flux2dev.loaders.encoder import encoder_tokenizer
+    from comfyui_flux2dev.loaders.models.encoder import encoder_tokenizer
 
     layouts = {e["path"].removeprefix("text_encoders/") for e in tiny_manifest if e["kind"] == "encoder"}
     assert layouts == set(RUNG_OF_LAYOUT)
@@ -90,7 +93,8 @@ def test_tokenize_prompts_file_prints_one_object_a_line_in_order(tekken_folder):
     assert out.returncode == 0, out.stderr
     lines = [json.loads(line) for line in out.stdout.splitlines()]
     tok = tokenizers.resolve_tokenizer(tmp_path).tokenizer
-    assert [r["ids"] for r in lines] == [tokenizers.prompt_ids(tok, p, "comfy")[0] for p in prompts]
+    assert [r["ids"] for r in lines] == [tokenizers.prompt_ids(tok, p, "reference")[0][-len(r["ids"]):] for p, r in zip(prompts, lines)]
+    assert all(sum(r["mask"]) == len(r["ids"]) for r in lines)
 
 
 def test_a_failure_is_exit_2_and_one_sentence_without_traceback(tmp_path):
@@ -109,7 +113,7 @@ def test_debug_shows_the_traceback(tmp_path):
 
 
 def test_inspect_sees_every_tiny_file_as_the_factory_wrote_it(tiny_root, tiny_manifest):
-    from comfyui_flux2dev.loaders.inspect import inspect_path
+    from comfyui_flux2dev.loaders.models.inspect import inspect_path
 
     for entry in tiny_manifest:
         seen = inspect_path(tiny_root / entry["path"])
@@ -152,21 +156,30 @@ def test_encode_writes_what_the_host_clip_produces(comfy_host, tiny_root, tmp_pa
 
 
 @pytest.mark.parametrize("relative", ["unet/flux2-dev-tiny-Q4_K.gguf", "text_encoders/mistral_3_small_flux2_bf16.safetensors"])
-def test_tiny_models_without_the_switch_say_how_to_load_them(tiny_root, relative):
-    out = flux2dev("inspect", str(tiny_root / relative), env={"FLUX2DEV_TINY_MODELS": "0"})
-    assert out.returncode == 2
-    assert "tiny test models (written by `flux2dev tiny`), which ComfyUI loads only when started with FLUX2DEV_TINY_MODELS=1" in out.stderr
+def test_tiny_models_are_unknown_without_their_declaration(tiny_root, relative):
+    out = flux2dev("inspect", str(tiny_root / relative), env={"FLUX2DEV_TINY_MODELS": ""})
+    assert out.returncode == 2 and "geometry" in out.stderr, out.stderr
+    missing = flux2dev("inspect", str(tiny_root / relative), env={"FLUX2DEV_TINY_MODELS": "1"})
+    assert missing.returncode == 2 and "FLUX2DEV_TINY_MODELS is '1', which is no file" in missing.stderr
 
 
-def test_tiny_writes_into_a_comfyui_install(tmp_path):
+def devtools(*args, env=None):
+    return subprocess.run([sys.executable, "-P", "-m", "comfyui_flux2dev.devtools", *args], capture_output=True, text=True,
+                          env={**os.environ, **(env or {})})
+
+
+def test_the_dev_tools_write_tiny_models_into_a_comfyui_install_with_their_declaration(tmp_path):
     comfyui = tmp_path / "ComfyUI"
     (comfyui / "models").mkdir(parents=True)
     (comfyui / "main.py").write_text("")
-    out = flux2dev("tiny", "--comfyui", str(comfyui))
+    out = devtools("tiny", "--comfyui", str(comfyui), env={"FLUX2DEV_TINY_MODELS": ""})
     assert out.returncode == 0, out.stderr
-    assert "FLUX2DEV_TINY_MODELS=1" in out.stdout
+    declaration = comfyui / "models/flux2dev-tiny-models.json"
+    assert f"FLUX2DEV_TINY_MODELS={declaration.resolve()} python main.py" in out.stdout
     assert (comfyui / "models/text_encoders/mistral_3_small_flux2_bf16.safetensors").is_file()
     assert (comfyui / "models/unet/flux2-dev-tiny-Q4_K.gguf").is_file()
     assert not (comfyui / "models/manifest.json").exists()
-    refused = flux2dev("tiny", "--comfyui", str(tmp_path))
+    known = flux2dev("inspect", str(comfyui / "models/unet/flux2-dev-tiny-Q4_K.gguf"), env={"FLUX2DEV_TINY_MODELS": str(declaration)})
+    assert known.returncode == 0 and json.loads(known.stdout)["variant"] == "dev", known.stderr
+    refused = devtools("tiny", "--comfyui", str(tmp_path))
     assert refused.returncode == 2 and "not a ComfyUI folder" in refused.stderr

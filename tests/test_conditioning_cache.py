@@ -13,7 +13,7 @@ import sys
 import pytest
 import torch
 
-from comfyui_flux2dev.loaders.conditioning_cache import ConditioningCache, stat_signature, tensors_digest, weights_fingerprint
+from comfyui_flux2dev.loaders.cache.store import ConditioningCache, stat_signature, tensors_digest, weights_fingerprint
 
 from cache_keys import key_of
 

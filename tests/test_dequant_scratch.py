@@ -11,8 +11,8 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from comfyui_flux2dev.loaders.gguf_dequant import QUANTIZED_TYPES
-from comfyui_flux2dev.tiny.gguf_blocks import random_blocks
+from comfyui_flux2dev.loaders.formats.gguf_dequant import QUANTIZED_TYPES
+from comfyui_flux2dev.devtools.tiny.gguf_blocks import random_blocks
 
 WIDTH = 512  # two NVFP4 scale tiles wide, two K-quant blocks
 
@@ -41,7 +41,7 @@ def _fp8_weight(qtype, seed: int):
 def _nvfp4_weight(qtype, seed: int):
     from comfy_kitchen.backends.eager.quantization import dequantize_nvfp4
 
-    from comfyui_flux2dev.tiny.encoders import quantize_nvfp4
+    from comfyui_flux2dev.devtools.tiny.encoders import quantize_nvfp4
 
     packed, scales, scale2 = quantize_nvfp4(torch.randn(WIDTH, WIDTH, generator=torch.Generator().manual_seed(seed)))
     values = dequantize_nvfp4(packed, scale2, scales, output_type=torch.float32)
@@ -133,11 +133,11 @@ def _forward(patcher, grad_mode):
 def test_host_forward_scratch_equals_fresh_and_gguf_with_and_without_lora(gguf_dir, comfy_host, fmt):
     from test_gguf_transformer import reference_model, tiny_lora
 
-    from comfyui_flux2dev.host import gguf_ops, ops
+    from comfyui_flux2dev.host import model as host_model, ops
 
     ops._scratch.buffer = None  # what earlier tests left
     path = gguf_dir[("dev", fmt)]
-    model, reference = gguf_ops.load_gguf_model(path, dtype=torch.float32), reference_model(path)
+    model, reference = host_model.load_gguf_model(path, dtype=torch.float32), reference_model(path)
     lora = tiny_lora(reference)  # on double_blocks.0.img_attn.qkv: txt_attn.qkv, the same shape, follows it
     patched, _ = comfy_host.load_lora_for_models(model, None, lora, 1.0, 0.0)
     patched_reference, _ = comfy_host.load_lora_for_models(reference, None, lora, 1.0, 0.0)

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from comfyui_flux2dev.errors import MissingWeightsError, UnknownModelError, UnsupportedFormatError, WrongModelError
-from comfyui_flux2dev.loaders import encoder as enc
-from comfyui_flux2dev.tiny import encoders as tiny
+from comfyui_flux2dev.loaders.models import encoder as enc
+from comfyui_flux2dev.devtools.tiny import encoders as tiny
 
 PROMPTS = ("a red fox in the snow", "Ein Café, 2024: [IMG] 3 cats <s>!")
 BF16_LAYOUTS = {
@@ -223,7 +223,7 @@ def test_nvfp4_dequant_is_exact_against_comfy_kitchen():
     from comfy_kitchen.backends.eager.quantization import dequantize_nvfp4
     from comfy_kitchen.float_utils import to_blocked
 
-    from comfyui_flux2dev.loaders import quant
+    from comfyui_flux2dev.loaders.formats import quant
 
     w = torch.randn(200, 96, generator=torch.Generator().manual_seed(1))
     packed, scales, scale2 = tiny.quantize_nvfp4(w)
@@ -236,7 +236,7 @@ def test_nvfp4_dequant_is_exact_against_comfy_kitchen():
 
 
 def test_only_layers_0_to_29_and_embeddings_are_read(encoders, monkeypatch):
-    from comfyui_flux2dev.loaders.safetensors_file import SafetensorsFiles
+    from comfyui_flux2dev.loaders.formats.safetensors_file import SafetensorsFiles
 
     read = []
     original = SafetensorsFiles.read
@@ -268,7 +268,7 @@ INTERLEAVED = {"native": 0.0, "mistral3-q4_k.gguf": 1e-3, "llama-q8_0.gguf": 2e-
 
 @pytest.mark.parametrize("name", sorted(INTERLEAVED))
 def test_native_and_gguf_rows_are_unpermuted(encoders, name):
-    from comfyui_flux2dev.loaders import quant
+    from comfyui_flux2dev.loaders.formats import quant
 
     loaded = enc.load_encoder(os.path.join(encoders, name)).state_dict
     for k in ("model.layers.3.self_attn.q_proj.weight", "model.layers.3.self_attn.k_proj.weight"):
@@ -336,7 +336,7 @@ def test_wrong_files_are_named(tmp_path, name):
 def test_gguf_files_of_other_architectures_are_named(tmp_path, architecture, error, message):
     import gguf
 
-    from comfyui_flux2dev.tiny.gguf_blocks import write_and_close
+    from comfyui_flux2dev.devtools.tiny.gguf_blocks import write_and_close
 
     writer = gguf.GGUFWriter(str(tmp_path / "x.gguf"), architecture)
     writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
@@ -394,7 +394,7 @@ def test_rotary_theta_comes_from_the_checkpoint(comfy_host, encoders, tmp_path):
 
 @pytest.mark.transformers_matrix
 def test_a_gguf_encoder_header_is_parsed_once_for_weights_and_tokenizer(encoders):
-    from comfyui_flux2dev.loaders import gguf_file
+    from comfyui_flux2dev.loaders.formats import gguf_file
 
     before = gguf_file.parse_count()
     loaded = enc.load_encoder(os.path.join(encoders, "mistral3-q4_0.gguf"))

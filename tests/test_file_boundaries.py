@@ -17,14 +17,14 @@ import torch
 from safetensors.torch import save_file
 
 from comfyui_flux2dev.errors import CorruptFileError, Flux2DevError, MissingWeightsError, UnknownModelError
-from comfyui_flux2dev.loaders.encoder import plan_encoder
-from comfyui_flux2dev.loaders.files import ENCODER_CONFIG, PIPELINE_INDEX, TRANSFORMER_CONFIG, part_files
-from comfyui_flux2dev.loaders.inspect import inspect_path
-from comfyui_flux2dev.loaders.pipeline import describe_pipeline
-from comfyui_flux2dev.loaders.safetensors_file import SafetensorsFiles
-from comfyui_flux2dev.loaders.transformer import identify_transformer
-from comfyui_flux2dev.loaders.vae import load_vae_state_dict
-from comfyui_flux2dev.validate import JSON_LIMITS, checked
+from comfyui_flux2dev.loaders.models.encoder import plan_encoder
+from comfyui_flux2dev.loaders.formats.files import ENCODER_CONFIG, PIPELINE_INDEX, TRANSFORMER_CONFIG, part_files
+from comfyui_flux2dev.loaders.models.inspect import inspect_path
+from comfyui_flux2dev.loaders.models.pipeline import describe_pipeline
+from comfyui_flux2dev.loaders.formats.safetensors_file import SafetensorsFiles
+from comfyui_flux2dev.loaders.models.transformer import identify_transformer
+from comfyui_flux2dev.loaders.models.vae import load_vae_state_dict
+from comfyui_flux2dev.loaders.formats.validate import JSON_LIMITS, checked
 
 SECRET = b"marker:x:0:0:marker:/home/marker:/bin/sh\n"  # what a file that is no model file holds
 
@@ -345,7 +345,7 @@ def test_a_damaged_encoder_config_is_refused_naming_the_field(tmp_path, text_con
 
 @pytest.fixture(scope="module")
 def native_folder(tmp_path_factory) -> Path:
-    from comfyui_flux2dev.tiny.encoders import write_native
+    from comfyui_flux2dev.devtools.tiny.encoders import write_native
 
     folder = tmp_path_factory.mktemp("native")
     write_native(str(folder))

@@ -1,7 +1,7 @@
 """Mutation fuzzing of every parser and loader entry point (devtools/fuzz.py) in its quick mode: each target
 first runs its seed files unchanged (they must load), then 2,000 mutated inputs, each of which must end
 normally or in the pack's own error, in bounded time and memory. Each target runs in a process of its own
-(`python -m comfyui_flux2dev.devtools.fuzz`), as a developer runs it; failing inputs are written under the
+(`python -m comfyui_flux2dev.devtools fuzz`), as a developer runs it; failing inputs are written under the
 test's tmp_path. The harness itself is tested first: a planted escape, hang and blowup must be reported."""
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ def test_inputs_are_reproducible():
 def test_fuzz_quick(target, tiny_root, tmp_path):
     inputs, report_file = tmp_path / "inputs", tmp_path / "report.json"
     run = subprocess.run(
-        [sys.executable, "-P", "-m", "comfyui_flux2dev.devtools.fuzz", "--target", target, "--fixtures", str(tiny_root),
+        [sys.executable, "-P", "-m", "comfyui_flux2dev.devtools", "fuzz", "--target", target, "--fixtures", str(tiny_root),
          "--inputs", str(fuzz.QUICK_INPUTS), "--out", str(inputs), "--json", str(report_file)],
         capture_output=True, text=True, timeout=1200,
     )

@@ -11,10 +11,10 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from comfyui_flux2dev.tiny.gguf_blocks import random_blocks
+from comfyui_flux2dev.devtools.tiny.gguf_blocks import random_blocks
 from comfyui_flux2dev.errors import CorruptFileError, UnsupportedFormatError
-from comfyui_flux2dev.loaders import dequant_steps, gguf_dequant
-from comfyui_flux2dev.loaders.gguf_dequant import TORCH_TYPES, dequantize
+from comfyui_flux2dev.loaders.formats import dequant_steps, gguf_dequant
+from comfyui_flux2dev.loaders.formats.gguf_dequant import TORCH_TYPES, dequantize
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 # Types gguf-py can quantize: their test data is real quantizer output rather than random blocks.

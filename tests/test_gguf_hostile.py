@@ -16,9 +16,10 @@ from gguf import GGMLQuantizationType as Q
 from gguf import GGUFValueType as V
 
 from comfyui_flux2dev.errors import CorruptFileError, ModelNotFoundError, WrongModelError
-from comfyui_flux2dev.loaders.gguf_file import open_gguf
-from comfyui_flux2dev.loaders.gguf_transformer import load_gguf_transformer
-from comfyui_flux2dev.tiny.gguf_transformers import write_gguf
+from comfyui_flux2dev.loaders.formats.gguf_file import open_gguf
+from comfyui_flux2dev.loaders.models.gguf_transformer import load_gguf_transformer
+from comfyui_flux2dev.loaders.models.kinds import gguf_architectures
+from comfyui_flux2dev.devtools.tiny.gguf_transformers import write_gguf
 
 
 def _s(text: str | bytes) -> bytes:
@@ -51,6 +52,8 @@ def _file(kvs=(), infos=(), data=b"") -> bytes:
     return head + b"\0" * (-len(head) % 32) + data
 
 
+# The architectures whose settings the encoder loader reads, as it tells the reader.
+ENCODER_ARCHITECTURES = frozenset(gguf_architectures("encoder"))
 ARCH = _kv("general.architecture", V.STRING, _s("mistral3"))
 TENSOR = [_tensor_info("a", [32, 2], Q.F32, 0)]
 DATA = bytes(256)
@@ -92,7 +95,7 @@ def test_hostile_metadata_and_tensor_table_are_refused(tmp_path, raw, words):
     path = tmp_path / "hostile.gguf"
     path.write_bytes(raw)
     with pytest.raises(CorruptFileError) as caught:
-        open_gguf(path)
+        open_gguf(path, ENCODER_ARCHITECTURES)
     assert "hostile.gguf" in str(caught.value) and words in str(caught.value)
 
 
@@ -102,7 +105,7 @@ def test_declared_values_pass_when_sane(tmp_path):
            _array("tokenizer.ggml.tokens", V.STRING, [_s("a"), _s("b")]), _array("tokenizer.ggml.token_type", V.INT32, [struct.pack("<i", 3)] * 2)]
     head = b"GGUF" + struct.pack("<IQQ", 3, 1, len(kvs)) + b"".join(kvs) + TENSOR[0]
     path.write_bytes(head + b"\0" * (-len(head) % 64) + DATA)
-    with open_gguf(path) as f:
+    with open_gguf(path, ENCODER_ARCHITECTURES) as f:
         assert f.architecture == "mistral3" and f.metadata["mistral3.attention.head_count"] == 32
         assert f.metadata["tokenizer.ggml.tokens"] == ["a", "b"] and f.tensors["a"].shape == (2, 32)
 
@@ -113,8 +116,12 @@ def test_other_models_settings_are_not_judged(tmp_path):
     path = tmp_path / "other.gguf"
     heads = _array("deci.attention.head_count_kv", V.UINT32, [struct.pack("<I", 8)] * 4)
     path.write_bytes(_file([_kv("general.architecture", V.STRING, _s("deci")), heads], TENSOR, DATA))
-    with open_gguf(path) as f:
+    with open_gguf(path, ENCODER_ARCHITECTURES) as f:
         assert f.architecture == "deci" and len(f.metadata["deci.attention.head_count_kv"]) == 4
+    bad = tmp_path / "mistral3.gguf"  # a reader not told an architecture does not judge its settings either
+    bad.write_bytes(CORRUPT["head count 0"][0])
+    with open_gguf(bad) as f:
+        assert f.metadata["mistral3.attention.head_count_kv"] == 0
 
 
 def test_not_a_regular_file(tmp_path):
@@ -142,7 +149,7 @@ def test_fifo_named_gguf_does_not_block(tmp_path):
     os.mkfifo(fifo)
     out = _child(f"""
         from comfyui_flux2dev.errors import CorruptFileError
-        from comfyui_flux2dev.loaders.gguf_file import open_gguf
+        from comfyui_flux2dev.loaders.formats.gguf_file import open_gguf
         try:
             open_gguf({str(fifo)!r})
         except CorruptFileError as e:
@@ -171,7 +178,7 @@ def test_bloated_metadata_costs_bounded_memory(tmp_path, head, item, count):
     out = _child(f"""
         import resource
         from comfyui_flux2dev.errors import Flux2DevError
-        from comfyui_flux2dev.loaders.gguf_file import open_gguf
+        from comfyui_flux2dev.loaders.formats.gguf_file import open_gguf
         before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         try:
             with open_gguf({str(path)!r}) as f:
@@ -203,5 +210,5 @@ def test_failed_loads_leave_nothing_mapped(tmp_path):
     damaged = tmp_path / "damaged.gguf"  # fails while its metadata is checked
     damaged.write_bytes(CORRUPT["head count 0"][0])
     with pytest.raises(CorruptFileError) as kept:
-        open_gguf(damaged)
+        open_gguf(damaged, ENCODER_ARCHITECTURES)
     assert not _mapped(damaged) and kept.value is not None

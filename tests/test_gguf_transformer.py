@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from comfyui_flux2dev.errors import UnknownModelError, VariantMismatchError, WrongModelError
-from comfyui_flux2dev.loaders.variants import variant_by_key
+from comfyui_flux2dev.loaders.models.variants import variant_by_key
 
 DEV_FILES = ("F16", "Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K")
 CPU = torch.device("cpu")
@@ -22,9 +22,9 @@ def gguf_dir(tiny_part, comfy_host):
 
 @pytest.fixture(scope="module")
 def ops():
-    from comfyui_flux2dev.host import gguf_ops
+    from comfyui_flux2dev.host import model
 
-    return gguf_ops
+    return model
 
 
 def load(ops, path, **kwargs):
@@ -36,7 +36,7 @@ def reference_model(path):
     import gguf
 
     from comfyui_flux2dev.host.model import build_model
-    from comfyui_flux2dev.loaders.transformer import LoadedTransformer, geometry_from_shapes, variant_for_geometry
+    from comfyui_flux2dev.loaders.models.transformer import LoadedTransformer, geometry_from_shapes, variant_for_geometry
 
     sd = {}
     for t in gguf.GGUFReader(str(path)).tensors:
@@ -107,7 +107,7 @@ def test_klein_gguf_detected_and_matches(gguf_dir, ops):
 
 
 def test_header_parsed_once_per_load(gguf_dir, ops):
-    from comfyui_flux2dev.loaders import gguf_file
+    from comfyui_flux2dev.loaders.formats import gguf_file
 
     before = gguf_file.parse_count()
     load(ops, gguf_dir[1][("dev", "Q4_K")])
@@ -162,7 +162,7 @@ def test_per_load_settings_do_not_leak(gguf_dir, ops, comfy_host):
 def test_memory_accounting_sees_packed_sizes(gguf_dir, ops):
     from comfy.model_management import module_size
 
-    from comfyui_flux2dev.loaders.gguf_file import open_gguf
+    from comfyui_flux2dev.loaders.formats.gguf_file import open_gguf
 
     path = gguf_dir[1][("dev", "Q4_0")]
     model, reference = load(ops, path), reference_model(path)
@@ -187,7 +187,7 @@ def _rewrite(src, dst, architecture="flux", drop=()):
     """Copy a tiny GGUF's tensors into a new file with another architecture or without some tensors."""
     from gguf import GGUFReader
 
-    from comfyui_flux2dev.tiny.gguf_transformers import write_gguf
+    from comfyui_flux2dev.devtools.tiny.gguf_transformers import write_gguf
 
     tensors = {t.name: (np.array(t.data), t.tensor_type) for t in GGUFReader(str(src)).tensors if not t.name.startswith(drop)}
     write_gguf(dst, tensors, architecture)
@@ -206,7 +206,7 @@ def test_other_transformer_architecture_names_load(gguf_dir, ops, tmp_path, arch
      ("qwen3", WrongModelError, "Klein"), ("mamba", UnknownModelError, "'mamba'")),
 )
 def test_other_models_are_refused(gguf_dir, tmp_path, architecture, error, words):
-    from comfyui_flux2dev.loaders.gguf_transformer import load_gguf_transformer
+    from comfyui_flux2dev.loaders.models.gguf_transformer import load_gguf_transformer
 
     path = _rewrite(gguf_dir[1][("klein-4b", "Q8_0")], tmp_path / "x.gguf", architecture)
     with pytest.raises(error, match="not a FLUX.2 transformer|FLUX.2 transformer GGUFs") as e:
@@ -215,7 +215,7 @@ def test_other_models_are_refused(gguf_dir, tmp_path, architecture, error, words
 
 
 def test_flux1_and_unknown_geometry_are_refused(gguf_dir, tmp_path):
-    from comfyui_flux2dev.loaders.gguf_transformer import load_gguf_transformer
+    from comfyui_flux2dev.loaders.models.gguf_transformer import load_gguf_transformer
 
     src = gguf_dir[1][("dev", "Q8_0")]
     with pytest.raises(WrongModelError, match="FLUX.1"):

@@ -23,10 +23,10 @@ def paths(tiny_root):
 
 
 def _load(kind: str, path, **kwargs):
-    from comfyui_flux2dev.host import clip, gguf_ops, model, vae
+    from comfyui_flux2dev.host import clip, model, vae
 
     loaders = {
-        "gguf": lambda: gguf_ops.load_gguf_model(str(path), dtype=torch.float32, **kwargs),
+        "gguf": lambda: model.load_gguf_model(str(path), dtype=torch.float32, **kwargs),
         "transformer": lambda: model.load_model(str(path), dtype=torch.float32, **kwargs),
         "encoder": lambda: clip.load_clip(str(path), padding="comfy", dtype=torch.float32, **kwargs),
         "fp8 encoder": lambda: clip.load_clip(str(path), padding="comfy", dtype=torch.float32, **kwargs),

@@ -16,7 +16,7 @@ def test_importing_the_pack_leaves_the_process_alone():
 import sys
 argv, path = list(sys.argv), list(sys.path)
 import comfyui_flux2dev.cli
-from comfyui_flux2dev.host import clip, compat, gguf_ops, menus, model, ops, vae
+from comfyui_flux2dev.host import clip, compat, menus, model, ops, vae
 assert not [m for m in sys.modules if m.split(".")[0] in ("comfy", "folder_paths", "comfy_api")], sorted(sys.modules)
 assert sys.argv == argv and sys.path == path
 """

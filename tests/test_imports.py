@@ -1,5 +1,5 @@
 """The package's import graph: no module imports itself through others (an import cycle works or breaks
-by import order), and the loaders and tokenizers stand without the host."""
+by import order), no layer imports one above it, and the layers below the host stand without it."""
 
 from __future__ import annotations
 
@@ -75,23 +75,66 @@ def test_the_cycle_finder_finds_a_cycle():
     assert _cycle({"a": {"b"}, "b": set()}) is None
 
 
-def test_the_package_has_no_import_cycle():
+def _graph() -> dict[str, set[str]]:
     modules = _modules()
-    assert f"{PACKAGE}.loaders.encoder" in modules and f"{PACKAGE}.tokenizers.ladder" in modules
     graph = {name: _imports(name, path, modules) for name, path in modules.items()}
     # __init__ modules are imported on the way to their submodules; that edge is no cycle of the code's own
-    graph = {name: {t for t in targets if not name.startswith(t + ".")} for name, targets in graph.items()}
-    assert f"{PACKAGE}.loaders.kinds" in graph[f"{PACKAGE}.loaders.encoder_identify"]
+    return {name: {t for t in targets if not name.startswith(t + ".")} for name, targets in graph.items()}
+
+
+def test_the_package_has_no_import_cycle():
+    graph = _graph()
+    assert f"{PACKAGE}.loaders.models.encoder" in graph and f"{PACKAGE}.tokenizers.ladder" in graph
+    assert f"{PACKAGE}.loaders.models.kinds" in graph[f"{PACKAGE}.loaders.models.encoder_identify"]
     assert _cycle(graph) is None, " -> ".join(_cycle(graph))
 
 
-@pytest.mark.parametrize("package", ["loaders", "tokenizers"])
-def test_loaders_and_tokenizers_never_import_the_host(package):
-    modules = [name for name in _modules() if name.startswith(f"{PACKAGE}.{package}")]
+# The layers, lowest first: a module imports modules of its own layer and those below, never above.
+LAYERS = (
+    ("errors",),
+    ("loaders.formats",),  # bytes in, tensors out: no knowledge of models
+    ("tokenizers",),
+    ("loaders.models",),
+    ("loaders.cache",),
+    ("loaders",),  # the package's own __init__
+    ("host",),  # the one layer that touches ComfyUI
+    ("nodes", "cli", ""),  # the UI and the command line, and the package root (its entry point)
+    ("devtools",),  # what only developers run: never imported by the layers above
+)
+HOST_FREE = ("errors", "loaders", "tokenizers")
+
+
+def layer_of(module: str) -> int:
+    rel = module.removeprefix(PACKAGE).lstrip(".")
+    best = None
+    for level, prefixes in enumerate(LAYERS):
+        for prefix in prefixes:
+            if rel == prefix or rel.startswith(prefix + ".") or (prefix == "" and rel == ""):
+                if best is None or len(prefix) > best[0]:
+                    best = (len(prefix), level)
+    assert best is not None, f"{module} is in no layer of LAYERS"
+    return best[1]
+
+
+def test_the_layer_finder_places_modules():
+    assert layer_of(f"{PACKAGE}.loaders.formats.gguf_file") < layer_of(f"{PACKAGE}.loaders.models.encoder")
+    assert layer_of(f"{PACKAGE}.loaders") > layer_of(f"{PACKAGE}.loaders.cache.store")
+    assert layer_of(PACKAGE) == layer_of(f"{PACKAGE}.cli") < layer_of(f"{PACKAGE}.devtools.fuzz")
+
+
+def test_no_layer_imports_one_above_it():
+    upward = [f"{name} imports {target}" for name, targets in _graph().items() for target in sorted(targets)
+              if layer_of(target) > layer_of(name)]
+    assert not upward, "\n".join(upward)
+
+
+@pytest.mark.parametrize("package", HOST_FREE)
+def test_the_layers_below_the_host_never_import_it(package):
+    modules = [name for name in _modules() if name.removeprefix(PACKAGE + ".").split(".")[0] == package]
     code = (
         "import importlib, sys\n"
         f"for name in {modules!r}: importlib.import_module(name)\n"
-        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('comfy', 'folder_paths')))\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('comfy', 'folder_paths', 'comfy_api')))\n"
     )
     out = subprocess.run([sys.executable, "-P", "-c", code], capture_output=True, text=True)  # a fresh process
     assert out.returncode == 0, out.stderr

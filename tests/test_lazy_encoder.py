@@ -10,7 +10,7 @@ import shutil
 import pytest
 import torch
 
-from comfyui_flux2dev.loaders.conditioning_cache import ConditioningCache
+from comfyui_flux2dev.loaders.cache.store import ConditioningCache
 
 PROMPTS = ("a red fox in the snow", "a lighthouse at night", "three cats on a sofa")
 BF16 = "text_encoders/mistral_3_small_flux2_bf16.safetensors"
@@ -50,7 +50,7 @@ def encoder(tiny_root, tmp_path):
 
 @pytest.fixture
 def weights_bytes(encoder):
-    from comfyui_flux2dev.loaders.encoder import plan_encoder
+    from comfyui_flux2dev.loaders.models.encoder import plan_encoder
 
     return plan_encoder(encoder).memory_bytes
 
@@ -68,7 +68,7 @@ def test_the_clip_reads_headers_and_tokenizer_only(comfy_host, encoder, weights_
     """This file embeds its tokenizer (tekken.json as a tensor, about as large as the tiny weights): the CLIP
     reads the header and that tensor, nothing else."""
     from comfyui_flux2dev.host.clip import lazy_clip
-    from comfyui_flux2dev.loaders.encoder import plan_encoder
+    from comfyui_flux2dev.loaders.models.encoder import plan_encoder
 
     plan = plan_encoder(encoder)
     header = 8 + int.from_bytes(open(encoder, "rb").read(8), "little")

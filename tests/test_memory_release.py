@@ -114,12 +114,12 @@ print(json.dumps(report))
 
 FAILURE_CHILD = PRELUDE + r"""
 from comfyui_flux2dev.errors import Flux2DevError
-from comfyui_flux2dev.host.gguf_ops import load_gguf_model
+from comfyui_flux2dev.host.model import load_gguf_model
 from comfyui_flux2dev.host.model import load_model
-from comfyui_flux2dev.loaders.encoder import load_encoder
-from comfyui_flux2dev.loaders.gguf_transformer import load_gguf_transformer
-from comfyui_flux2dev.loaders.inspect import inspect_path
-from comfyui_flux2dev.loaders.transformer import load_transformer
+from comfyui_flux2dev.loaders.models.encoder import load_encoder
+from comfyui_flux2dev.loaders.models.gguf_transformer import load_gguf_transformer
+from comfyui_flux2dev.loaders.models.inspect import inspect_path
+from comfyui_flux2dev.loaders.models.transformer import load_transformer
 
 verbs = {"gguf loader": load_gguf_transformer, "GGUF node's load": load_gguf_model, "transformer loader": load_transformer,
          "transformer node's load": load_model, "encoder loader": lambda p: load_encoder(str(p)), "inspect": inspect_path}
@@ -176,7 +176,7 @@ def _gguf_copy(src: Path, dst: Path, drop: str | None = None, architecture: str 
     tensor table are whole and well formed, so the loader fails only at a later check."""
     from gguf import GGUFReader
 
-    from comfyui_flux2dev.tiny.gguf_transformers import write_gguf
+    from comfyui_flux2dev.devtools.tiny.gguf_transformers import write_gguf
 
     tensors = {t.name: (np.array(t.data), t.tensor_type) for t in GGUFReader(str(src)).tensors
                if drop is None or not t.name.startswith(drop)}

@@ -8,7 +8,7 @@ import pytest
 
 def test_tokenizers_library_is_not_shadowed_by_the_pack():
     code = (
-        "import comfyui_flux2dev.tokenizers as pack_tok, comfyui_flux2dev.loaders.variants, tokenizers;"
+        "import comfyui_flux2dev.tokenizers as pack_tok, comfyui_flux2dev.loaders.models.variants, tokenizers;"
         "assert hasattr(tokenizers, 'Tokenizer'), tokenizers.__file__;"
         "assert pack_tok.__name__ == 'comfyui_flux2dev.tokenizers';"
         "assert 'site-packages' in tokenizers.__file__, tokenizers.__file__;"
@@ -22,7 +22,8 @@ def test_tokenizers_library_is_not_shadowed_by_the_pack():
 def test_the_command_line_entry_is_installed():
     out = subprocess.run([sys.executable, "-P", "-m", "comfyui_flux2dev.cli", "--help"], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
-    assert "tiny" in out.stdout and "tokenize" in out.stdout
+    assert "tokenize" in out.stdout and "inspect" in out.stdout
+    assert "tiny" not in out.stdout and "bench" not in out.stdout, "the user's command has user verbs only"
 
 
 PACK_NODES = {
@@ -54,11 +55,35 @@ def test_requirements_txt_lists_exactly_the_pyproject_dependencies():
 
 @pytest.mark.server
 def test_the_demo_writes_an_image(tmp_path):
-    """The README's first command runs `flux2dev demo`: its own headless server, the pack's three loaders."""
+    """The README's first command runs the dev tools' demo: its own headless server, the pack's three loaders."""
     from PIL import Image
 
-    out = subprocess.run([sys.executable, "-P", "-m", "comfyui_flux2dev.cli", "demo", "--out", str(tmp_path)],
+    out = subprocess.run([sys.executable, "-P", "-m", "comfyui_flux2dev.devtools", "demo", "--out", str(tmp_path)],
                          capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-4000:]
     image = Image.open(tmp_path / "flux2dev-demo.png")
     assert image.size == (256, 256) and image.mode == "RGB"
+
+
+def test_the_wheel_ships_every_module_of_the_pack_and_no_dev_tool(tmp_path):
+    """A wheel built from pyproject holds the pack's modules (all of them but devtools/) and nothing else of
+    the clone: no dev tool, no test."""
+    import pathlib
+    import shutil
+    import zipfile
+
+    root = pathlib.Path(__file__).resolve().parent.parent
+    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=root, capture_output=True,
+                            text=True, check=True).stdout.splitlines()
+    source = tmp_path / "source"
+    for name in listed:
+        if (root / name).is_file():
+            (source / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(root / name, source / name)
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp_path / "dist"),
+                            str(source)], capture_output=True, text=True, timeout=600)
+    assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
+    (wheel,) = (tmp_path / "dist").glob("*.whl")
+    shipped = {n.removeprefix("comfyui_flux2dev/") for n in zipfile.ZipFile(wheel).namelist() if n.endswith(".py")}
+    pack = {n for n in listed if n.endswith(".py") and n.split("/")[0] not in ("devtools", "tests")}
+    assert shipped == pack

@@ -10,14 +10,15 @@ import pytest
 import torch
 
 from comfyui_flux2dev.errors import VariantMismatchError, WrongModelError
-from comfyui_flux2dev.loaders.pipeline import (
+from comfyui_flux2dev.loaders.models.pipeline import (
     describe_pipeline,
     dev_encoder_folder,
     klein_encoder_error,
     pipeline_class,
     pipeline_variant,
 )
-from comfyui_flux2dev.loaders.variants import TINY_VARIANTS, VARIANTS
+from comfyui_flux2dev.devtools.tiny.geometry import TINY_VARIANTS
+from comfyui_flux2dev.loaders.models.variants import VARIANTS
 
 
 @pytest.fixture(scope="module")

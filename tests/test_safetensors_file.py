@@ -8,7 +8,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from comfyui_flux2dev.errors import CorruptFileError
-from comfyui_flux2dev.loaders.safetensors_file import SafetensorsFiles
+from comfyui_flux2dev.loaders.formats.safetensors_file import SafetensorsFiles
 
 
 def test_tensors_read_back_exactly_as_safetensors_reads_them(tmp_path):

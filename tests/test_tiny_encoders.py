@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from comfyui_flux2dev.tiny import encoders as tiny
+from comfyui_flux2dev.devtools.tiny import encoders as tiny
 from comfyui_flux2dev.tokenizers import bundled_tekken_path
 
 

@@ -29,7 +29,7 @@ from comfyui_flux2dev.tokenizers import (
     resolve_tokenizer,
     tekken_bytes,
 )
-from comfyui_flux2dev.tiny.gguf_blocks import write_and_close
+from comfyui_flux2dev.devtools.tiny.gguf_blocks import write_and_close
 from comfyui_flux2dev.tokenizers.vocab import vocab_from_transformers
 
 pytestmark = pytest.mark.transformers_matrix

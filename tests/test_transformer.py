@@ -8,9 +8,9 @@ import pytest
 import torch
 
 from comfyui_flux2dev.errors import MissingWeightsError, UnknownModelError, WrongModelError
-from comfyui_flux2dev.loaders.transformer import geometry_from_shapes, identify_transformer, variant_for_geometry
-from comfyui_flux2dev.loaders.variants import TINY_VARIANTS
-from comfyui_flux2dev.tiny.transformers import FP8_SPELLINGS
+from comfyui_flux2dev.loaders.models.transformer import geometry_from_shapes, identify_transformer, variant_for_geometry
+from comfyui_flux2dev.devtools.tiny.geometry import TINY_VARIANTS
+from comfyui_flux2dev.devtools.tiny.transformers import FP8_SPELLINGS
 
 
 @pytest.fixture(scope="module")

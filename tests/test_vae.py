@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from comfyui_flux2dev.errors import WrongModelError
-from comfyui_flux2dev.loaders.vae import load_vae_state_dict
+from comfyui_flux2dev.loaders.models.vae import load_vae_state_dict
 
 
 @pytest.fixture(scope="module")

@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import CorruptFileError, Flux2DevError, ModelNotFoundError, TokenizerNotFoundError
-from ..loaders.files import MODEL_INDEX
-from ..validate import read_json
+from ..loaders.formats.files import MODEL_INDEX
+from ..loaders.formats.validate import read_json
 from .canonical import Flux2Tokenizer, self_test
 from .vocab import (
     TekkenVocab,

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import CorruptFileError, WrongModelError
-from ..validate import Field, check_field, checked, parse_json, read_json
+from ..loaders.formats.validate import Field, check_field, checked, parse_json, read_json
 
 # The names of the first 20 ids in tekken files of version <= v7 that carry no "special_tokens" list;
 # mistral-common fills the rest of the special range with <SPECIAL_n>.

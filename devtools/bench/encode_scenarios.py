@@ -19,7 +19,8 @@ import tempfile
 
 import torch
 
-from ...loaders.variants import BENCH_MISTRAL, TINY_MISTRAL, TINY_MODELS_ENV, MistralEncoderGeometry
+from ...loaders.models.variants import MistralEncoderGeometry
+from ..tiny.geometry import BENCH_MISTRAL, TINY_MISTRAL, test_models_env
 from .meters import Measured, evict
 
 # quick: the tiny test encoder (pruned, 30 layers); full: real width, 3 layers. Files hold the layers FLUX.2 keeps.
@@ -40,7 +41,7 @@ def write_encoder(path: str, g: MistralEncoderGeometry, layers: int, fmt: str) -
     weights with a per-tensor weight_scale."""
     from safetensors.torch import save_file
 
-    from ...tiny.encoders import tekken_data
+    from ..tiny.encoders import tekken_data
 
     gen = torch.Generator().manual_seed(0)
     out = {"model.embed_tokens.weight": (0.5 * torch.randn(g.vocab, g.width, generator=gen)).to(torch.bfloat16)}
@@ -73,7 +74,7 @@ def _encode(clip, prompt: str):
 def _child_encode(path: str, cache: str) -> dict:
     """cold, warm and hit for one file; then a keep_loaded-off encode's RSS against the RSS before it."""
     from ...host.clip import lazy_clip, release_weights
-    from ...loaders.conditioning_cache import ConditioningCache
+    from ...loaders.cache.store import ConditioningCache
     from .meters import _proc_kib
 
     # Unmeasured: imports, the tokenizer, and the weights' fingerprint (once per file, then remembered).
@@ -113,7 +114,7 @@ def _child_encode(path: str, cache: str) -> dict:
 def _in_child(path: str, cache: str) -> dict:
     code = ("import json; from comfyui_flux2dev.devtools.bench import encode_scenarios as s; "
             f"print(json.dumps(s._child_encode({path!r}, {cache!r})))")
-    env = {**os.environ, TINY_MODELS_ENV: "1"}
+    env = {**os.environ, **test_models_env()}
     done = subprocess.run([sys.executable, "-P", "-c", code], env=env, capture_output=True, text=True)
     if done.returncode:
         raise RuntimeError(f"bench child (conditioning cache, {path}) failed:\n{done.stderr[-4000:]}")

@@ -23,9 +23,10 @@ import time
 import numpy as np
 import torch
 
-from ...tiny.gguf_blocks import random_blocks, write_and_close
+from ..tiny.gguf_blocks import random_blocks, write_and_close
 from ...tokenizers.ladder import bundled_tekken_path
 from ...tokenizers.vocab import byte_level_string
+from ..tiny.geometry import test_models_env
 from .encode_scenarios import bench_conditioning_cache
 from .meters import Measured, best, competing_load, evict, machine, timings
 
@@ -44,7 +45,7 @@ def bench_dequant(quick: bool) -> list[dict]:
     plain copy of the output size (a ceiling); and bit equality of the pack and gguf in float32."""
     import gguf
 
-    from ...loaders.gguf_dequant import QUANTIZED_TYPES, dequantize
+    from ...loaders.formats.gguf_dequant import QUANTIZED_TYPES, dequantize
 
     n = _DEQUANT_VALUES[quick]
     repeats, reference_repeats = (3, 2) if quick else (9, 3)
@@ -106,7 +107,7 @@ def _previous_fp8(weight, companions):
 def _previous_nvfp4(packed, companions):
     """The ops' NVFP4 dequantization until 2026-12-01 (the reference): int64 codes, a float32 table
     lookup, the scales, a multiply and a cast, each into a new tensor."""
-    from ...loaders.quant import _E2M1, NVFP4_BLOCK, unswizzle_block_scales
+    from ...loaders.formats.quant import _E2M1, NVFP4_BLOCK, unswizzle_block_scales
 
     rows, cols = packed.shape[0], packed.shape[1] * 2
     codes = torch.stack((packed >> 4, packed & 0x0F), dim=-1).reshape(rows, cols).long()
@@ -119,7 +120,7 @@ def _previous_nvfp4(packed, companions):
 
 def _float_case(fmt: str, shape, rng):
     """(stored weight, companions, the previous dequantization) of a fp8 or NVFP4 weight."""
-    from ...loaders.quant import swizzle_block_scales
+    from ...loaders.formats.quant import swizzle_block_scales
 
     g = torch.Generator().manual_seed(int(rng.integers(1 << 31)))
     if fmt == "fp8-scaled":
@@ -142,8 +143,8 @@ def bench_forward_dequant(quick: bool) -> dict:
     import gguf
 
     from ...host.ops import forward_weight
-    from ...loaders import quant
-    from ...loaders.gguf_dequant import QUANTIZED_TYPES
+    from ...loaders.formats import quant
+    from ...loaders.formats.gguf_dequant import QUANTIZED_TYPES
 
     repeats, reference_repeats = (2, 1) if quick else (5, 2)
     rng = np.random.default_rng(2)
@@ -180,7 +181,7 @@ def bench_contention(quick: bool) -> dict:
     import gguf
 
     from ...host.ops import forward_weight
-    from ...loaders.gguf_dequant import QUANTIZED_TYPES
+    from ...loaders.formats.gguf_dequant import QUANTIZED_TYPES
 
     shape = _FORWARD_SHAPES[quick][0]
     repeats, reference_repeats = (3, 1) if quick else (9, 3)
@@ -235,7 +236,7 @@ def bench_header(quick: bool) -> dict:
     """Seconds to parse a Mistral-sized tokenizer header: the pack's reader against gguf.GGUFReader."""
     import gguf
 
-    from ...loaders.gguf_file import open_gguf
+    from ...loaders.formats.gguf_file import open_gguf
 
     n_tokens, n_merges = _HEADER_SIZES[quick]
     with tempfile.TemporaryDirectory() as tmp:
@@ -270,7 +271,7 @@ def _child_tokenizer(folder: str) -> dict:
 
 
 def _child_encoder(folder: str) -> dict:
-    from ...loaders.encoder import load_encoder
+    from ...loaders.models.encoder import load_encoder
 
     files = [os.path.join(folder, name) for name in sorted(os.listdir(folder)) if name.endswith(".safetensors")]
     # An unmeasured load first: lazy imports and the tokenizer (cached per process) are one-time costs,
@@ -313,8 +314,8 @@ def _warm_up(path: str, load) -> None:
 
 
 def _child_gguf_transformer(path: str) -> dict:
-    from ...loaders.gguf_file import parse_count
-    from ...loaders.gguf_transformer import load_gguf_transformer
+    from ...loaders.formats.gguf_file import parse_count
+    from ...loaders.models.gguf_transformer import load_gguf_transformer
 
     _warm_up(path, load_gguf_transformer)
     evict([path])
@@ -344,8 +345,8 @@ def _child_gguf_read(path: str) -> dict:
     """open_gguf, then every tensor dequantized to fp16 once, one at a time, as a forward pass does."""
     from gguf import GGMLQuantizationType
 
-    from ...loaders.gguf_dequant import dequantize
-    from ...loaders.gguf_file import open_gguf, parse_count
+    from ...loaders.formats.gguf_dequant import dequantize
+    from ...loaders.formats.gguf_file import open_gguf, parse_count
 
     def read(path: str) -> tuple[int, int]:
         gfile = open_gguf(path)
@@ -373,7 +374,7 @@ CHILD_TASKS = {
 def _in_child(task: str, path: str) -> dict:
     """Run one measurement in a fresh interpreter (tiny test models enabled) and return its result."""
     code = f"import json; from comfyui_flux2dev.devtools.bench import scenarios as s; print(json.dumps(s.CHILD_TASKS[{task!r}]({path!r})))"
-    env = {**os.environ, "FLUX2DEV_TINY_MODELS": "1"}
+    env = {**os.environ, **test_models_env()}
     done = subprocess.run([sys.executable, "-P", "-c", code], env=env, capture_output=True, text=True)
     if done.returncode:
         raise RuntimeError(f"bench child {task!r} failed:\n{done.stderr[-4000:]}")
@@ -383,7 +384,7 @@ def _in_child(task: str, path: str) -> dict:
 def bench_tokenizer() -> dict:
     """Seconds of the first and the second tokenizer resolution of a folder holding tekken.json, in one
     process: the second comes from the cache."""
-    from ...tiny.encoders import write_tekken
+    from ..tiny.encoders import write_tekken
 
     with tempfile.TemporaryDirectory() as tmp:
         write_tekken(tmp)
@@ -393,7 +394,7 @@ def bench_tokenizer() -> dict:
 def bench_encoder_load() -> dict:
     """A 40-layer tiny-width [dev] encoder (Mistral3 folder of sharded safetensors): peak RSS and disk
     reads of the load against the bytes it keeps (embeddings and layers 0-29 only)."""
-    from ...tiny.encoders import LAYERS, write_hf_mistral3
+    from ..tiny.encoders import LAYERS, write_hf_mistral3
 
     with tempfile.TemporaryDirectory() as tmp:
         write_hf_mistral3(tmp, layers=LAYERS)
@@ -405,7 +406,7 @@ def bench_gguf_load(quick: bool) -> dict:
     GGUF (not a model) opened and dequantized tensor by tensor: time, peak RSS, reads, header parses."""
     from gguf import GGMLQuantizationType as Q
 
-    from ...tiny.gguf_transformers import SEED, gguf_tensors, tiny_bfl, write_gguf
+    from ..tiny.gguf_transformers import SEED, gguf_tensors, tiny_bfl, write_gguf
 
     shape, count = _SYNTHETIC_GGUF[quick]
     rng = np.random.default_rng(1)

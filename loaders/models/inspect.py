@@ -10,12 +10,12 @@ import os
 from collections import Counter
 from pathlib import Path
 
-from ..errors import ModelNotFoundError, WrongModelError
-from . import quant
-from .files import is_pipeline
+from ...errors import ModelNotFoundError, WrongModelError
+from ..formats import quant
+from ..formats.files import is_pipeline
 from .kinds import gguf_kind, kind_from_names, other_checkpoint
 from .pipeline import describe_pipeline
-from .safetensors_file import SafetensorsFiles
+from ..formats.safetensors_file import SafetensorsFiles
 
 
 def _safetensors(path: Path) -> SafetensorsFiles:
@@ -83,7 +83,7 @@ def _kind(path: Path) -> str:
     if path.is_dir() and is_pipeline(path):
         return "pipeline"
     if path.suffix == ".gguf":
-        from .gguf_file import open_gguf
+        from ..formats.gguf_file import open_gguf
 
         with open_gguf(path) as gguf:
             return "encoder" if gguf_kind(gguf.architecture) == "encoder" else "gguf-transformer"

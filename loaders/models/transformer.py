@@ -14,24 +14,17 @@ from typing import Callable, Mapping
 
 import torch
 
-from ..errors import (
+from ...errors import (
     MissingWeightsError,
     UnknownModelError,
     UnsupportedFormatError,
     VariantMismatchError,
     WrongModelError,
 )
-from . import progress, quant
-from .files import part_files
-from .safetensors_file import SafetensorsFiles
-from .variants import (
-    TINY_VARIANTS,
-    Flux2Variant,
-    known_variants,
-    tiny_hint,
-    variant_for_conditioning,
-    variant_for_transformer,
-)
+from ..formats import progress, quant
+from ..formats.files import part_files
+from ..formats.safetensors_file import SafetensorsFiles
+from .variants import Flux2Variant, known_variants, variant_for_conditioning, variant_for_transformer
 
 # BFL key <- diffusers keys (several are concatenated along the output dim), and whether the two halves of
 # the result swap places (diffusers' final norm stores scale, shift; BFL stores shift, scale).
@@ -184,9 +177,7 @@ def variant_for_geometry(geometry: TransformerGeometry, layout: KeyLayout) -> Fl
             f"{v.name}: hidden {v.hidden_size}, context {v.context_in_dim}, {'with' if v.guidance else 'no'} guidance"
             for v in known_variants()
         )
-        tiny = any((v.context_in_dim, v.hidden_size, v.guidance) == (geometry.context_in_dim, geometry.hidden_size,
-                   geometry.guidance) for v in TINY_VARIANTS)
-        raise UnknownModelError(f"Unknown FLUX.2 transformer geometry: {found}. Known: {known}.{tiny_hint(tiny)}")
+        raise UnknownModelError(f"Unknown FLUX.2 transformer geometry: {found}. Known: {known}.")
     if (geometry.double_blocks, geometry.single_blocks) != (variant.double_blocks, variant.single_blocks):
         raise MissingWeightsError(
             f"This looks like {variant.name} ({found}), which has {variant.double_blocks} double and "

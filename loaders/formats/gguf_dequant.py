@@ -19,7 +19,7 @@ import torch
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 
-from ..errors import CorruptFileError, UnsupportedFormatError
+from ...errors import CorruptFileError, UnsupportedFormatError
 from .dequant_steps import few_threads, fill_by_rows, output
 
 log = logging.getLogger(__name__)

@@ -8,8 +8,8 @@ import os
 import struct
 from dataclasses import dataclass
 
-from ..errors import CorruptFileError, UnsupportedFormatError
-from ..validate import JSON_LIMITS, describe, open_regular, parse_json, reading
+from ...errors import CorruptFileError, UnsupportedFormatError
+from .validate import JSON_LIMITS, describe, open_regular, parse_json, reading
 
 
 # Each safetensors dtype: its plain name (packed formats are told apart by loaders/quant.py), its size in bytes

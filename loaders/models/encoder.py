@@ -16,12 +16,19 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..errors import CorruptFileError, MissingWeightsError, ModelNotFoundError, TokenizerNotFoundError, UnknownModelError
-from ..validate import JSON_LIMITS
-from . import progress, quant, variants
+from ...errors import (
+    CorruptFileError,
+    MissingWeightsError,
+    ModelNotFoundError,
+    TokenizerNotFoundError,
+    UnknownModelError,
+)
+from ..formats.validate import JSON_LIMITS
+from ..formats import progress, quant
+from . import variants
 from .encoder_identify import EMBED, LAYER_SHAPES, host_name, identify
 from .encoder_layouts import CONFIG, GGUF_METADATA, PARAMS, Source, find_layout
-from .files import MODEL_INDEX
+from ..formats.files import MODEL_INDEX
 from .variants import MistralEncoderGeometry
 
 EMBEDDED_TEKKEN = "tekken_model"  # ComfyUI single files and gguf-org files carry tekken.json as a tensor
@@ -196,7 +203,7 @@ def load_encoder(path: str, *, allow_network: bool = False) -> LoadedEncoder:
 
 
 def resolve_plan_tokenizer(plan: EncoderPlan, *, allow_network: bool = False):
-    from ..tokenizers import resolve_tokenizer
+    from ...tokenizers import resolve_tokenizer
 
     key = plan.embedded_tekken_key
     # A tekken.json is JSON_LIMITS["vocabulary"] bytes at most; GGUF files may store each byte as an F16 value.
@@ -217,8 +224,8 @@ def resolve_plan_tokenizer(plan: EncoderPlan, *, allow_network: bool = False):
 def encoder_tokenizer(path: str, *, allow_network: bool = False):
     """The tokenizer the encoder at `path` gets when it loads (its embedded or GGUF vocabulary before the
     rest of the ladder). A folder that holds only tokenizer files goes up the ladder as it is."""
-    from ..tokenizers import resolve_tokenizer
-    from ..tokenizers.ladder import TOKENIZER_FILES
+    from ...tokenizers import resolve_tokenizer
+    from ...tokenizers.ladder import TOKENIZER_FILES
 
     if os.path.isdir(path) and not any(n.endswith(".safetensors") or n in MODEL_FILES for n in os.listdir(path)):
         if not any(os.path.isfile(os.path.join(path, name)) for name in TOKENIZER_FILES):

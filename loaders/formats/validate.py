@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path, PureWindowsPath
 from typing import Any, Iterator
 
-from .errors import CorruptFileError, ModelNotFoundError
+from ...errors import CorruptFileError, ModelNotFoundError
 
 MiB = 1 << 20
 

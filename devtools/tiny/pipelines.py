@@ -13,7 +13,8 @@ from pathlib import Path
 
 import torch
 
-from ..loaders.variants import TINY_VARIANTS, Flux2Variant
+from ...loaders.models.variants import Flux2Variant
+from .geometry import TINY_VARIANTS
 from . import encoders
 from .transformers import SHARD_SIZE, make_transformer
 from .vae import write_vae_folder

@@ -28,8 +28,8 @@ from typing import Callable
 
 import torch
 
-from ..errors import CorruptFileError, UnsupportedFormatError
-from ..validate import JSON_LIMITS, Field, checked, parse_json
+from ...errors import CorruptFileError, UnsupportedFormatError
+from .validate import JSON_LIMITS, Field, checked, parse_json
 from .dequant_steps import few_threads, fill_by_rows, output
 from .safetensors_file import torch_dtype
 

@@ -15,8 +15,8 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
 from gguf.quants import quantize
 
-from ..loaders.transformer import diffusers_to_bfl
-from ..loaders.variants import TINY_VARIANTS
+from ...loaders.models.transformer import diffusers_to_bfl
+from .geometry import TINY_VARIANTS
 from .gguf_blocks import random_blocks, write_and_close
 from .transformers import make_transformer
 

@@ -11,8 +11,19 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ..errors import CorruptFileError, MissingWeightsError, UnsupportedFormatError
-from ..validate import MiB, NULL, Field, checked, describe, inside, parse_json, read_bounded, read_json as read_json_document, regular_file
+from ...errors import CorruptFileError, MissingWeightsError, UnsupportedFormatError
+from .validate import (
+    MiB,
+    NULL,
+    Field,
+    checked,
+    describe,
+    inside,
+    parse_json,
+    read_bounded,
+    read_json as read_json_document,
+    regular_file,
+)
 
 MODEL_INDEX = "model_index.json"  # marks a diffusers pipeline folder
 DIFFUSERS_WEIGHTS = "diffusion_pytorch_model.safetensors"  # a diffusers model folder's weights (or its index's stem)

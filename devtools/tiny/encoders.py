@@ -14,9 +14,9 @@ import shutil
 import numpy as np
 import torch
 
-from ..loaders.quant import swizzle_block_scales
-from ..loaders.variants import TINY_MISTRAL
-from ..tokenizers.ladder import bundled_tekken_path
+from ...loaders.formats.quant import swizzle_block_scales
+from .geometry import TINY_MISTRAL
+from ...tokenizers.ladder import bundled_tekken_path
 from .gguf_blocks import write_and_close
 
 SEED = 20251125
@@ -163,8 +163,8 @@ def write_tekken(dir: str) -> None:
 
 def write_tokenizer_folder(dir: str) -> None:
     """A diffusers pipeline's tokenizer/ folder: the HF tokenizer.json form, no preprocessor_config.json."""
-    from ..tokenizers.canonical import build_backend
-    from ..tokenizers.vocab import parse_tekken_json
+    from ...tokenizers.canonical import build_backend
+    from ...tokenizers.vocab import parse_tekken_json
 
     os.makedirs(dir, exist_ok=True)
     build_backend(parse_tekken_json(tekken_data())).save(os.path.join(dir, "tokenizer.json"))
@@ -293,7 +293,7 @@ def write_nvfp4(path: str) -> None:
 
 @functools.lru_cache(maxsize=1)
 def _gguf_vocab() -> tuple[list[str], list[int]]:
-    from ..tokenizers.vocab import byte_level_string, parse_tekken_json
+    from ...tokenizers.vocab import byte_level_string, parse_tekken_json
 
     vocab = parse_tekken_json(tekken_data())
     tokens = list(vocab.specials) + [byte_level_string(t) for t in vocab.ranks]

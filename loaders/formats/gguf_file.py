@@ -18,9 +18,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ..errors import CorruptFileError, UnsupportedFormatError
-from ..validate import Field, check_field, open_regular
-from .kinds import gguf_kind
+from ...errors import CorruptFileError, UnsupportedFormatError
+from .validate import Field, check_field, open_regular
 
 _MAGIC = b"GGUF"
 _START_BYTES = 24  # magic, version, tensor count, metadata count
@@ -246,8 +245,8 @@ def _is_clean(text: str) -> bool:
     return True
 
 
-# The metadata the pack computes with ("{arch}." is general.architecture's prefix, read for the text encoder
-# architectures only). Every key is optional here (its reader says what a missing one means); present ones
+# The metadata the pack computes with ("{arch}." is general.architecture's prefix, checked for the
+# architectures the caller reads settings of). Every key is optional here (its reader says what a missing one means); present ones
 # must be what the spec says they are.
 _ARCH = "{arch}."
 METADATA_FIELDS: dict[str, Field] = {
@@ -270,14 +269,15 @@ METADATA_FIELDS: dict[str, Field] = {
 METADATA_ARRAYS = {"tokenizer.ggml.tokens": "string", "tokenizer.ggml.merges": "string", "tokenizer.ggml.token_type": "integer"}
 
 
-def check_metadata(path: str, metadata: dict) -> None:
+def check_metadata(path: str, metadata: dict, architectures: frozenset[str] = frozenset()) -> None:
     """Refuse metadata whose declared keys hold the wrong kind of value (an array where a number belongs,
-    a head count of 0, a float alignment, token types that are strings ...)."""
+    a head count of 0, a float alignment, token types that are strings ...). The "{arch}." settings are
+    checked only for the `architectures` whose settings the caller reads."""
     where = f"{path} (GGUF metadata)"
     for template, spec in METADATA_FIELDS.items():  # general.architecture first: the other keys start with it
         arch = metadata.get("general.architecture")
-        if template.startswith(_ARCH) and gguf_kind(arch) != "encoder":
-            continue  # another model's settings: the pack reads none of them (it names the model instead)
+        if template.startswith(_ARCH) and arch not in architectures:
+            continue  # another model's settings: the caller reads none of them (it names the model instead)
         key = template.format(arch=arch)
         if key in metadata:
             check_field(metadata[key], spec, where, key)
@@ -296,8 +296,9 @@ def check_metadata(path: str, metadata: dict) -> None:
         raise CorruptFileError(f"{where}: {len(tokens)} tokens but {len(types)} token types; download the file again.")
 
 
-def open_gguf(path: str | os.PathLike) -> GGUFFile:
-    """Parse one GGUF file's header, metadata and tensor table (once) over a memory map."""
+def open_gguf(path: str | os.PathLike, architectures: frozenset[str] = frozenset()) -> GGUFFile:
+    """Parse one GGUF file's header, metadata and tensor table (once) over a memory map; the settings of
+    `architectures` (those the caller reads) are checked too."""
     global _parse_count
     path = os.fspath(path)
     with open_regular(path, "GGUF file") as (f, size):
@@ -309,7 +310,7 @@ def open_gguf(path: str | os.PathLike) -> GGUFFile:
             raise CorruptFileError(f"{path}: the GGUF file cannot be mapped ({e.strerror}).") from None
     try:
         metadata, tensors = _parse(path, mapped)
-        check_metadata(path, metadata)
+        check_metadata(path, metadata, architectures)
     except BaseException:
         mapped.close()
         raise

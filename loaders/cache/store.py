@@ -1,8 +1,8 @@
-"""The conditioning cache: a prompt's conditioning, encoded once, kept on disk and served again without the
-encoder's weights.
+"""The conditioning cache's folder: a prompt's conditioning, encoded once, kept on disk and served again without
+the encoder's weights.
 
-An entry is a safetensors file named by the hash of its key (`ConditioningKey`: everything that changes the
-numbers). Each entry stores its key and a checksum of key and tensors, so a damaged, truncated or foreign
+An entry is a safetensors file named by the hash of its key (keys.py: everything that changes the numbers; a
+key is any object with a `to_json()`). Each entry stores its key and a checksum of key and tensors, so a damaged, truncated or foreign
 file is a miss, never wrong numbers. With FLUX2DEV_CACHE_SECRET set the checksum is an HMAC: entries written
 without the secret are misses, so a shared folder cannot be poisoned by someone who lacks it.
 
@@ -34,13 +34,12 @@ import secrets
 import stat
 import time
 from collections.abc import Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar
 
-from ..errors import CacheError, Flux2DevError
-from ..validate import NOFOLLOW, Field, check_field, parse_json, read_bounded
-from .safetensors_file import SafetensorsFiles, read_metadata
+from ...errors import CacheError, Flux2DevError
+from ..formats.validate import NOFOLLOW, parse_json, read_bounded
+from ..formats.safetensors_file import SafetensorsFiles, read_metadata
 
 try:
     import fcntl
@@ -48,8 +47,6 @@ except ImportError:  # Windows: msvcrt's byte-range lock instead
     fcntl = None
     import msvcrt
 
-# Raise when the pack's encoding math changes (template, masking, layer choice ...): old entries then miss.
-ENCODING_VERSION = 2
 CACHE_DIR_ENV = "FLUX2DEV_CACHE_DIR"
 SECRET_ENV = "FLUX2DEV_CACHE_SECRET"
 DEFAULT_MAX_BYTES = 20 * 2**30
@@ -88,58 +85,6 @@ _OPEN_EXISTING = getattr(os, "O_NONBLOCK", 0) | _FLAGS
 _UNWRITABLE: dict[str, int] = {}
 _WARNED: set[tuple[str, str]] = set()
 _KNOWN_FINGERPRINTS: dict[str, str] = {}
-
-
-# --- the key ----------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ConditioningKey:
-    """Everything that shapes one prompt's conditioning."""
-
-    weights: str  # content hash of the weights the encoder keeps (tensors_digest)
-    layout: str
-    formats: tuple[tuple[str, int], ...]  # weight format -> tensors in it
-    settings: tuple[tuple[str, float], ...]  # the model settings the host runs with (rope theta, eps, heads ...)
-    vocabulary: str  # digest of the tokenizer's vocabulary
-    padding: str
-    tokens: tuple[tuple[tuple[int, float], ...], ...]  # per sequence: (id, weight)
-    dtype: str
-    device: str  # device type (cpu, cuda ...): kernels differ between them
-    layers: tuple[int, ...]  # the hidden states read
-    host: str  # the host's version
-    encoding_version: int = ENCODING_VERSION
-    kind: ClassVar[str] = "conditioning"
-
-    def to_json(self) -> str:
-        return json.dumps({"kind": self.kind, **asdict(self)}, sort_keys=True)
-
-
-# What `flux2dev cache` reads back from a stored key to list it; anything else in it is only compared.
-STORED_KEY_FIELDS = {
-    "kind": Field(str, max_len=32),
-    "weights": Field(str, max_len=64),
-    "layout": Field(str, max_len=64),
-    "padding": Field(str, max_len=32),
-    "dtype": Field(str, max_len=32),
-    "device": Field(str, max_len=32),
-    "tokens": Field(list, max_len=1 << 12),
-}
-
-
-def stored_key(key_json: str, where: str) -> dict | None:
-    """The listed fields of a stored key, each what STORED_KEY_FIELDS declares, and its token count; None
-    when the text is not such a key."""
-    try:
-        doc = parse_json(key_json, where, "config")
-        if not isinstance(doc, dict):
-            return None
-        out = {name: check_field(doc[name], f, where, name) for name, f in STORED_KEY_FIELDS.items() if name in doc}
-    except Flux2DevError:
-        return None
-    sequences = out.get("tokens", [])
-    out["tokens"] = sum(len(s) for s in sequences) if all(isinstance(s, list) for s in sequences) else None
-    return out
 
 
 def key_name(key_json: str) -> str:
@@ -294,12 +239,12 @@ class ConditioningCache:
             self._warn_once(f"write {e.errno}", "FLUX.2 [dev] conditioning cache: could not store in %s (%s); "
                             "prompts it holds are still served.", self.folder, e.strerror or e)
 
-    def path_of(self, key: ConditioningKey) -> Path:
+    def path_of(self, key) -> Path:
         return self.folder / (key_name(key.to_json()) + SUFFIX)
 
     # --- entries ---------------------------------------------------------------------------------------
 
-    def get(self, key: ConditioningKey) -> dict | None:
+    def get(self, key) -> dict | None:
         """The tensors stored under `key`, or None (absent, damaged, another key's file, or not a file)."""
         key_json = key.to_json()
         path = self.folder / (key_name(key_json) + SUFFIX)
@@ -330,7 +275,7 @@ class ConditioningCache:
             return None  # damaged, replaced while read, or sealed without (or with another) secret
         return tensors
 
-    def put(self, key: ConditioningKey, tensors: dict) -> Path | None:
+    def put(self, key, tensors: dict) -> Path | None:
         """Store `tensors` under `key` (replacing a damaged entry), then evict down to max_bytes. None when the
         folder cannot take it (read-only, full: warned about once)."""
         if self.read_only:

@@ -18,11 +18,17 @@ from typing import Callable
 
 import torch
 
-from ..errors import CorruptFileError, MissingWeightsError, UnknownModelError, UnsupportedFormatError, WrongModelError
-from . import quant
-from .files import ENCODER_CONFIG, MODEL_INDEX, PARAMS_FIELDS, read_json, shards
+from ...errors import (
+    CorruptFileError,
+    MissingWeightsError,
+    UnknownModelError,
+    UnsupportedFormatError,
+    WrongModelError,
+)
+from ..formats import quant
+from ..formats.files import ENCODER_CONFIG, MODEL_INDEX, PARAMS_FIELDS, read_json, shards
 from .kinds import GGUF_ARCHITECTURES, gguf_architectures, gguf_kind
-from .safetensors_file import SafetensorsFiles
+from ..formats.safetensors_file import SafetensorsFiles
 from .variants import MistralEncoderGeometry
 
 CONFIG = "config.json"  # transformers' model config
@@ -95,9 +101,10 @@ class Checkpoint:
 
     @cached_property
     def gguf(self):
-        from .gguf_file import open_gguf
+        from ..formats.gguf_file import open_gguf
 
-        return open_gguf(self.path)
+        # The settings of the encoder architectures are read (rope theta, head counts): checked on opening.
+        return open_gguf(self.path, frozenset(gguf_architectures("encoder")))
 
     @cached_property
     def architecture(self) -> str | None:

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import torch
 
-from ..loaders.transformer import diffusers_to_bfl
-from ..loaders.variants import TINY_VARIANTS, Flux2Variant
+from ...loaders.models.transformer import diffusers_to_bfl
+from ...loaders.models.variants import Flux2Variant
+from .geometry import TINY_VARIANTS
 
 SEED = 2000
 SHARD_SIZE = "2MB"  # small enough that every tiny diffusers transformer is sharded with an index

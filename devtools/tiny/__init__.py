@@ -1,8 +1,8 @@
 """Tiny FLUX.2 weights in every layout the pack reads, for the tests and the demo.
 
-Deterministic (seeded). The geometry is the tiny rows of loaders/variants.py: the pack recognises them
-only while FLUX2DEV_TINY_MODELS=1 is set. Each part goes to its own subfolder, named after the host model
-folder it belongs in, so a headless ComfyUI can link them in as they are."""
+Deterministic (seeded). The geometry is geometry.py's: the pack recognises it only while FLUX2DEV_TINY_MODELS
+names the declaration file written beside the models. Each part goes to its own subfolder, named after the
+host model folder it belongs in, so a headless ComfyUI can link them in as they are."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import importlib.util
 import json
 from pathlib import Path
 
-from ..errors import Flux2DevError
+from ...errors import Flux2DevError
+from .geometry import write_declaration
 
 # subfolder -> (module, writer); each writer returns manifest entries relative to its subfolder.
 # Every part but the encoders builds its weights with diffusers' own model classes.
@@ -25,14 +26,15 @@ MANIFEST = "manifest.json"
 
 
 def write_all(root: str | Path, parts: tuple[str, ...] = tuple(PARTS), manifest: bool = True) -> list[dict]:
-    """Write the tiny weights under `root` (and root/manifest.json unless told not to); return the manifest's
-    entries."""
+    """Write the tiny weights under `root`, the declaration of their geometry (geometry.DECLARATION) and, unless
+    told not to, root/manifest.json; return the manifest's entries."""
     if any(folder != "text_encoders" for folder in parts) and importlib.util.find_spec("diffusers") is None:
         raise Flux2DevError(
             "The tiny FLUX.2 transformers, VAE and pipelines are built with diffusers, which is not installed here. "
             "Install it with: pip install 'diffusers>=0.37.1' (or pip install -e '.[tiny]' in the pack's folder)."
         )
     root = Path(root)
+    write_declaration(root)
     entries = []
     for folder in parts:
         module_name, writer = PARTS[folder]

@@ -6,8 +6,9 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ..errors import UnknownModelError, WrongModelError
-from . import quant, variants
+from ...errors import UnknownModelError, WrongModelError
+from ..formats import quant
+from . import variants
 from .encoder_layouts import HF_SCHEME, KeyScheme
 from .kinds import kind_from_names, other_checkpoint
 from .variants import MistralEncoderGeometry
@@ -135,9 +136,8 @@ def identify(shapes: dict[str, tuple[int, ...]], scheme: KeyScheme = HF_SCHEME) 
         f"vocab {g.vocab}, width {g.width}, {g.heads} heads, {g.kv_heads} kv heads, MLP {g.mlp}, {' or '.join(map(str, g.layers))} layers"
         for g in variants.known_mistral_encoders()
     )
-    tiny = (found["width"], found["mlp"]) == (variants.TINY_MISTRAL.width, variants.TINY_MISTRAL.mlp)
     raise UnknownModelError(
         "This text encoder's geometry matches no FLUX.2 [dev] encoder: found vocab {vocab}, width {width}, "
         "q rows {q_rows}, k rows {k_rows}, MLP {mlp}, {layers} layers; expected Mistral-Small ({known}). "
-        "{pick}.{hint}".format(known=known, pick=PICK, hint=variants.tiny_hint(tiny), **found)
+        "{pick}.".format(known=known, pick=PICK, **found)
     )
