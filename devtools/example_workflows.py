@@ -66,7 +66,7 @@ EXAMPLES = {
         gguf_loader(), encoder_loader(), vae_source(), "flux2-dev"),
     "FLUX.2 dev from a diffusers pipeline folder": lambda: _dev(
         node("Flux2DevTransformerSource", transformer=DEV_PIPELINE),
-        node("Flux2DevEncoderSource", pipeline=DEV_PIPELINE, padding="reference"),
+        node("Flux2DevEncoderSource", pipeline=DEV_PIPELINE, padding="reference", cache="", keep_loaded=True),
         vae_source(DEV_PIPELINE), "flux2-dev-pipeline"),
     "FLUX.2 dev image edit with two reference images": _edit,
     "FLUX.2 dev with the VAE of a Klein pipeline": lambda: _dev(

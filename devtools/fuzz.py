@@ -863,7 +863,7 @@ def _encode(resolution) -> None:
 def run_tekken_ladder(folder: Path) -> None:
     from ..tokenizers import resolve_tokenizer
 
-    _encode(resolve_tokenizer(folder))
+    _encode(resolve_tokenizer([folder]))
 
 
 def run_gguf_vocab(path: Path) -> None:
@@ -872,7 +872,7 @@ def run_gguf_vocab(path: Path) -> None:
 
     with open_gguf(path) as gguf:
         metadata = gguf.metadata
-    _encode(resolve_tokenizer(None, gguf_metadata=metadata))
+    _encode(resolve_tokenizer(gguf_metadata=metadata))
 
 
 def run_pipeline_class(folder: Path) -> None:
@@ -924,7 +924,7 @@ def run_prompts_file(path: Path) -> None:
     from ..loaders.formats.files import read_prompts
     from ..tokenizers import prompt_ids, resolve_tokenizer
 
-    tokenizer = resolve_tokenizer(None).tokenizer  # the bundled vocabulary, built once per worker
+    tokenizer = resolve_tokenizer().tokenizer  # the bundled vocabulary, built once per worker
     for prompt in dict.fromkeys(read_prompts(path)):  # each distinct prompt: a repeated line costs its reading only
         prompt_ids(tokenizer, prompt, "reference")
 
@@ -1218,7 +1218,7 @@ def _worker(conn, target: str, trees: list[Tree], seed: int, root: Path) -> None
 
             from ..tokenizers import resolve_tokenizer
 
-            resolve_tokenizer(None)
+            resolve_tokenizer()
             for probe in ("AutoProcessor", "AutoTokenizer", "PreTrainedTokenizerFast"):
                 getattr(transformers, probe)
         soft, hard = resource.getrlimit(resource.RLIMIT_AS)
@@ -1461,7 +1461,7 @@ def prepare(fixtures: str | None) -> Fixtures:
     from ..loaders.models import encoder, gguf_transformer, inspect, pipeline, transformer
     from ..tokenizers import resolve_tokenizer
 
-    resolve_tokenizer(None)
+    resolve_tokenizer()
     return Fixtures(Path(fixtures))
 
 

@@ -1,10 +1,11 @@
 """Every ComfyUI internal the pack relies on, named and probed in one place.
 
 The pack builds the host's own objects, so it calls into comfy below the node API. Those internals move
-between releases; REQUIRED lists each one, and `missing_internals()` (run by one test) names whatever a new
-release dropped, instead of many tests failing deep inside a load. Features that only newer releases have
-(dynamic VRAM, reload factories for the device nodes, the host's key conversions) are used through the
-functions below, which fall back to the older behaviour where the host lacks them.
+between releases; REQUIRED lists each one (a test scans host/ and nodes/ for every host name they use and
+finds it here), and `missing_internals()` (run by one test) names whatever a new release dropped, instead of
+many tests failing deep inside a load. What only some releases have is in OPTIONAL, with the release that
+brought it, and is used through the functions below, each tagged with the releases it tells apart, which
+fall back to the older behaviour where the host lacks it.
 """
 
 from __future__ import annotations
@@ -49,6 +50,31 @@ REQUIRED = (
     ("the host's own FLUX.2 tokenizer, whose prompt syntax comfy padding follows", "comfy.text_encoders.flux:Flux2Tokenizer.tokenize_with_weights"),
     ("the progress bar of the node that runs", "comfy.utils:ProgressBar.update_absolute"),
     ("the model folders the menus list", "folder_paths:get_folder_paths"),
+    ("the device the host computes on", "comfy.model_management:get_torch_device"),
+    ("the device the host keeps unused transformers on", "comfy.model_management:unet_offload_device"),
+    ("the dtype the host runs a transformer in", "comfy.model_management:unet_dtype"),
+    ("the dtype the host casts weights to per op", "comfy.model_management:unet_manual_cast"),
+    ("whether a device is the CPU", "comfy.model_management:is_device_cpu"),
+    ("the host's command-line arguments, parsed once outside its main.py", "comfy.options:enable_args_parsing"),
+    ("a state dict's parameter count, which the host sizes models by", "comfy.utils:calculate_parameters"),
+    ("a state dict's weight dtype", "comfy.utils:weight_dtype"),
+    ("a module's parameter by its dotted name", "comfy.utils:get_attr"),
+    ("the node API (V3): the extension", "comfy_api.latest:ComfyExtension"),
+    ("the node API (V3): a node", "comfy_api.latest:io.ComfyNode"),
+    ("the node API (V3): a node's schema", "comfy_api.latest:io.Schema"),
+    ("the node API (V3): a node's outputs", "comfy_api.latest:io.NodeOutput"),
+    ("the node API (V3): a menu input", "comfy_api.latest:io.Combo.Input"),
+    ("the node API (V3): a switch input", "comfy_api.latest:io.Boolean.Input"),
+    ("the node API (V3): a text input", "comfy_api.latest:io.String.Input"),
+    ("the node API (V3): a CLIP output", "comfy_api.latest:io.Clip.Output"),
+    ("the node API (V3): a MODEL output", "comfy_api.latest:io.Model.Output"),
+    ("the node API (V3): a VAE output", "comfy_api.latest:io.Vae.Output"),
+)
+# (what, "module:attribute.path", the first release that has it): used where there, with a fallback before.
+OPTIONAL = (
+    ("the patcher the host's own loaders build (its dynamic-VRAM one on NVIDIA)", "comfy.model_patcher:CoreModelPatcher", "0.33.0"),
+    ("whether a patcher is the dynamic-VRAM one", "comfy.model_patcher:ModelPatcher.is_dynamic", "0.33.0"),
+    ("the running release's version, part of the conditioning cache's key", "comfyui_version:__version__", "0.3.75"),
 )
 
 
@@ -61,15 +87,24 @@ def _lookup(spec: str):
 
 
 def missing_internals() -> list[str]:
-    """One line per internal in REQUIRED that the running host lacks; empty when all are there."""
+    """One line per internal in REQUIRED that the running host lacks, and per one in OPTIONAL it lacks though
+    its release is that one's or newer; empty when all are there."""
     ensure_comfy()
+    release = _release(host_version())
+    wanted = [(what, spec) for what, spec in REQUIRED]
+    wanted += [(f"{what}, since {since}", spec) for what, spec, since in OPTIONAL if release >= _release(since)]
     missing = []
-    for what, spec in REQUIRED:
+    for what, spec in wanted:
         try:
             _lookup(spec)
         except (ImportError, AttributeError) as e:
             missing.append(f"{spec} ({what}): {e}")
     return missing
+
+
+def _release(version: str) -> tuple[int, ...]:
+    """A release's version as numbers ("unknown": the oldest)."""
+    return tuple(int(p) for p in version.split(".") if p.isdigit()) if version[:1].isdigit() else ()
 
 
 def call_with_known(fn, **kwargs):
@@ -79,9 +114,9 @@ def call_with_known(fn, **kwargs):
 
 
 def new_patcher(model, load_device, offload_device, disable_dynamic: bool = False):
-    """The patcher the host's own loaders would build for `model` right now: CoreModelPatcher, which newer
-    releases point at their dynamic-VRAM patcher on NVIDIA GPUs (falling back to the plain one on the CPU),
-    or the plain ModelPatcher when asked (disable_dynamic) or on releases without it."""
+    """The patcher the host's own loaders would build for `model` right now. 0.33: CoreModelPatcher, which
+    its main.py points at the dynamic-VRAM patcher on NVIDIA GPUs (the plain one on the CPU); the plain
+    ModelPatcher when asked (disable_dynamic) and on 0.3.75, which has no CoreModelPatcher."""
     import comfy.model_patcher
 
     plain = comfy.model_patcher.ModelPatcher
@@ -90,18 +125,42 @@ def new_patcher(model, load_device, offload_device, disable_dynamic: bool = Fals
 
 
 def is_dynamic(patcher) -> bool:
+    """Whether a patcher is 0.33's dynamic-VRAM one (0.3.75 has none)."""
     return bool(getattr(patcher, "is_dynamic", lambda: False)())
 
 
+def patch_functions(layer, name: str) -> list:
+    """The patch functions the host hands a layer's parameter `name` (weight, bias): its `<name>_function`
+    list, and 0.33's dynamic-VRAM patcher's `<name>_lowvram_function` before them."""
+    lowvram = getattr(layer, f"{name}_lowvram_function", None)
+    return ([lowvram] if lowvram is not None else []) + getattr(layer, f"{name}_function")
+
+
+def expected_unet_keys(diffusion_model) -> set[str]:
+    """The parameter names a host transformer model loads. 0.33 creates the host's layers with weight None
+    until they are loaded, which state_dict() leaves out: those are added by module (and their bias where the
+    host marks it for lazy creation). On 0.3.75 state_dict() has them all."""
+    import torch
+
+    weighted = (torch.nn.Linear, torch.nn.Embedding, torch.nn.modules.conv._ConvNd)  # layers that always own a weight
+    expected = set(diffusion_model.state_dict())
+    for name, module in diffusion_model.named_modules():
+        if isinstance(module, weighted) and module.weight is None:
+            expected.add(f"{name}.weight")
+            if getattr(module, "comfy_need_lazy_init_bias", False):
+                expected.add(f"{name}.bias")
+    return expected
+
+
 def load_unet_weights(model, state_dict: dict, dynamic: bool) -> None:
-    """Load a transformer's weights the host's way (its key conversion included). A dynamic patcher wants
-    them assigned, not copied, as the host's own loader does."""
+    """Load a transformer's weights the host's way (its key conversion included). 0.33's dynamic patcher wants
+    them assigned, not copied, as the host's own loader does (0.3.75's load_model_weights takes no `assign`)."""
     call_with_known(model.load_model_weights, sd=state_dict, unet_prefix="", assign=dynamic)
 
 
 def unet_keys_as_loaded(model_config, state_dict: dict) -> set[str]:
-    """The keys the host will load a transformer state dict under, after its own conversion (newer releases
-    rename FLUX RMSNorm scales to weights there)."""
+    """The keys the host will load a transformer state dict under, after its own conversion (0.33 renames
+    FLUX RMSNorm scales to weights there; 0.3.75 loads them as stored)."""
     return set(model_config.process_unet_state_dict(dict(state_dict)))
 
 
@@ -170,7 +229,7 @@ def _vocabulary_stub() -> bytes:
 def prompt_pieces():
     """prompt -> the texts the running host's own FLUX.2 tokenizer tokenizes (its template, escapes, weight and
     embedding syntax applied), or None where the host's tokenizer cannot be built (0.3.75 under transformers
-    5.15 and newer)."""
+    5.15 and newer: its MistralConverter call lacks vocab_file; 0.33 has its own BPE)."""
     ensure_comfy()
     import comfy.text_encoders.flux
 
@@ -189,9 +248,9 @@ def prompt_pieces():
 
 
 def set_reload(patcher, factory, args: tuple) -> None:
-    """Register how to load this model again (newer releases' `cached_patcher_init`). The device nodes and
-    the multi-GPU clone rebuild a model with factory(*args) or factory(*args, disable_dynamic=True), which
-    must return a patcher. Releases without device nodes never call it."""
+    """Register how to load this model again (0.33's `cached_patcher_init`). Its device nodes and the
+    multi-GPU clone rebuild a model with factory(*args) or factory(*args, disable_dynamic=True), which must
+    return a patcher. 0.3.75 has no device nodes and never calls it."""
     patcher.cached_patcher_init = (factory, args)
 
 

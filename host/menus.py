@@ -13,19 +13,18 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from ..errors import Flux2DevError, ModelNotFoundError
-from ..loaders.formats.files import MODEL_INDEX
+from ..loaders.formats.files import MODEL_FOLDER_MARKERS
 
 FOLDER_MARK = "/"
 QUALIFIER = ":"  # between a model folder's name and an entry's, where two folders of one menu hold that name
-CONFIG_FILES = ("config.json", "params.json", MODEL_INDEX)
 
 
 def has_config(path: str) -> bool:
     """A model kept as a folder: a Hugging Face / diffusers folder or a Mistral native one."""
-    return any(os.path.isfile(os.path.join(path, name)) for name in CONFIG_FILES)
+    return any(os.path.isfile(os.path.join(path, name)) for name in MODEL_FOLDER_MARKERS)
 
 
-def is_pipeline(path: str) -> bool:
+def is_flux2_pipeline(path: str) -> bool:
     """A FLUX.2 diffusers pipeline folder (model_index.json naming a FLUX.2 pipeline class)."""
     from ..loaders.models.pipeline import pipeline_class
 
@@ -49,7 +48,7 @@ def _listed_if_damaged(check: Callable[[], bool]) -> bool:
 
 
 @dataclass(frozen=True)
-class Source:
+class MenuSource:
     folder: str  # the host's model folder key
     extensions: tuple[str, ...] = ()  # files listed
     is_model_folder: Callable[[str], bool] | None = None  # folders listed as one model
@@ -57,12 +56,12 @@ class Source:
 
 # Each node's menu: its sources in order; a name found in more than one comes from the first.
 MENUS = {
-    "encoder": (Source("text_encoders", (".safetensors", ".gguf"), has_config),),
-    "gguf": (Source("diffusion_models", (".gguf",)),),
-    "pipeline": (Source("diffusers", (), is_pipeline),),
-    "dev pipeline": (Source("diffusers", (), is_dev_pipeline),),
-    "vae": (Source("diffusers", (), is_pipeline), Source("vae", (".safetensors",), has_config)),
-    "transformer": (Source("diffusers", (), is_pipeline), Source("diffusion_models", (".safetensors",), has_config)),
+    "encoder": (MenuSource("text_encoders", (".safetensors", ".gguf"), has_config),),
+    "gguf": (MenuSource("diffusion_models", (".gguf",)),),
+    "pipeline": (MenuSource("diffusers", (), is_flux2_pipeline),),
+    "dev pipeline": (MenuSource("diffusers", (), is_dev_pipeline),),
+    "vae": (MenuSource("diffusers", (), is_flux2_pipeline), MenuSource("vae", (".safetensors",), has_config)),
+    "transformer": (MenuSource("diffusers", (), is_flux2_pipeline), MenuSource("diffusion_models", (".safetensors",), has_config)),
 }
 
 
@@ -72,7 +71,7 @@ def _roots(folder: str) -> list[str]:
     return folder_paths.get_folder_paths(folder)
 
 
-def _walk(root: str, source: Source, found: dict[str, str]) -> None:
+def _walk(root: str, source: MenuSource, found: dict[str, str]) -> None:
     visited: set[str] = set()
     for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
         real = os.path.realpath(dirpath)
@@ -110,7 +109,7 @@ def model_choices(menu: str) -> dict[str, str]:
     return dict(sorted(choices.items()))
 
 
-def _is_entry(path: str, name: str, source: Source) -> bool:
+def _is_entry(path: str, name: str, source: MenuSource) -> bool:
     if name.endswith(FOLDER_MARK):
         return source.is_model_folder is not None and os.path.isdir(path) and source.is_model_folder(path)
     return os.path.isfile(path) and name.lower().endswith(source.extensions) and bool(source.extensions)

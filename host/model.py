@@ -72,24 +72,8 @@ def flux2_classes():
     return GuardedFlux2, Flux2Config
 
 
-# Layers that always own a weight; one that is None has not been created yet.
-_WEIGHTED_LAYERS = (torch.nn.Linear, torch.nn.Embedding, torch.nn.modules.conv._ConvNd)
-
-
-def _expected_keys(diffusion_model) -> set[str]:
-    """The model's parameter names. Newer releases create host layers with weight None until they are
-    loaded, which state_dict() leaves out: those are added by module."""
-    expected = set(diffusion_model.state_dict())
-    for name, module in diffusion_model.named_modules():
-        if isinstance(module, _WEIGHTED_LAYERS) and module.weight is None:
-            expected.add(f"{name}.weight")
-            if getattr(module, "comfy_need_lazy_init_bias", False):
-                expected.add(f"{name}.bias")
-    return expected
-
-
 def _check_keys(model, keys: set[str]) -> None:
-    expected = _expected_keys(model.diffusion_model)
+    expected = compat.expected_unet_keys(model.diffusion_model)
     given = {k for k in keys if not quant.is_companion(k)}
     missing, extra = sorted(expected - given), sorted(given - expected)
     if missing:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from ..loaders.formats import quant
-from . import ensure_comfy
+from . import compat, ensure_comfy
 
 
 @dataclass(frozen=True)
@@ -127,19 +127,14 @@ class PackedLayer:
                 value = f(value)
         return value.to(dtype)
 
-    def _functions(self, name: str) -> list:
-        # Newer releases' dynamic-VRAM patcher hands patches over as "<name>_lowvram_function" too.
-        lowvram = getattr(self, f"{name}_lowvram_function", None)
-        return ([lowvram] if lowvram is not None else []) + getattr(self, f"{name}_function")
-
     def weight_bias(self, device: torch.device, dtype: torch.dtype):
         """The weight and bias for one op, used at once (a packed weight may be the scratch buffer): patches
         work on a copy, so they never write into it."""
         weight = _to_device(self.weight, device)
         if self.companions:
             weight = forward_weight(weight, self._companions(device), self.settings.dequant_dtype or dtype, self.weight_shape)
-        weight = self._patched(weight, self.lazy_patches + self._functions("weight"), dtype)
-        bias = None if self.bias is None else self._patched(_to_device(self.bias, device), self._functions("bias"), dtype)
+        weight = self._patched(weight, self.lazy_patches + compat.patch_functions(self, "weight"), dtype)
+        bias = None if self.bias is None else self._patched(_to_device(self.bias, device), compat.patch_functions(self, "bias"), dtype)
         return weight, bias
 
     def forward(self, *args, **kwargs):
@@ -227,7 +222,7 @@ class PackedPatching:
 
         patches = [comfy.model_patcher.LowVramPatch(key, self.patches)] if key in self.patches else []
         if kwargs.get("return_weight"):
-            # Newer releases ask for the patched weight itself (to save a model): give its real values.
+            # 0.33 asks for the patched weight itself (to save a model): give its real values.
             device = device_to or layer.weight.device
             weight = layer._dequantized(_to_device(layer.weight, device), layer.weight_shape, device, layer.settings.patch_dtype)
             return layer._patched(weight, patches, layer.settings.patch_dtype)
@@ -241,7 +236,7 @@ class PackedPatching:
 
     def partially_unload(self, *args, **kwargs):
         freed = super().partially_unload(*args, **kwargs)
-        # Layers the host just moved to low-VRAM mode carry their patches as weight functions now.
+        # Layers the host just moved to low-VRAM mode carry their patches as weight functions now (both releases).
         for layer in self._packed_layers():
             if getattr(layer, "comfy_patched_weights", None) is False:
                 layer.lazy_patches = []

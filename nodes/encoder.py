@@ -5,7 +5,7 @@ from __future__ import annotations
 from comfy_api.latest import io
 
 from ..tokenizers import PADDING_MODES
-from . import CATEGORY, CLIP_TOOLTIP, PADDING_TOOLTIP
+from .shared import CACHE_TOOLTIP, CATEGORY, CLIP_TOOLTIP, KEEP_LOADED_TOOLTIP, PADDING_TOOLTIP
 from ..host.menus import chosen_path, model_choices
 
 
@@ -41,20 +41,13 @@ class Flux2DevEncoderLoader(io.ComfyNode):
                     "cache",
                     default="",
                     optional=True,
-                    tooltip="The conditioning cache folder: each prompt is encoded once and served from here after "
-                    "that, without reading the encoder's weights. Empty: the FLUX2DEV_CACHE_DIR folder if set, else "
-                    "flux2dev-conditioning-cache in ComfyUI's user folder; a relative folder lies inside the user "
-                    "folder. It must be a folder of the cache's own: one holding other files (a models folder) is "
-                    "refused. Several ComfyUI instances may share one folder (an absolute path, e.g. on a shared "
-                    "drive). A CLIP with a LoRA applied bypasses the cache.",
+                    tooltip=CACHE_TOOLTIP,
                 ),
                 io.Boolean.Input(
                     "keep_loaded",
                     default=True,
                     optional=True,
-                    tooltip="On: the encoder's weights stay in memory after the first prompt that was not cached. Off: "
-                    "they are freed after each encode, so the memory goes back to the transformer; the next uncached "
-                    "prompt reads them again.",
+                    tooltip=KEEP_LOADED_TOOLTIP,
                 ),
             ],
             outputs=[io.Clip.Output(tooltip=CLIP_TOOLTIP + " Its weights are read on the first prompt not in the cache.")],
@@ -62,11 +55,8 @@ class Flux2DevEncoderLoader(io.ComfyNode):
 
     @classmethod
     def execute(cls, encoder, padding, allow_network, cache="", keep_loaded=True) -> io.NodeOutput:
-        from ..host.clip import cache_folder, lazy_clip
+        from ..host.clip import node_clip
 
         path = chosen_path("encoder", encoder, "The text encoder")
-        return io.NodeOutput(lazy_clip(path, padding=padding, allow_network=allow_network, cache=cache_folder(cache),
-                                       keep_loaded=keep_loaded))
+        return io.NodeOutput(node_clip(path, padding=padding, allow_network=allow_network, cache=cache, keep_loaded=keep_loaded))
 
-
-NODES = [Flux2DevEncoderLoader]

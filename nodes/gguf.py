@@ -5,7 +5,7 @@ from __future__ import annotations
 from comfy_api.latest import io
 
 from ..host import model
-from . import CATEGORY, MODEL_TOOLTIP
+from .shared import CATEGORY, MODEL_TOOLTIP
 from ..host.menus import chosen_path, model_choices
 
 
@@ -53,5 +53,3 @@ class Flux2DevGGUFTransformerLoader(io.ComfyNode):
             path, dequant_dtype=model.DEQUANT_DTYPES[dequant_dtype], patch_dtype=model.PATCH_DTYPES[patch_dtype]
         ))
 
-
-NODES = [Flux2DevGGUFTransformerLoader]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from comfy_api.latest import io
 
-from . import CATEGORY, CLIP_TOOLTIP, MODEL_TOOLTIP, PADDING_TOOLTIP
+from .shared import CACHE_TOOLTIP, CATEGORY, CLIP_TOOLTIP, KEEP_LOADED_TOOLTIP, MODEL_TOOLTIP, PADDING_TOOLTIP
 from ..host.menus import chosen_path, model_choices
 
 
@@ -60,18 +60,19 @@ class Flux2DevEncoderSource(io.ComfyNode):
                     "encoder cannot condition [dev].",
                 ),
                 io.Combo.Input("padding", options=list(PADDING_MODES), default=PADDING_MODES[0], tooltip=PADDING_TOOLTIP),
+                io.String.Input("cache", default="", optional=True, tooltip=CACHE_TOOLTIP),
+                io.Boolean.Input("keep_loaded", default=True, optional=True, tooltip=KEEP_LOADED_TOOLTIP),
             ],
-            outputs=[io.Clip.Output(tooltip=CLIP_TOOLTIP)],
+            outputs=[io.Clip.Output(tooltip=CLIP_TOOLTIP + " Its weights are read on the first prompt not in the cache.")],
         )
 
     @classmethod
-    def execute(cls, pipeline, padding) -> io.NodeOutput:
-        from ..host.clip import load_clip
-        from ..loaders.models.pipeline import dev_encoder_folder
+    def execute(cls, pipeline, padding, cache="", keep_loaded=True) -> io.NodeOutput:
+        from ..host.clip import pipeline_clip
 
-        # Any FLUX.2 pipeline is found, so that a Klein one (from a shared workflow) is refused by name.
-        folder = dev_encoder_folder(chosen_path("pipeline", pipeline, "The pipeline folder"))
-        return io.NodeOutput(load_clip(str(folder), padding=padding))
+        # Any FLUX.2 pipeline is listed, so that a Klein one (from a shared workflow) is refused by name.
+        path = chosen_path("pipeline", pipeline, "The pipeline folder")
+        return io.NodeOutput(pipeline_clip(path, padding=padding, cache=cache, keep_loaded=keep_loaded))
 
 
 class Flux2DevTransformerSource(io.ComfyNode):
@@ -105,5 +106,3 @@ class Flux2DevTransformerSource(io.ComfyNode):
 
         return io.NodeOutput(load_model(chosen_path("transformer", transformer, "The transformer")))
 
-
-NODES = [Flux2DevVAESource, Flux2DevEncoderSource, Flux2DevTransformerSource]

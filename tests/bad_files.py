@@ -402,6 +402,7 @@ def run_cli(runs: list[tuple[str, Path]], work: Path, env: dict | None = None) -
 def entry_points() -> dict:
     """Each entry point a user's file reaches, by the name the tests use."""
     from comfyui_flux2dev.loaders.models.encoder import encoder_tokenizer, load_encoder
+    from comfyui_flux2dev.loaders.models.encoder_layouts import tokenizer_folders
     from comfyui_flux2dev.loaders.models.gguf_transformer import load_gguf_transformer
     from comfyui_flux2dev.loaders.models.inspect import inspect_path
     from comfyui_flux2dev.loaders.models.pipeline import dev_encoder_folder
@@ -412,7 +413,8 @@ def entry_points() -> dict:
     return {
         "encoder": lambda p: load_encoder(str(p)),
         "tokenizer": lambda p: encoder_tokenizer(str(p)),
-        "ladder": resolve_tokenizer,
+        # the folders the encoder loader would give the ladder for a model there
+        "ladder": lambda p: resolve_tokenizer(tokenizer_folders(str(p if os.path.isdir(p) else os.path.dirname(p)))),
         "inspect": inspect_path,
         "transformer": load_transformer,
         "gguf": load_gguf_transformer,

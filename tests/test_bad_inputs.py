@@ -198,9 +198,9 @@ NODE_MATRIX = [(case, node) for case, row in EXPECTED.items() for node, (_, targ
 
 
 def node_class(node_id: str):
-    from comfyui_flux2dev.nodes import encoder, gguf, sources
+    from comfyui_flux2dev.nodes import NODES
 
-    return next(n for m in (encoder, gguf, sources) for n in m.NODES if n.define_schema().node_id == node_id)
+    return next(n for n in NODES if n.define_schema().node_id == node_id)
 
 
 @pytest.fixture

@@ -112,7 +112,7 @@ def test_an_untagged_folder_of_cache_files_is_adopted(cache_dir):
 def test_relative_cache_names_stay_inside_the_user_folder(comfy_host, tmp_path):
     import folder_paths
 
-    from comfyui_flux2dev.host.clip import cache_folder
+    from comfyui_flux2dev.host.clip_cache import cache_folder
 
     user = Path(folder_paths.get_user_directory()).resolve()
     assert Path(cache_folder("my cache")).resolve() == user / "my cache"
@@ -449,7 +449,7 @@ def test_a_long_prompt_is_tokenized_only_as_far_as_the_template_uses_and_gives_t
     from comfyui_flux2dev import tokenizers
     from comfyui_flux2dev.tokenizers.prompt import prompt_ids
 
-    tokenizer = tokenizers.resolve_tokenizer(tekken_folder).tokenizer
+    tokenizer = tokenizers.resolve_tokenizer([tekken_folder]).tokenizer
     system = tokenizer.encode(tokenizers.SYSTEM_PROMPT)
     corpus = [json.loads(line) for line in (Path(__file__).parent / "data/prompts.jsonl").read_text().splitlines() if line.strip()]
     pieces = ["[INST]", "[/INST]", "<s>", "<pad>", "[SYSTEM_PROMPT]", "<SPECIAL_10>", "<SPECIAL_1>", "[IMG]", "'s", "123456"]
@@ -578,7 +578,7 @@ def test_a_dangling_link_beside_the_encoder_breaks_no_cached_encode(comfy_host, 
 
 
 def test_the_fingerprint_covers_the_files_the_encoder_reads_and_no_others(comfy_host, tiny_root, tmp_path):
-    from comfyui_flux2dev.host.clip import _signature
+    from comfyui_flux2dev.host.clip_weights import plan_signature as _signature
     from comfyui_flux2dev.loaders.models.encoder import plan_encoder
 
     folder = tmp_path / "hf"

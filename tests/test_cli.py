@@ -33,7 +33,7 @@ def test_tokenize_json_prints_rung_source_the_ids_without_pads_and_the_mask(tekk
     out = flux2dev("tokenize", str(tmp_path), "--prompt", "a red fox", "--json", *(("--padding", padding) if padding else ()))
     assert out.returncode == 0, out.stderr
     record = json.loads(out.stdout)
-    resolution = tokenizers.resolve_tokenizer(tmp_path)
+    resolution = tokenizers.resolve_tokenizer([tmp_path])
     mode = padding or "reference"
     ids, mask = tokenizers.prompt_ids(resolution.tokenizer, "a red fox", mode)
     pads = mask.count(0)
@@ -92,7 +92,7 @@ def test_tokenize_prompts_file_prints_one_object_a_line_in_order(tekken_folder):
     out = flux2dev("tokenize", str(tmp_path), "--prompts", str(file), "--json")
     assert out.returncode == 0, out.stderr
     lines = [json.loads(line) for line in out.stdout.splitlines()]
-    tok = tokenizers.resolve_tokenizer(tmp_path).tokenizer
+    tok = tokenizers.resolve_tokenizer([tmp_path]).tokenizer
     assert [r["ids"] for r in lines] == [tokenizers.prompt_ids(tok, p, "reference")[0][-len(r["ids"]):] for p, r in zip(prompts, lines)]
     assert all(sum(r["mask"]) == len(r["ids"]) for r in lines)
 

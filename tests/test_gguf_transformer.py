@@ -246,13 +246,14 @@ def test_combo_lists_gguf_files_of_the_diffusion_model_folders(tmp_path, comfy_h
 def test_node_lists_and_loads_gguf_files(gguf_dir, ops, comfy_host):
     import folder_paths
 
-    from comfyui_flux2dev.nodes.gguf import NODES, Flux2DevGGUFTransformerLoader
+    from comfyui_flux2dev.nodes import NODES
+    from comfyui_flux2dev.nodes.gguf import Flux2DevGGUFTransformerLoader
 
     root = str(gguf_dir[0])
     folder_paths.add_model_folder_path("diffusion_models", root)
     try:
         schema = Flux2DevGGUFTransformerLoader.define_schema()
-        assert schema.node_id == "Flux2DevGGUFTransformerLoader" and NODES == [Flux2DevGGUFTransformerLoader]
+        assert schema.node_id == "Flux2DevGGUFTransformerLoader" and Flux2DevGGUFTransformerLoader in NODES
         names = schema.inputs[0].options
         assert "flux2-klein-4b-tiny-Q8_0.gguf" in names and all(n.endswith(".gguf") for n in names)
         out = Flux2DevGGUFTransformerLoader.execute("flux2-klein-4b-tiny-Q8_0.gguf", "default", "float32")

@@ -61,6 +61,63 @@ def test_every_host_internal_the_pack_uses_is_there(comfy_host):
     assert missing == [], "This ComfyUI lacks internals the pack builds on:\n" + "\n".join(missing)
 
 
+HOST_ROOTS = ("comfy", "comfy_api", "folder_paths", "comfyui_version")
+
+
+def _host_names(path) -> set[str]:
+    """The host names a module uses: each dotted chain from an imported host module (import comfy.sd; from
+    comfy_api.latest import io), longest form only (comfy.sd.CLIP.load_sd, not also comfy.sd.CLIP)."""
+    import ast
+
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    aliases = {}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] in HOST_ROOTS:
+                    aliases[(alias.asname or alias.name).split(".")[0]] = alias.name if alias.asname else alias.name.split(".")[0]
+        elif isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] in HOST_ROOTS:
+            for alias in node.names:
+                aliases[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+    found = set()
+    for node in ast.walk(tree):
+        parts = []
+        while isinstance(node, ast.Attribute):
+            parts.append(node.attr)
+            node = node.value
+        if isinstance(node, ast.Name) and node.id in aliases:
+            found.add(".".join([aliases[node.id], *reversed(parts)]))
+    return {name for name in found if not any(other.startswith(name + ".") for other in found)}
+
+
+def test_every_host_name_the_pack_uses_is_probed_in_compat():
+    """A scan of host/ and nodes/: each name of ComfyUI the code reaches is a REQUIRED or OPTIONAL row of
+    compat (the row may name a member of it, or it a member of the row's), so a release that drops it fails
+    the probe above with the row's words, not deep inside a load."""
+    from pathlib import Path
+
+    from comfyui_flux2dev.host.compat import OPTIONAL, REQUIRED
+
+    pack = Path(__file__).resolve().parent.parent
+    used = set()
+    for folder in ("host", "nodes"):
+        for path in sorted((pack / folder).glob("*.py")):
+            used |= _host_names(path)
+    probed = [spec.replace(":", ".") for _, spec in REQUIRED] + [spec.replace(":", ".") for _, spec, _ in OPTIONAL]
+    assert len(used) > 30, sorted(used)  # the scan sees the code's host names
+    unprobed = sorted(n for n in used if not any(p == n or p.startswith(n + ".") or n.startswith(p + ".") for p in probed))
+    assert not unprobed, f"host names the pack uses that compat's REQUIRED does not list: {unprobed}"
+
+
+def test_optional_internals_are_there_from_their_release_on(comfy_host):
+    from comfyui_flux2dev.host import compat
+
+    release = compat._release(compat.host_version())
+    for what, spec, since in compat.OPTIONAL:
+        if release >= compat._release(since):
+            compat._lookup(spec)  # raises with the name when a release that should have it lacks it
+
+
 @pytest.mark.parametrize("kind", ["gguf", "transformer", "encoder", "fp8 encoder"])
 def test_patchers_are_the_class_the_host_would_build(comfy_host, paths, kind, monkeypatch):
     """Newer releases pick their loaders' patcher class at start-up (CoreModelPatcher: the dynamic-VRAM one on

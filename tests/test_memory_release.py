@@ -55,7 +55,7 @@ def held(paths):
 """
 
 RELEASE_CHILD = PRELUDE + r"""
-from comfyui_flux2dev.host.clip import return_freed_memory
+from comfyui_flux2dev.host.clip_weights import return_freed_memory
 
 
 def rss_kb():

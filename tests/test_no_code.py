@@ -178,7 +178,7 @@ def test_the_ladder_notes_why_a_tokenizer_naming_custom_code_was_refused(planted
     from comfyui_flux2dev.tokenizers import resolve_tokenizer
 
     folder = planted["tokenizer-with-code"]
-    resolution = resolve_tokenizer(folder)
+    resolution = resolve_tokenizer([folder])
     refused = [reason for rung, source, reason in resolution.attempts if rung == "transformers" and source == str(folder)]
     assert refused and all(re.search(r"custom code|trust_remote_code|auto_map", r) for r in refused), resolution.attempts
     assert not planted["marker"].exists()

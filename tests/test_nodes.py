@@ -19,7 +19,7 @@ def encoder_menu(model_folder, monkeypatch):
     from comfyui_flux2dev.host import menus
 
     key, root = model_folder
-    monkeypatch.setitem(menus.MENUS, "encoder", (menus.Source(key, (".safetensors", ".gguf"), menus.has_config),))
+    monkeypatch.setitem(menus.MENUS, "encoder", (menus.MenuSource(key, (".safetensors", ".gguf"), menus.has_config),))
     return root
 
 
@@ -61,7 +61,7 @@ def test_a_name_in_two_folders_of_one_menu_is_listed_from_each(comfy_host, tmp_p
         (tmp_path / key / "same" / "config.json").write_text("{}")
         (tmp_path / key / f"only-{key}.safetensors").write_bytes(b"")
         monkeypatch.setitem(folder_paths.folder_names_and_paths, key, ([str(tmp_path / key)], set()))
-    sources = tuple(menus.Source(key, (".safetensors",), menus.has_config) for key in ("flux2dev_test_first", "flux2dev_test_second"))
+    sources = tuple(menus.MenuSource(key, (".safetensors",), menus.has_config) for key in ("flux2dev_test_first", "flux2dev_test_second"))
     monkeypatch.setitem(menus.MENUS, "vae", sources)
     choices = menus.model_choices("vae")
     assert choices == {

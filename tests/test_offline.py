@@ -66,7 +66,7 @@ for name, run in runs.items():
     except Exception as e:
         report["nodes"][name] = {"ok": False, "error": f"{type(e).__name__}: {e}"}
 
-found = ladder.resolve_tokenizer(tiny / "text_encoders/standalone", allow_network=True)
+found = ladder.resolve_tokenizer([tiny / "text_encoders/standalone"], allow_network=True)
 report["lower_rung"] = {"rung": found.rung, "attempts": found.attempts}
 
 # No rung below the hub can give a tokenizer here (an empty folder, and mistral-common's bundled vocabulary
@@ -74,7 +74,7 @@ report["lower_rung"] = {"rung": found.rung, "attempts": found.attempts}
 ladder.BUNDLED_TEKKEN = ("data", "no-such-vocabulary.json")
 empty = Path(sys.argv[2])
 try:
-    ladder.resolve_tokenizer(empty, allow_network=True)
+    ladder.resolve_tokenizer([empty], allow_network=True)
     report["hub_only"] = "resolved"
 except Exception as e:
     report["hub_only"] = f"{type(e).__name__}: {e}"

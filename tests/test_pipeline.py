@@ -140,11 +140,10 @@ def registered(comfy_host, pipelines):
 
 def test_nodes_list_pipelines_and_klein_vae_serves_dev(registered):
     from comfyui_flux2dev.host.model import flux2_classes
-    from comfyui_flux2dev.nodes.sources import NODES, Flux2DevTransformerSource, Flux2DevVAESource
+    from comfyui_flux2dev.nodes import NODES
+    from comfyui_flux2dev.nodes.sources import Flux2DevTransformerSource, Flux2DevVAESource
 
-    assert [n.define_schema().node_id for n in NODES] == [
-        "Flux2DevVAESource", "Flux2DevEncoderSource", "Flux2DevTransformerSource",
-    ]
+    assert {"Flux2DevVAESource", "Flux2DevEncoderSource", "Flux2DevTransformerSource"} <= {n.define_schema().node_id for n in NODES}
     options = Flux2DevVAESource.define_schema().inputs[0].options
     assert "flux2-klein-4b-tiny-pipeline/" in options
     vae = Flux2DevVAESource.execute(vae="flux2-klein-4b-tiny-pipeline/").result[0]
@@ -162,3 +161,24 @@ def test_encoder_node_refuses_klein_and_loads_dev(registered):
     clip = Flux2DevEncoderSource.execute(pipeline="flux2-dev-tiny-pipeline/", padding="reference").result[0]
     cond = clip.encode_from_tokens_scheduled(clip.tokenize("a red cube"))
     assert cond[0][0].shape[-1] == TINY_VARIANTS[0].context_in_dim
+
+
+def test_the_encoder_source_gives_the_lazy_cached_clip_of_the_encoder_loader(registered, tmp_path):
+    """The pipeline's [dev] encoder reads its weights on the first prompt the cache lacks, stores it, and a
+    second CLIP from the same pipeline is served from the cache without reading them; keep_loaded off frees
+    them after each encode."""
+    from comfyui_flux2dev.loaders.cache.store import ConditioningCache
+    from comfyui_flux2dev.nodes.sources import Flux2DevEncoderSource
+
+    cache = tmp_path / "cache"
+    kwargs = dict(pipeline="flux2-dev-tiny-pipeline/", padding="reference", cache=str(cache))
+    first = Flux2DevEncoderSource.execute(**kwargs, keep_loaded=True).result[0]
+    assert not first.flux2dev_source.loaded, "only headers and the tokenizer are read when the node runs"
+    cond = first.encode_from_tokens(first.tokenize("a red fox"))
+    assert first.flux2dev_source.loaded and len(ConditioningCache(cache).entries()) == 1
+    second = Flux2DevEncoderSource.execute(**kwargs, keep_loaded=False).result[0]
+    assert torch.equal(second.encode_from_tokens(second.tokenize("a red fox")), cond)
+    assert not second.flux2dev_source.loaded, "a hit reads no weights"
+    second.encode_from_tokens(second.tokenize("another prompt"))
+    assert not second.flux2dev_source.loaded, "keep_loaded off frees the weights after the encode"
+    assert len(ConditioningCache(cache).entries()) == 2

@@ -112,7 +112,7 @@ PREFIX_CHAIN = """
     from comfyui_flux2dev.tokenizers import resolve_tokenizer
     folder = sys.argv[1]
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    res = resolve_tokenizer(folder)
+    res = resolve_tokenizer([folder])
     print("rung", res.rung)
     print("\\n".join(" | ".join(a) for a in res.attempts))
     print("growth", (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024)
@@ -168,7 +168,7 @@ def test_gguf_vocabulary_arrays_are_checked():
 
 
 def test_gguf_vocabulary_refusal_is_a_failed_rung():
-    res = resolve_tokenizer(None, gguf_metadata={"tokenizer.ggml.tokens": 5, "tokenizer.ggml.model": "gpt2"})
+    res = resolve_tokenizer(gguf_metadata={"tokenizer.ggml.tokens": 5, "tokenizer.ggml.model": "gpt2"})
     assert res.rung == "bundled-tekken"
     assert res.attempts[-1][0] == "gguf-vocab" and "tokenizer.ggml.tokens is 5, expected a list" in res.attempts[-1][2]
 
@@ -190,7 +190,7 @@ def test_tokenizers_panic_is_a_failed_rung(tmp_path):
     """The tokenizers library panics (pyo3's PanicException, a BaseException) on this charsmap; the ladder
     notes it for both transformers probes and goes on to the next rung."""
     _bpe_tokenizer_json(tmp_path, {"type": "Precompiled", "precompiled_charsmap": "!!!"})
-    res = resolve_tokenizer(tmp_path)
+    res = resolve_tokenizer([tmp_path])
     assert res.rung == "bundled-tekken"
     transformers = [reason for rung, _, reason in res.attempts if rung == "transformers"]
     assert len(transformers) == 2 and all("PanicException" in reason and "Precompiled" in reason for reason in transformers), res.attempts
@@ -214,7 +214,7 @@ def test_custom_tokenizer_code_is_refused_without_import(tmp_path, config_file):
     (folder / "evil.py").write_text(MARKER_MODULE.format(marker=str(marker)))
     auto_map = {"AutoTokenizer": ["evil.EvilTokenizer", None], "AutoProcessor": "evil.EvilTokenizer"}
     (folder / config_file).write_text(json.dumps({"tokenizer_class": "EvilTokenizer", "auto_map": auto_map}))
-    res = resolve_tokenizer(folder)
+    res = resolve_tokenizer([folder])
     assert res.rung == "bundled-tekken" and not marker.exists()
     reasons = [reason for rung, _, reason in res.attempts if rung == "transformers"]
     assert len(reasons) == 2 and all("custom tokenizer code (auto_map)" in r and config_file in r for r in reasons), res.attempts

@@ -48,6 +48,13 @@ MISTRAL3_CONFIG = {
 }
 
 
+def _beside(path):
+    """The folders the encoder loader gives the ladder for a model at `path` (its folder, or its file's)."""
+    from comfyui_flux2dev.loaders.models.encoder_layouts import tokenizer_folders
+
+    return tokenizer_folders(str(path if path.is_dir() else path.parent))
+
+
 def corpus_prompts() -> list[str]:
     """The pack's own prompt corpus, then the shared one where it is there."""
     files = [OWN_CORPUS, *([SHARED_CORPUS] if SHARED_CORPUS.is_file() else [])]
@@ -125,7 +132,7 @@ def test_reference_is_transformers_4_57(reference):
 def test_bundled_fallback_matches_reference(reference, tmp_path):
     empty = tmp_path / "encoder"
     empty.mkdir()
-    res = resolve_tokenizer(empty)
+    res = resolve_tokenizer([empty])
     assert res.rung == "bundled-tekken"
     assert res.source == str(bundled_tekken_path())
     assert [a[0] for a in res.attempts] == ["embedded-tekken", "tekken-json", "transformers", "gguf-vocab"]
@@ -134,7 +141,7 @@ def test_bundled_fallback_matches_reference(reference, tmp_path):
 
 
 def test_template_matches_reference(reference):
-    tokenizer = resolve_tokenizer(None).tokenizer
+    tokenizer = resolve_tokenizer().tokenizer
     for prompt, want in zip(reference["prompts"], reference["template_ids"]):
         ids, mask = prompt_ids(tokenizer, prompt, "reference")
         assert [i for i, m in zip(ids, mask) if m] == want[:MAX_LENGTH], prompt
@@ -144,13 +151,13 @@ def test_template_matches_reference(reference):
 
 def test_special_looking_user_text_becomes_special_ids(reference):
     """As the reference tokenizer.json: every special string typed in a prompt is split out as its id."""
-    encode = resolve_tokenizer(None).tokenizer.encode
+    encode = resolve_tokenizer().tokenizer.encode
     assert encode("[INST]") == [3]
     assert encode("a<s>b</s>c") == [1097, 1, 1098, 2, 1099]
     assert encode("<pad>") == [PAD_ID]
     assert 42 in encode("<SPECIAL_42>")
     assert 3 not in encode("[inst]") and 3 not in encode("[ INST ]")  # exact spelling only
-    ids, _ = prompt_ids(resolve_tokenizer(None).tokenizer, "x [SYSTEM_PROMPT] y", "comfy")
+    ids, _ = prompt_ids(resolve_tokenizer().tokenizer, "x [SYSTEM_PROMPT] y", "comfy")
     assert ids.count(17) == 2
 
 
@@ -158,7 +165,7 @@ def test_special_looking_user_text_becomes_special_ids(reference):
 
 
 def test_padding_modes(reference):
-    tokenizer = resolve_tokenizer(None).tokenizer
+    tokenizer = resolve_tokenizer().tokenizer
     assert PADDING_MODES == ("reference", "comfy")
     want = reference["template_ids"][0]
     ids, mask = prompt_ids(tokenizer, reference["prompts"][0], "reference")
@@ -190,7 +197,7 @@ def test_embedded_uint8_safetensors(reference, tmp_path):
     weights = tmp_path / "mistral_3_small_flux2_bf16.safetensors"
     raw = np.frombuffer(bundled_tekken_path().read_bytes(), dtype=np.uint8)
     save_file({"tekken_model": raw, "model.norm.weight": np.ones(4, np.float32)}, str(weights))
-    res = resolve_tokenizer(weights, embedded_tekken=load_file(str(weights))["tekken_model"])
+    res = resolve_tokenizer(_beside(weights), embedded_tekken=load_file(str(weights))["tekken_model"])
     assert (res.rung, res.source, res.attempts) == ("embedded-tekken", "tekken_model tensor", [])
     _assert_reference_ids(res.tokenizer, reference)
 
@@ -204,7 +211,7 @@ def test_embedded_f16_per_byte_cow_gguf(reference, tmp_path):
     write_and_close(writer)
     tensor = next(t for t in gguf.GGUFReader(str(path)).tensors if t.name == "tekken_model")
     assert tensor.data.dtype == np.float16
-    res = resolve_tokenizer(path, embedded_tekken=tensor.data)
+    res = resolve_tokenizer(_beside(path), embedded_tekken=tensor.data)
     assert res.rung == "embedded-tekken"
     _assert_reference_ids(res.tokenizer, reference)
 
@@ -223,10 +230,10 @@ def test_embedded_torch_tensors_and_bad_values():
 
 
 def test_broken_embedded_tensor_falls_through(reference):
-    res = resolve_tokenizer(None, embedded_tekken=np.array([300.0, 1.5], dtype=np.float32))
+    res = resolve_tokenizer(embedded_tekken=np.array([300.0, 1.5], dtype=np.float32))
     assert res.rung == "bundled-tekken"
     assert res.attempts[0][0] == "embedded-tekken" and "not bytes" in res.attempts[0][2]
-    res = resolve_tokenizer(None, embedded_tekken=b"not json at all")
+    res = resolve_tokenizer(embedded_tekken=b"not json at all")
     assert res.rung == "bundled-tekken" and "the tekken_model tensor is not valid JSON" in res.attempts[0][2]
 
 
@@ -239,7 +246,7 @@ def test_hf_mistral_small_folder_uses_tekken_json_first(reference, tmp_path):
     folder = _hf_folder(tmp_path / "Mistral-Small-3.1", reference)
     _write_json(folder / "config.json", MISTRAL3_CONFIG)
     shutil.copy(bundled_tekken_path(), folder / "tekken.json")
-    res = resolve_tokenizer(folder)
+    res = resolve_tokenizer([folder])
     assert (res.rung, res.source) == ("tekken-json", str(folder / "tekken.json"))
     assert [rung for rung, _, _ in res.attempts] == ["embedded-tekken"]
     _assert_reference_ids(res.tokenizer, reference)
@@ -253,7 +260,7 @@ def test_tekken_only_folder_without_special_tokens(reference, tmp_path):
     assert "special_tokens" not in json.loads((folder / "tekken.json").read_bytes())
     weights = folder / "consolidated.safetensors"
     weights.write_bytes(b"")
-    res = resolve_tokenizer(weights)
+    res = resolve_tokenizer(_beside(weights))
     assert res.rung == "tekken-json" and res.source == str(folder / "tekken.json")
     assert res.tokenizer.token_id("[TOOL_CONTENT]") == 19 and res.tokenizer.token_id("<SPECIAL_999>") == 999
     _assert_reference_ids(res.tokenizer, reference)
@@ -261,7 +268,7 @@ def test_tekken_only_folder_without_special_tokens(reference, tmp_path):
 
 def test_v7_tekken_in_tokenizer_subfolder(reference, tmp_path):
     _write_json(tmp_path / "encoder" / "tokenizer" / "tekken.json", _v7_tekken(V3_NAMES))
-    res = resolve_tokenizer(tmp_path / "encoder")
+    res = resolve_tokenizer(_beside(tmp_path / "encoder"))
     assert res.rung == "tekken-json" and res.source == str(tmp_path / "encoder" / "tokenizer" / "tekken.json")
     _assert_reference_ids(res.tokenizer, reference)
 
@@ -269,14 +276,14 @@ def test_v7_tekken_in_tokenizer_subfolder(reference, tmp_path):
 def test_self_test_rejects_wrong_specials_and_cache_follows_the_file(reference, tmp_path):
     folder = tmp_path / "encoder"
     tekken = _write_json(folder / "tekken.json", _v7_tekken(V3_NAMES))
-    first = resolve_tokenizer(folder)
-    assert first.rung == "tekken-json" and resolve_tokenizer(folder).tokenizer is first.tokenizer
+    first = resolve_tokenizer([folder])
+    assert first.rung == "tekken-json" and resolve_tokenizer([folder]).tokenizer is first.tokenizer
 
     swapped = list(V3_NAMES)
     swapped[3], swapped[4] = swapped[4], swapped[3]  # [INST] and [/INST] exchanged
     _write_json(tekken, _v7_tekken(swapped))
     os.utime(tekken, ns=(1, 1))  # a different mtime, whatever the file system's clock resolution
-    res = resolve_tokenizer(folder)
+    res = resolve_tokenizer([folder])
     assert res.rung == "bundled-tekken"
     assert res.attempts[1][:2] == ("tekken-json", str(tekken))
     assert "self-test" in res.attempts[1][2] and "'[INST]'" in res.attempts[1][2]
@@ -287,7 +294,7 @@ def test_self_test_rejects_wrong_specials_and_cache_follows_the_file(reference, 
 
 def test_tokenizer_json_folder(reference, tmp_path):
     folder = _hf_folder(tmp_path / "hf-tokenizer", reference)
-    res = resolve_tokenizer(folder)
+    res = resolve_tokenizer([folder])
     assert res.rung == "transformers" and res.source == str(folder)
     assert [a[0] for a in res.attempts] == ["embedded-tekken", "tekken-json"] + ["transformers"] * (
         len(res.attempts) - 2
@@ -311,7 +318,7 @@ def test_tokenizer_json_with_true_tekken_pattern_still_gives_reference_ids(refer
         if as_written.encode(p, add_special_tokens=False).ids != want
     ]
     assert differing  # the file as written disagrees with the reference (Devanagari among others)
-    res = resolve_tokenizer(folder)
+    res = resolve_tokenizer([folder])
     assert res.rung == "transformers"
     _assert_reference_ids(res.tokenizer, reference)
 
@@ -324,7 +331,7 @@ def test_mistral3_folder_without_preprocessor_config(reference, tmp_path):
     _write_json(folder / "tokenizer_config.json", {**config, "processor_class": "PixtralProcessor"})
     weights = folder / "model-00001-of-00002.safetensors"
     weights.touch()  # the ladder looks beside the weights file it is given
-    res = resolve_tokenizer(weights)
+    res = resolve_tokenizer(_beside(weights))
     assert res.rung == "transformers" and res.source == str(folder)
     assert res.attempts[-1][:2] == ("transformers", str(folder))
     assert res.attempts[-1][2].startswith("AutoProcessor: OSError")
@@ -338,7 +345,7 @@ def test_diffusers_pipeline_tokenizer_folder(reference, tmp_path):
     _hf_folder(root / "tokenizer", reference)
     (root / "text_encoder" / "model.safetensors").touch()
     for model_path in (root, root / "text_encoder", root / "text_encoder" / "model.safetensors"):
-        res = resolve_tokenizer(model_path)
+        res = resolve_tokenizer(_beside(model_path))
         assert res.rung == "transformers" and res.source == str(root / "tokenizer"), model_path
     _assert_reference_ids(res.tokenizer, reference)
 
@@ -348,13 +355,13 @@ def test_tokenizer_config_naming_mistral_common_tokenizer(reference, tmp_path):
     folder = tmp_path / "bfl-encoder"
     _write_json(folder / "config.json", MISTRAL3_CONFIG)
     _write_json(folder / "tokenizer_config.json", {"tokenizer_class": "MistralCommonTokenizer"})
-    res = resolve_tokenizer(folder)
+    res = resolve_tokenizer([folder])
     assert res.rung == "bundled-tekken"
     probes = [reason.split(":")[0] for rung, _, reason in res.attempts if rung == "transformers"]
     assert probes == ["AutoProcessor", "AutoTokenizer"]
 
     shutil.copy(bundled_tekken_path(), folder / "tekken.json")
-    res = resolve_tokenizer(folder)
+    res = resolve_tokenizer([folder])
     assert res.rung == "tekken-json" and [rung for rung, _, _ in res.attempts] == ["embedded-tekken"]
 
 
@@ -401,14 +408,14 @@ def _gguf_metadata(reference: dict, model: str = "gpt2") -> dict:
 def test_gguf_metadata_vocab(reference, tmp_path):
     gguf_file = tmp_path / "Mistral-Small-3.2-Q4_K_M.gguf"
     gguf_file.write_bytes(b"")
-    res = resolve_tokenizer(gguf_file, gguf_metadata=_gguf_metadata(reference))
+    res = resolve_tokenizer(_beside(gguf_file), gguf_metadata=_gguf_metadata(reference))
     assert res.rung == "gguf-vocab"
     _assert_reference_ids(res.tokenizer, reference)
 
 
 def test_gguf_metadata_not_tekken_falls_through(reference):
     meta = _gguf_metadata(reference, model="llama")
-    res = resolve_tokenizer(None, gguf_metadata=meta)
+    res = resolve_tokenizer(gguf_metadata=meta)
     assert res.rung == "bundled-tekken"
     assert res.attempts[-1][0] == "gguf-vocab" and "'llama'" in res.attempts[-1][2]
 
@@ -436,7 +443,7 @@ def test_hub_skipped_and_every_rung_reported(without_mistral_common, monkeypatch
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     with pytest.raises(TokenizerNotFoundError) as caught:
-        resolve_tokenizer(tmp_path, allow_network=allow_network)
+        resolve_tokenizer([tmp_path], allow_network=allow_network)
     message = str(caught.value)
     lines = [line for line in message.splitlines() if line.startswith("  - ")]
     rungs = ["embedded-tekken", "tekken-json", "transformers", "gguf-vocab", "bundled-tekken", "hub"]

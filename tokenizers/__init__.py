@@ -3,7 +3,7 @@ Mistral-Small-3.1 Tekken vocabulary) found by a ladder of offline sources, and t
 
 from .canonical import Flux2Tokenizer, self_test
 from .ladder import RUNGS, TokenizerResolution, bundled_tekken_path, resolve_tokenizer
-from .prompt import MAX_LENGTH, PAD_ID, PADDING_MODES, SYSTEM_PROMPT, prompt_ids
+from .prompt import MAX_LENGTH, PAD_ID, PADDING_MODES, SYSTEM_PROMPT, left_padding_mask, prompt_ids
 from .vocab import TekkenVocab, parse_tekken_json, tekken_bytes, vocab_from_gguf
 
 __all__ = [
@@ -16,6 +16,7 @@ __all__ = [
     "TekkenVocab",
     "TokenizerResolution",
     "bundled_tekken_path",
+    "left_padding_mask",
     "parse_tekken_json",
     "prompt_ids",
     "resolve_tokenizer",

@@ -5,10 +5,13 @@ added special token (so special strings typed in a prompt become their ids)."""
 
 from __future__ import annotations
 
-# Absolute import: this package is comfyui_flux2dev.tokenizers, so this is the HF `tokenizers` library.
-from tokenizers import AddedToken, Regex, Tokenizer, decoders, pre_tokenizers, processors
-from tokenizers.models import BPE
+import importlib
+import importlib.util
+import sys
+from pathlib import Path
 
+from ..errors import TokenizerNotFoundError
+from .prompt import TEMPLATE_MARKERS
 from .vocab import TekkenVocab, byte_level_string
 
 # The reference pattern (Llama-3 style, \p{N}{1,3}); mistral-common's own Tekken pattern splits differently.
@@ -18,7 +21,7 @@ REFERENCE_PATTERN = (
 )
 
 # What every accepted tokenizer must give: each marker of the FLUX.2 template as exactly its one id.
-SELF_TEST = (("<s>", 1), ("[SYSTEM_PROMPT]", 17), ("[/SYSTEM_PROMPT]", 18), ("[INST]", 3), ("[/INST]", 4), ("<pad>", 11))
+SELF_TEST = tuple(TEMPLATE_MARKERS.items())
 SELF_TEST_TEXT = "a red fox"
 
 
@@ -45,9 +48,29 @@ def _vocab_and_merges(vocab: TekkenVocab) -> tuple[dict[str, int], list[tuple[st
     return ids, merges
 
 
-def build_backend(vocab: TekkenVocab) -> Tokenizer:
+def hf_tokenizers():
+    """The Hugging Face `tokenizers` library, imported here and nowhere else in the pack. This package has the
+    same name: where the pack's own folder is on sys.path (Python started inside it without -P), `import
+    tokenizers` finds this package instead of the library, and the import fails half way. That is said
+    plainly here rather than as an import error from deep inside."""
+    this_package = Path(__file__).resolve().parent
+    spec = importlib.util.find_spec("tokenizers")
+    if spec is None or (spec.origin and Path(spec.origin).resolve().parent == this_package):
+        sys.modules.pop("tokenizers", None)  # whatever half of this package the failed import left behind
+        raise TokenizerNotFoundError(
+            f"Python finds the pack's own folder {this_package.parent} before the Hugging Face tokenizers library (it "
+            "is on sys.path, for example as the current folder), and the pack's tokenizers/ package hides the "
+            "library. Start Python from another folder (or with -P), or install tokenizers (pip install tokenizers)."
+        )
+    return importlib.import_module("tokenizers")
+
+
+def build_backend(vocab: TekkenVocab):
+    lib = hf_tokenizers()
+    AddedToken, Regex, decoders, pre_tokenizers, processors = (
+        lib.AddedToken, lib.Regex, lib.decoders, lib.pre_tokenizers, lib.processors)
     ids, merges = _vocab_and_merges(vocab)
-    backend = Tokenizer(BPE(ids, merges, fuse_unk=False))
+    backend = lib.Tokenizer(lib.models.BPE(ids, merges, fuse_unk=False))
     backend.model.ignore_merges = True  # whole words found in the vocabulary are not re-merged (tiktoken rule)
     backend.pre_tokenizer = pre_tokenizers.Sequence(
         [

@@ -11,14 +11,14 @@ import hashlib
 import logging
 import os
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
 
-from ..errors import CorruptFileError, Flux2DevError, ModelNotFoundError, TokenizerNotFoundError
-from ..loaders.formats.files import MODEL_INDEX
+from ..errors import CorruptFileError, Flux2DevError, TokenizerNotFoundError
+from ..loaders.formats.files import TEKKEN_FILE, TOKENIZER_FOLDER
 from ..loaders.formats.validate import read_json
 from .canonical import Flux2Tokenizer, self_test
 from .vocab import (
@@ -34,8 +34,6 @@ from .vocab import (
 
 log = logging.getLogger(__name__)
 
-TEKKEN_FILE = "tekken.json"
-TOKENIZER_SUBFOLDER = "tokenizer"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", TEKKEN_FILE, "tokenizer.model")
 TRANSFORMERS_PROBES = ("AutoProcessor", "AutoTokenizer")
 # The JSON files transformers reads from a tokenizer folder (and their kind, for validate's bounds): each is
@@ -296,19 +294,20 @@ def _hub(req: _Request) -> list[_Candidate]:
     offline = [name for name in OFFLINE_ENV if os.environ.get(name, "").upper() in TRUE_VALUES]
     if offline:
         raise _Skipped(f"skipped: {offline[0]} is set, the process is offline")
-    return [_Candidate(f"{HUB_REPO}/{TOKENIZER_SUBFOLDER}/{HUB_FILE}", None, _from_hub)]
+    return [_Candidate(f"{HUB_REPO}/{TOKENIZER_FOLDER}/{HUB_FILE}", None, _from_hub)]
 
 
 def _from_hub() -> TekkenVocab:
     from huggingface_hub import hf_hub_download
-    from tokenizers import Tokenizer
 
-    where = {"repo_id": HUB_REPO, "filename": HUB_FILE, "subfolder": TOKENIZER_SUBFOLDER}
+    from .canonical import hf_tokenizers
+
+    where = {"repo_id": HUB_REPO, "filename": HUB_FILE, "subfolder": TOKENIZER_FOLDER}
     try:
         path = hf_hub_download(**where, local_files_only=True)
     except Exception:  # not in the cache yet
         path = hf_hub_download(**where)
-    return vocab_from_tokenizers_backend(Tokenizer.from_file(path))
+    return vocab_from_tokenizers_backend(hf_tokenizers().Tokenizer.from_file(path))
 
 
 # (short name, what it looks at, rung): the order is the ladder.
@@ -318,22 +317,8 @@ RUNGS: tuple[tuple[str, str, Callable[[_Request], list[_Candidate]]], ...] = (
     ("transformers", "tokenizer files", _transformers),
     ("gguf-vocab", "GGUF metadata", _gguf),
     ("bundled-tekken", "mistral-common wheel", _bundled),
-    ("hub", f"{HUB_REPO} {TOKENIZER_SUBFOLDER}/", _hub),
+    ("hub", f"{HUB_REPO} {TOKENIZER_FOLDER}/", _hub),
 )
-
-
-def _folders(model_path: str | os.PathLike | None) -> tuple[Path, ...]:
-    """Where a model's tokenizer can live: beside the file (or in the folder), its tokenizer/, and the
-    tokenizer/ of the diffusers pipeline the folder belongs to."""
-    if model_path is None:
-        return ()
-    path = Path(model_path)
-    base = path if path.is_dir() else path.parent
-    folders = [base, base / TOKENIZER_SUBFOLDER]
-    if (base.parent / MODEL_INDEX).is_file():
-        folders.append(base.parent / TOKENIZER_SUBFOLDER)
-    unique = dict.fromkeys(f for f in folders if f.is_dir())
-    return tuple(unique)
 
 
 def _where(req: _Request) -> str:
@@ -341,20 +326,18 @@ def _where(req: _Request) -> str:
 
 
 def resolve_tokenizer(
-    model_path: str | os.PathLike | None,
+    folders: Sequence[str | os.PathLike] = (),
     *,
     embedded_tekken: Any = None,
     gguf_metadata: Mapping[str, Any] | None = None,
     allow_network: bool = False,
 ) -> TokenizerResolution:
-    """The tokenizer of a FLUX.2 [dev] text encoder. model_path is the encoder's file or folder (or None);
-    embedded_tekken the tekken_model tensor of the weights (bytes, uint8 or one-byte-per-float array);
-    gguf_metadata the already-parsed GGUF header. Raises TokenizerNotFoundError when every rung fails."""
-    if model_path is not None and not os.path.exists(model_path):
-        raise ModelNotFoundError(
-            f"{model_path} does not exist. Give the text encoder's file or folder (a path that exists on this machine)."
-        )
-    req = _Request(_folders(model_path), embedded_tekken, gguf_metadata, allow_network)
+    """The tokenizer of a FLUX.2 [dev] text encoder. folders: where its tokenizer files may be, in order (the
+    encoder's layout says; those that are no folder are passed over); embedded_tekken the tekken_model tensor
+    of the weights (bytes, uint8 or one-byte-per-float array); gguf_metadata the already-parsed GGUF header.
+    Raises TokenizerNotFoundError when every rung fails."""
+    folders = tuple(dict.fromkeys(Path(f) for f in folders if Path(f).is_dir()))
+    req = _Request(folders, embedded_tekken, gguf_metadata, allow_network)
     attempts: list[tuple[str, str, str]] = []
     for name, where, rung in RUNGS:
         candidates, reason = _attempt(partial(rung, req))
@@ -369,7 +352,7 @@ def resolve_tokenizer(
             log.info("FLUX.2 [dev] tokenizer from %s (%s)", candidate.source, name)
             return TokenizerResolution(tokenizer, name, candidate.source, attempts)
     tried = "\n".join(f"  - {name} ({source}): {reason}" for name, source, reason in attempts)
-    subject = f" of {model_path}" if model_path is not None else ""
+    subject = f" in {_where(req)}" if req.folders else ""
     raise TokenizerNotFoundError(
         f"No tokenizer found for the FLUX.2 [dev] text encoder{subject}. Tried, in order:\n{tried}\n{FIX_HINT}"
     )

@@ -5,18 +5,17 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
-from .canonical import Flux2Tokenizer
+from .vocab import V3_SPECIAL_TOKENS
 
 SYSTEM_PROMPT = (
     "You are an AI that reasons about image descriptions. You give structured responses focusing on object "
     "relationships, object\nattribution and actions without speculation."
 )
-BOS_ID = 1
-INST_ID = 3
-INST_END_ID = 4
-PAD_ID = 11
-SYSTEM_PROMPT_ID = 17
-SYSTEM_PROMPT_END_ID = 18
+# The template's markers, each one special token, and their ids (their place among the special tokens of every
+# Mistral-Small-3.x vocabulary): the tokenizer's self-test requires each to encode as exactly its id.
+BOS, SYSTEM_OPEN, SYSTEM_CLOSE, INST_OPEN, INST_CLOSE, PAD = "<s>", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[INST]", "[/INST]", "<pad>"
+TEMPLATE_MARKERS = {marker: V3_SPECIAL_TOKENS.index(marker) for marker in (BOS, SYSTEM_OPEN, SYSTEM_CLOSE, INST_OPEN, INST_CLOSE, PAD)}
+BOS_ID, SYSTEM_PROMPT_ID, SYSTEM_PROMPT_END_ID, INST_ID, INST_END_ID, PAD_ID = TEMPLATE_MARKERS.values()
 MAX_LENGTH = 512
 IMAGE_MARKER = "[IMG]"  # removed from prompts before templating, as BFL and diffusers do
 
@@ -29,7 +28,7 @@ PADDING_MODES = ("reference", "comfy")
 # in pieces its prompt syntax decides. Inside ComfyUI the host adapter hands over the running release's own
 # pieces; without a host, these are those of current releases (0.33): "\(" and "\)" lose the backslash that
 # escapes the weight syntax, and a new piece starts at each "embedding:" that follows whitespace.
-COMFY_TEMPLATE = "[SYSTEM_PROMPT]" + SYSTEM_PROMPT + "[/SYSTEM_PROMPT][INST]{}[/INST]"
+COMFY_TEMPLATE = SYSTEM_OPEN + SYSTEM_PROMPT + SYSTEM_CLOSE + INST_OPEN + "{}" + INST_CLOSE
 COMFY_EMBEDDING_MARK = "embedding:"
 Pieces = Callable[[str], list[str]]  # prompt -> the texts ComfyUI tokenizes, the template included
 
@@ -42,9 +41,9 @@ def comfy_pieces(prompt: str) -> list[str]:
     return [p for p in (first, *(COMFY_EMBEDDING_MARK + r for r in rest)) if p]
 
 
-def prompt_ids(tokenizer: Flux2Tokenizer, prompt: str, padding: str, pieces: Pieces = comfy_pieces) -> tuple[list[int], list[int]]:
-    """Token ids of <s>[SYSTEM_PROMPT]...[/SYSTEM_PROMPT][INST]prompt[/INST] and their attention mask; in
-    comfy mode, of the pieces `pieces` gives."""
+def prompt_ids(tokenizer, prompt: str, padding: str, pieces: Pieces = comfy_pieces) -> tuple[list[int], list[int]]:
+    """Token ids of <s>[SYSTEM_PROMPT]...[/SYSTEM_PROMPT][INST]prompt[/INST] and their attention mask, by the
+    canonical tokenizer (canonical.Flux2Tokenizer); in comfy mode, of the pieces `pieces` gives."""
     if padding not in PADDING_MODES:
         raise ValueError(f"padding must be one of {PADDING_MODES}, got {padding!r}")
     if padding == "comfy":
@@ -61,5 +60,13 @@ def prompt_ids(tokenizer: Flux2Tokenizer, prompt: str, padding: str, pieces: Pie
         *tokenizer.encode(prompt.replace(IMAGE_MARKER, ""), limit=max(room, 0)),
         INST_END_ID,
     ][:MAX_LENGTH]
-    pads = MAX_LENGTH - len(ids)
-    return [PAD_ID] * pads + ids, [0] * pads + [1] * len(ids)
+    ids = [PAD_ID] * (MAX_LENGTH - len(ids)) + ids
+    return ids, left_padding_mask(ids)
+
+
+def left_padding_mask(ids, pad_id: int = PAD_ID) -> list[int]:
+    """1 for real tokens, 0 for the run of pad ids a sequence starts with (left padding): prompt_ids's mask,
+    found again from the ids alone (the host hands its encoder the ids without the mask)."""
+    ids = [int(t) for t in ids]
+    pads = next((i for i, t in enumerate(ids) if t != pad_id), len(ids))
+    return [0] * pads + [1] * (len(ids) - pads)

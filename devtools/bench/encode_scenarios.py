@@ -73,7 +73,8 @@ def _encode(clip, prompt: str):
 
 def _child_encode(path: str, cache: str) -> dict:
     """cold, warm and hit for one file; then a keep_loaded-off encode's RSS against the RSS before it."""
-    from ...host.clip import lazy_clip, release_weights
+    from ...host.clip import lazy_clip
+    from ...host.clip_weights import release_weights
     from ...loaders.cache.store import ConditioningCache
     from .meters import _proc_kib
 

@@ -15,7 +15,7 @@ import time
 
 import torch
 
-from ...host.clip import return_freed_memory
+from ...host.clip_weights import return_freed_memory
 
 
 def timings(fn, repeats: int) -> list[float]:

@@ -262,10 +262,10 @@ def _child_tokenizer(folder: str) -> dict:
     from ...tokenizers import resolve_tokenizer
 
     start = time.perf_counter()
-    first = resolve_tokenizer(folder)
+    first = resolve_tokenizer([folder])
     first_s = time.perf_counter() - start
     start = time.perf_counter()
-    second = resolve_tokenizer(folder)
+    second = resolve_tokenizer([folder])
     second_s = time.perf_counter() - start
     return {"first_s": first_s, "second_s": second_s, "rung": first.rung, "same_tokenizer": second.tokenizer is first.tokenizer}
 
@@ -439,7 +439,7 @@ def bench_long_prompt(quick: bool) -> dict:
     tokenizes only as far as they need, against tokenizing the whole text, on the first 1 MB of it."""
     from ...tokenizers import prompt_ids, resolve_tokenizer
 
-    tokenizer = resolve_tokenizer(None).tokenizer
+    tokenizer = resolve_tokenizer().tokenizer
     sentence = "a red fox in the snow beside a lighthouse at dusk, 35mm, soft light; "
     text = sentence * ((4 if quick else 20) * 10**6 // len(sentence))
     head = text[: 10**6]

@@ -26,6 +26,12 @@ from .validate import (
 )
 
 MODEL_INDEX = "model_index.json"  # marks a diffusers pipeline folder
+CONFIG = "config.json"  # transformers' model config
+PARAMS = "params.json"  # Mistral's native model config
+MODEL_FOLDER_MARKERS = (CONFIG, PARAMS, MODEL_INDEX)  # a folder holding one of these is a model kept as a folder
+TEKKEN_FILE = "tekken.json"  # mistral-common's vocabulary file
+TOKENIZER_FOLDER = "tokenizer"  # beside a model's weights, or in a diffusers pipeline folder
+TEXT_ENCODER_FOLDER = "text_encoder"  # a diffusers pipeline's text encoder
 DIFFUSERS_WEIGHTS = "diffusion_pytorch_model.safetensors"  # a diffusers model folder's weights (or its index's stem)
 INDEX_SUFFIX = ".index.json"  # "<weights>.index.json" maps each tensor to its shard
 

@@ -27,12 +27,11 @@ from ..formats.validate import JSON_LIMITS
 from ..formats import progress, quant
 from . import variants
 from .encoder_identify import EMBED, LAYER_SHAPES, host_name, identify
-from .encoder_layouts import CONFIG, GGUF_METADATA, PARAMS, Source, find_layout
-from ..formats.files import MODEL_INDEX
+from .encoder_layouts import GGUF_METADATA, Source, find_layout, tokenizer_folders
+from ..formats.files import MODEL_FOLDER_MARKERS
 from .variants import MistralEncoderGeometry
 
 EMBEDDED_TEKKEN = "tekken_model"  # ComfyUI single files and gguf-org files carry tekken.json as a tensor
-MODEL_FILES = (CONFIG, PARAMS, MODEL_INDEX)  # a folder holding one of these is a model, not a tokenizer folder
 
 
 @dataclass
@@ -48,7 +47,7 @@ class EncoderPlan:
     memory_bytes: int
     unpermute_heads: dict[str, int]  # host q/k module -> head count, for layouts that need it
     source: Source = field(repr=False)
-    tokenizer_folder: str | None = None
+    tokenizer_folders: tuple[str, ...] = ()
     embedded_tekken_key: str | None = None
     gguf_metadata: dict | None = field(default=None, repr=False)
 
@@ -117,7 +116,7 @@ def _plan(path: str, layout, checkpoint) -> EncoderPlan:
         memory_bytes=sum(source.nbytes(s) for s in mapping.values()),
         unpermute_heads=heads,
         source=source,
-        tokenizer_folder=layout.tokenizer(checkpoint),
+        tokenizer_folders=layout.tokenizer(checkpoint),
         embedded_tekken_key=EMBEDDED_TEKKEN if EMBEDDED_TEKKEN in source.entries else None,
         gguf_metadata=source.settings if layout.settings is GGUF_METADATA else None,
     )
@@ -214,7 +213,7 @@ def resolve_plan_tokenizer(plan: EncoderPlan, *, allow_network: bool = False):
         )
     embedded = plan.source.read(key) if key else None
     return resolve_tokenizer(
-        plan.tokenizer_folder or plan.path,
+        plan.tokenizer_folders,
         embedded_tekken=embedded,
         gguf_metadata=plan.gguf_metadata,
         allow_network=allow_network,
@@ -227,13 +226,13 @@ def encoder_tokenizer(path: str, *, allow_network: bool = False):
     from ...tokenizers import resolve_tokenizer
     from ...tokenizers.ladder import TOKENIZER_FILES
 
-    if os.path.isdir(path) and not any(n.endswith(".safetensors") or n in MODEL_FILES for n in os.listdir(path)):
+    if os.path.isdir(path) and not any(n.endswith(".safetensors") or n in MODEL_FOLDER_MARKERS for n in os.listdir(path)):
         if not any(os.path.isfile(os.path.join(path, name)) for name in TOKENIZER_FILES):
             raise TokenizerNotFoundError(
                 f"{path} holds neither text encoder weights nor tokenizer files ({', '.join(TOKENIZER_FILES)}). "
                 "Give the encoder's file or folder."
             )
-        return resolve_tokenizer(path, allow_network=allow_network)
+        return resolve_tokenizer(tokenizer_folders(path), allow_network=allow_network)
     return resolve_plan_tokenizer(plan_encoder(path), allow_network=allow_network)
 
 

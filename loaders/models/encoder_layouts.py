@@ -26,18 +26,25 @@ from ...errors import (
     WrongModelError,
 )
 from ..formats import quant
-from ..formats.files import ENCODER_CONFIG, MODEL_INDEX, PARAMS_FIELDS, read_json, shards
+from ..formats.files import (
+    CONFIG,
+    ENCODER_CONFIG,
+    MODEL_INDEX,
+    PARAMS,
+    PARAMS_FIELDS,
+    TEKKEN_FILE,
+    TEXT_ENCODER_FOLDER,
+    TOKENIZER_FOLDER,
+    read_json,
+    shards,
+)
 from .kinds import GGUF_ARCHITECTURES, gguf_architectures, gguf_kind
 from ..formats.safetensors_file import SafetensorsFiles
 from .variants import MistralEncoderGeometry
 
-CONFIG = "config.json"  # transformers' model config
-PARAMS = "params.json"  # Mistral's native model config
 HF_WEIGHTS = "model.safetensors"  # transformers' weights file (or its index's stem)
 HUB_MARKERS = (HF_WEIGHTS + ".index.json", "tokenizer.json")  # files a hub download has and a BFL folder lacks
-TEKKEN = "tekken.json"
 NATIVE_SHARDS = "consolidated*.safetensors"
-PIPELINE_ENCODER, PIPELINE_TOKENIZER = "text_encoder", "tokenizer"
 
 
 # --- key schemes: stored names -> the host's MistralForCausalLM names -----------------------------------------
@@ -160,11 +167,11 @@ def _hf_folder_source(folder: str) -> Source:
 
 
 def _pipeline_source(ck: Checkpoint) -> Source:
-    folder = os.path.join(ck.path, PIPELINE_ENCODER)
+    folder = os.path.join(ck.path, TEXT_ENCODER_FOLDER)
     if not os.path.isdir(folder):
         raise MissingWeightsError(
-            f"{ck.path} is a diffusers pipeline folder without a {PIPELINE_ENCODER}/ folder. Download the pipeline's "
-            f"{PIPELINE_ENCODER}/ and {PIPELINE_TOKENIZER}/ folders, or pick a FLUX.2 [dev] text encoder file."
+            f"{ck.path} is a diffusers pipeline folder without a {TEXT_ENCODER_FOLDER}/ folder. Download the pipeline's "
+            f"{TEXT_ENCODER_FOLDER}/ and {TOKENIZER_FOLDER}/ folders, or pick a FLUX.2 [dev] text encoder file."
         )
     return _hf_folder_source(folder)
 
@@ -248,16 +255,26 @@ class EncoderLayout:
     scheme: KeyScheme
     interleaved: bool  # Q/K rows stored in Meta/llama.cpp rotary order, undone on load
     settings: Settings
-    tokenizer: Callable[[Checkpoint], str]  # the folder the tokenizer ladder starts from
+    tokenizer: Callable[[Checkpoint], tuple[str, ...]]  # the folders the tokenizer ladder looks in
 
 
-def _beside(ck: Checkpoint) -> str:
-    return ck.folder
+def tokenizer_folders(folder: str) -> tuple[str, ...]:
+    """Where the tokenizer of a model in `folder` (its folder, or the folder of its file) can live, in order: the
+    folder itself, its tokenizer/, and the tokenizer/ of the diffusers pipeline the folder is part of."""
+    found = [folder, os.path.join(folder, TOKENIZER_FOLDER)]
+    parent = os.path.dirname(os.path.abspath(folder))
+    if os.path.isfile(os.path.join(parent, MODEL_INDEX)):
+        found.append(os.path.join(parent, TOKENIZER_FOLDER))
+    return tuple(found)
+
+
+def _beside(ck: Checkpoint) -> tuple[str, ...]:
+    return tokenizer_folders(ck.folder)
 
 
 def _is_hub_folder(ck: Checkpoint) -> bool:
     # hub folders are sharded or carry an HF tokenizer; BFL-style folders hold one file beside tekken.json
-    return ck.has(CONFIG) and (any(ck.has(n) for n in HUB_MARKERS) or not ck.has(TEKKEN))
+    return ck.has(CONFIG) and (any(ck.has(n) for n in HUB_MARKERS) or not ck.has(TEKKEN_FILE))
 
 
 def _is_native_file(ck: Checkpoint) -> bool:
@@ -275,7 +292,7 @@ def _gguf_layout(arch: str, interleaved: bool) -> EncoderLayout:
 
 LAYOUTS: tuple[EncoderLayout, ...] = (
     EncoderLayout("diffusers-pipeline", lambda ck: ck.has(MODEL_INDEX), _pipeline_source, HF_SCHEME, False,
-                  CONFIG_JSON, lambda ck: os.path.join(ck.path, PIPELINE_TOKENIZER)),
+                  CONFIG_JSON, lambda ck: (os.path.join(ck.path, TOKENIZER_FOLDER),)),
     EncoderLayout("mistral-native", lambda ck: ck.has(PARAMS) or _is_native_file(ck), _native_source, NATIVE_SCHEME,
                   True, PARAMS_JSON, _beside),
     EncoderLayout("hf-mistral3", _is_hub_folder, lambda ck: _hf_folder_source(ck.path), HF_SCHEME, False,

@@ -1,0 +1,24 @@
+"""What more than one node shares: the menu category and input and output tooltips."""
+
+CATEGORY = "loaders/FLUX.2"  # beside the host's own loaders
+
+PADDING_TOOLTIP = (
+    "How the prompt's tokens are laid out. reference (the default): as Black Forest Labs' and diffusers' own "
+    "FLUX.2 [dev] pipelines, padded to 512 tokens, for images that match the official ones. comfy: exactly "
+    "ComfyUI's built-in FLUX.2 text encoder, to reproduce workflows made with it."
+)
+MODEL_TOOLTIP = "The FLUX.2 transformer: connect it to a guider (BasicGuider) or a sampler, through LoRA loaders if any."
+CLIP_TOOLTIP = "The FLUX.2 [dev] text encoder: connect it to CLIP Text Encode (and the host's other CLIP nodes)."
+CACHE_TOOLTIP = (
+    "The conditioning cache folder: each prompt is encoded once and served from here after "
+    "that, without reading the encoder's weights. Empty: the FLUX2DEV_CACHE_DIR folder if set, else "
+    "flux2dev-conditioning-cache in ComfyUI's user folder; a relative folder lies inside the user "
+    "folder. It must be a folder of the cache's own: one holding other files (a models folder) is "
+    "refused. Several ComfyUI instances may share one folder (an absolute path, e.g. on a shared "
+    "drive). A CLIP with a LoRA applied bypasses the cache."
+)
+KEEP_LOADED_TOOLTIP = (
+    "On: the encoder's weights stay in memory after the first prompt that was not cached. Off: "
+    "they are freed after each encode, so the memory goes back to the transformer; the next uncached "
+    "prompt reads them again."
+)
