@@ -14,7 +14,7 @@ from ..cli import UsageError, run
 PROG = "python -m comfyui_flux2dev.devtools"
 # Verbs that are programs of their own, with their own options: VERB -> module (whose main takes argv).
 PROGRAMS = {
-    "fuzz": ("fuzz", "mutation fuzzing of every parser and loader entry point"),
+    "fuzz": ("fuzz.harness", "mutation fuzzing of every parser and loader entry point"),
     "workflows": ("example_workflows", "write the example workflows (UI and API form) from their definitions"),
     "screenshot": ("screenshot", "the README's pictures of the templates browser and an example workflow"),
 }

@@ -2,7 +2,7 @@
 API graphs with the file names users have, and written in the UI format the frontend loads, with their
 API twins beside the tests:
 
-    COMFYUI_ROOT=/path/to/ComfyUI python -m comfyui_flux2dev.devtools.example_workflows
+    COMFYUI_ROOT=/path/to/ComfyUI python -m comfyui_flux2dev.devtools workflows
 
 The UI files are laid out from the graphs (one column per step); the node schemas come from a headless
 ComfyUI with the pack loaded."""

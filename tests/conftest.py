@@ -50,6 +50,16 @@ def tiny_root(tmp_path_factory) -> Path:
     return root
 
 
+@pytest.fixture
+def encoder(tiny_root, tmp_path) -> Path:
+    """A private copy of the tiny bf16 single-file encoder, which a test may rewrite or copy."""
+    import shutil
+
+    path = tmp_path / "encoder.safetensors"
+    shutil.copyfile(tiny_root / "text_encoders/mistral_3_small_flux2_bf16.safetensors", path)
+    return path
+
+
 @pytest.fixture(scope="session")
 def tiny_manifest(tiny_root) -> list[dict]:
     from comfyui_flux2dev.devtools import tiny
@@ -95,6 +105,18 @@ def _server_session(tiny_root, server_extras):
         models[folder].append(extra)
     with HeadlessComfy(_comfyui_root(), models=models, env={TEST_MODELS_ENV: os.environ[TEST_MODELS_ENV]}) as server:
         yield server
+
+
+# A test that runs ComfyUI (in process or as a server) asks for one of these, directly or through its fixtures;
+# it is marked `host` and runs once per host tree (.ci/run), the others once in all.
+HOST_FIXTURES = ("comfy_host", "comfy_server")
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m selects by markers
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if any(f in getattr(item, "fixturenames", ()) for f in HOST_FIXTURES) or item.get_closest_marker("server"):
+            item.add_marker(pytest.mark.host)
 
 
 @pytest.hookimpl(wrapper=True)

@@ -19,7 +19,7 @@ from typing import Any
 
 from ..errors import CorruptFileError, Flux2DevError, TokenizerNotFoundError
 from ..loaders.formats.files import TEKKEN_FILE, TOKENIZER_FOLDER
-from ..loaders.formats.validate import read_json
+from ..loaders.formats.validate import read_json_file
 from .canonical import Flux2Tokenizer, self_test
 from .vocab import (
     TekkenVocab,
@@ -239,7 +239,7 @@ def _check_folder(folder: Path) -> None:
         path = folder / name
         if not path.exists():
             continue
-        doc = read_json(path, kind)
+        doc = read_json_file(path, kind)
         if not isinstance(doc, dict):
             raise CorruptFileError(f"{path} is not a JSON object; download it again.")
         custom = [key for key in CUSTOM_CODE_KEYS if key in doc]

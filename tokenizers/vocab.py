@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import CorruptFileError, WrongModelError
-from ..loaders.formats.validate import Field, check_field, checked, parse_json, read_json
+from ..loaders.formats.validate import Field, check_field, checked, parse_json, read_json_file
 
 # The names of the first 20 ids in tekken files of version <= v7 that carry no "special_tokens" list;
 # mistral-common fills the rest of the special range with <SPECIAL_n>.
@@ -125,7 +125,7 @@ def _byte_level_bytes(token: str, token_id: int) -> bytes:
 
 def read_tekken_json(path: str | os.PathLike) -> TekkenVocab:
     """A tekken.json file, read only if it is a regular file of a vocabulary's size."""
-    return tekken_vocab(read_json(path, "vocabulary"), str(path))
+    return tekken_vocab(read_json_file(path, "vocabulary"), str(path))
 
 
 def parse_tekken_json(data: bytes | str, where: str = "tekken.json") -> TekkenVocab:

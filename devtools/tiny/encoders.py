@@ -10,6 +10,8 @@ import functools
 import json
 import os
 import shutil
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -381,32 +383,42 @@ def gguf_names():
 # --- all of them --------------------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class TinyEncoder:
+    name: str  # the file or folder in text_encoders/
+    layout: str  # the layout the pack reports for it
+    format: str  # the format word of its layer weights
+    write: Callable[[str], None]
+
+
+def _hf_folder(prefix: str) -> Callable[[str], None]:
+    def write(path: str) -> None:
+        write_hf_mistral3(path, prefix=prefix)
+        write_tekken(path)
+
+    return write
+
+
+# Every tiny encoder, in the order written (the manifest's): the tests take their lists of layouts from here.
+ENCODERS = (
+    TinyEncoder("hf-mistral3", "hf-mistral3", "bf16", _hf_folder("model.language_model")),
+    TinyEncoder("hf-mistral3-old-prefix", "hf-mistral3", "bf16", _hf_folder("language_model.model")),
+    TinyEncoder("standalone", "standalone-folder", "bf16", write_standalone),
+    TinyEncoder("mistral_3_small_flux2_bf16.safetensors", "comfy-single-file", "bf16", write_comfy_single),
+    TinyEncoder("native", "mistral-native", "bf16", write_native),
+    TinyEncoder("mistral_3_small_flux2_fp8.safetensors", "comfy-single-file", "fp8-scaled",
+                lambda path: write_fp8(path, spelling="scale_weight", per_channel=False)),
+    TinyEncoder("mistral_3_small_flux2_fp8_channel.safetensors", "comfy-single-file", "fp8-scaled",
+                lambda path: write_fp8(path, spelling="weight_scale", per_channel=True)),
+    TinyEncoder("mistral_3_small_flux2_fp4_mixed.safetensors", "comfy-single-file", "nvfp4", write_nvfp4),
+    *(TinyEncoder(name, f"gguf-{spec[0]}", f"gguf-{spec[1]}", lambda path, spec=spec: write_gguf(path, *spec))
+      for name, spec in GGUF_FILES.items()),
+)
+
+
 def write_encoders(root: str) -> list[dict]:
-    """Every tiny encoder layout under root; manifest entries with paths relative to root."""
-    base = root
-    os.makedirs(base, exist_ok=True)
-    entries = []
-
-    def entry(rel: str, layout: str, fmt: str) -> None:
-        entries.append({"path": rel, "kind": "encoder", "layout": layout, "variant": "dev", "format": fmt})
-
-    for rel, prefix in (("hf-mistral3", "model.language_model"), ("hf-mistral3-old-prefix", "language_model.model")):
-        write_hf_mistral3(os.path.join(base, rel), prefix=prefix)
-        write_tekken(os.path.join(base, rel))
-        entry(rel, "hf-mistral3", "bf16")
-    write_standalone(os.path.join(base, "standalone"))
-    entry("standalone", "standalone-folder", "bf16")
-    write_comfy_single(os.path.join(base, "mistral_3_small_flux2_bf16.safetensors"))
-    entry("mistral_3_small_flux2_bf16.safetensors", "comfy-single-file", "bf16")
-    write_native(os.path.join(base, "native"))
-    entry("native", "mistral-native", "bf16")
-    write_fp8(os.path.join(base, "mistral_3_small_flux2_fp8.safetensors"), spelling="scale_weight", per_channel=False)
-    entry("mistral_3_small_flux2_fp8.safetensors", "comfy-single-file", "fp8-scaled")
-    write_fp8(os.path.join(base, "mistral_3_small_flux2_fp8_channel.safetensors"), spelling="weight_scale", per_channel=True)
-    entry("mistral_3_small_flux2_fp8_channel.safetensors", "comfy-single-file", "fp8-scaled")
-    write_nvfp4(os.path.join(base, "mistral_3_small_flux2_fp4_mixed.safetensors"))
-    entry("mistral_3_small_flux2_fp4_mixed.safetensors", "comfy-single-file", "nvfp4")
-    for name, spec in GGUF_FILES.items():
-        write_gguf(os.path.join(base, name), *spec)
-        entry(name, f"gguf-{spec[0]}", f"gguf-{spec[1]}")
-    return entries
+    """Every tiny encoder (ENCODERS) under root; manifest entries with paths relative to root."""
+    os.makedirs(root, exist_ok=True)
+    for encoder in ENCODERS:
+        encoder.write(os.path.join(root, encoder.name))
+    return [{"path": e.name, "kind": "encoder", "layout": e.layout, "variant": "dev", "format": e.format} for e in ENCODERS]

@@ -21,7 +21,7 @@ from .validate import (
     inside,
     parse_json,
     read_bounded,
-    read_json as read_json_document,
+    read_json_file,
     regular_file,
 )
 
@@ -87,7 +87,7 @@ SHARD_INDEX = {  # <weights>.index.json
 
 def read_json(path: str | Path, fields: dict[str, Field], kind: str = "config") -> dict:
     """A JSON file (a regular file within its kind's size bound) whose declared `fields` are what they must be."""
-    return checked(read_json_document(path, kind), fields, str(path))
+    return checked(read_json_file(path, kind), fields, str(path))
 
 
 def is_pipeline(folder: str | Path) -> bool:

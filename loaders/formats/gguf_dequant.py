@@ -59,7 +59,7 @@ def _words(field: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=64)
-def _interleave(rows: int, k: int, device: torch.device) -> torch.Tensor:
+def _gather_order(rows: int, k: int, device: torch.device) -> torch.Tensor:
     """Row order that turns k stacked results [k, rows, w] into [rows, k, w]."""
     return (torch.arange(k, device=device) * rows + torch.arange(rows, device=device)[:, None]).view(-1)
 
@@ -72,14 +72,14 @@ def _unpack(field: torch.Tensor, groups: int, shifts: tuple[int, ...], mask: int
     stacked = torch.empty((len(shifts), *words.shape), dtype=torch.int64, device=field.device)
     for i, shift in enumerate(shifts):
         torch.bitwise_right_shift(words, shift, out=stacked[i]).bitwise_and_(mask * _BYTE_LANES)
-    return _interleaved(stacked)
+    return _side_by_side(stacked)
 
 
-def _interleaved(stacked: torch.Tensor) -> torch.Tensor:
+def _side_by_side(stacked: torch.Tensor) -> torch.Tensor:
     """k results [k, n, groups, w] (each computed in one contiguous pass) as [n, groups, k, w], by one
     row gather: much cheaper than writing each result's short rows into place."""
     k, n, groups, w = stacked.shape
-    order = _interleave(n * groups, k, stacked.device)
+    order = _gather_order(n * groups, k, stacked.device)
     return torch.index_select(stacked.view(-1, w), 0, order).view(n, groups, k, w)
 
 
@@ -231,7 +231,7 @@ def _q5_k_codes(b):
     torch.bitwise_and(qs, 0x0F * _BYTE_LANES, out=stacked[0]).bitwise_or_((qh & _BYTE_LANES) << 4)
     torch.bitwise_right_shift(qs, 4, out=stacked[1]).bitwise_and_(0x0F * _BYTE_LANES)
     stacked[1].bitwise_or_((qh << 3) & (0x10 * _BYTE_LANES))
-    return _as_bytes(_interleaved(stacked))
+    return _as_bytes(_side_by_side(stacked))
 
 
 def _q6_k_scales(b):
@@ -250,7 +250,7 @@ def _q6_k_codes(b):
     torch.bitwise_and(ql, 0x0F * _BYTE_LANES, out=stacked[0]).bitwise_or_((qh & (0x03 * _BYTE_LANES)) << 4)
     torch.bitwise_right_shift(ql, 4, out=stacked[1]).bitwise_and_(0x0F * _BYTE_LANES)
     stacked[1].bitwise_or_(qh & (0x30 * _BYTE_LANES))
-    return _as_bytes(_interleaved(stacked)).sub_(32).view(torch.int8)
+    return _as_bytes(_side_by_side(stacked)).sub_(32).view(torch.int8)
 
 
 def _iq4_pair_codes(qs: torch.Tensor) -> torch.Tensor:
@@ -265,7 +265,7 @@ def _iq4_pair_codes(qs: torch.Tensor) -> torch.Tensor:
     torch.bitwise_and(words, low, out=stacked[0]).bitwise_or_((words >> 4).bitwise_and_(high))
     torch.bitwise_right_shift(words, 4, out=stacked[1]).bitwise_and_(low)
     stacked[1].bitwise_or_((words >> 8).bitwise_and_(high))
-    return _interleaved(stacked).view(torch.int16).view(n, -1).to(torch.int32)
+    return _side_by_side(stacked).view(torch.int16).view(n, -1).to(torch.int32)
 
 
 def _iq4_nl_codes(b):
@@ -306,6 +306,11 @@ _KERNELS = {
 FLOAT_TYPES = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}  # stored as plain floats
 QUANTIZED_TYPES = tuple(_KERNELS)
 TORCH_TYPES = (*FLOAT_TYPES, *QUANTIZED_TYPES)
+
+
+def read_types() -> str:
+    """The GGUF types the pack dequantizes itself, as the errors list them."""
+    return ", ".join(q.name for q in TORCH_TYPES)
 
 _warned: set[Q] = set()
 
@@ -360,7 +365,7 @@ def _numpy_fallback(data: torch.Tensor, qtype: Q, shape: tuple[int, ...]) -> tor
     except NotImplementedError:
         raise UnsupportedFormatError(
             f"GGUF tensors of type {qtype.name} cannot be dequantized (neither the pack nor the gguf "
-            "library reads them). Use a file quantized with a common type (Q8_0, Q4_K, Q5_K, Q6_K, ...)."
+            f"library reads them). Use a file quantized with a type the pack reads: {read_types()}."
         ) from None
     if qtype not in _warned:
         _warned.add(qtype)

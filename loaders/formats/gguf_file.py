@@ -420,9 +420,11 @@ def _quant_type(path: str, name: str, raw_type: int) -> "GGMLQuantizationType":
     except ValueError:
         qtype = None
     if qtype is None or qtype not in GGML_QUANT_SIZES:
+        from .gguf_dequant import read_types
+
         raise UnsupportedFormatError(
             f"{path}: tensor {name!r} has quantization type {raw_type}, which this version of the pack "
             "(and of the gguf library) does not know. Update the gguf package, or use a file quantized "
-            "with a common type (Q8_0, Q4_K, Q5_K, Q6_K, ...)."
+            f"with a type the pack reads: {read_types()}."
         )
     return qtype

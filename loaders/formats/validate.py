@@ -193,7 +193,7 @@ def _refuse_constant(name: str):
     raise ValueError(f"{name} is not a number JSON allows")
 
 
-def read_json(path: str | os.PathLike, kind: str = "config") -> Any:
+def read_json_file(path: str | os.PathLike, kind: str = "config") -> Any:
     """A JSON file of a known kind, read only if it is a regular file within the kind's size bound."""
     return parse_json(read_bounded(path, JSON_LIMITS[kind], f"{kind} file"), str(path), kind)
 

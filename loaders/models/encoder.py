@@ -103,7 +103,7 @@ def _plan(path: str, layout, checkpoint) -> EncoderPlan:
             formats[fmt] = formats.get(fmt, 0) + 1
 
     theta = layout.settings.rope_theta(source)
-    heads = dict(zip(("self_attn.q_proj", "self_attn.k_proj"), _stated_heads(path, layout, source, geometry))) if layout.interleaved else {}
+    heads = dict(zip(("self_attn.q_proj", "self_attn.k_proj"), _stated_heads(path, layout, source, geometry))) if layout.qk_permuted else {}
     return EncoderPlan(
         path=path,
         layout=layout.name,

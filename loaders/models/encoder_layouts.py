@@ -1,6 +1,7 @@
 """The layouts a FLUX.2 [dev] text encoder checkpoint comes in, as one table (LAYOUTS). Each row says how
 the layout is detected, how its weights are opened, its key scheme, whether its Q/K rows are stored in the
-interleaved rotary order, where its rope theta and head counts come from, and where its tokenizer lives.
+rotary order of llama.cpp and Mistral's own files, where its rope theta and head counts come from, and where
+its tokenizer lives.
 
 `find_layout` walks the table in order and takes the first row whose detector says yes; a path no row
 claims is refused with the error that names what it is (REFUSALS), never read as a guess. Adding a layout
@@ -253,7 +254,7 @@ class EncoderLayout:
     detect: Callable[[Checkpoint], bool]  # asked in table order; the first row that says yes reads the path
     source: Callable[[Checkpoint], Source]
     scheme: KeyScheme
-    interleaved: bool  # Q/K rows stored in Meta/llama.cpp rotary order, undone on load
+    qk_permuted: bool  # Q/K rows stored in Meta/llama.cpp rotary order, undone on load
     settings: Settings
     tokenizer: Callable[[Checkpoint], tuple[str, ...]]  # the folders the tokenizer ladder looks in
 
@@ -283,10 +284,10 @@ def _is_native_file(ck: Checkpoint) -> bool:
     )
 
 
-def _gguf_layout(arch: str, interleaved: bool) -> EncoderLayout:
+def _gguf_layout(arch: str, qk_permuted: bool) -> EncoderLayout:
     return EncoderLayout(
         f"gguf-{arch}", lambda ck: ck.ext == ".gguf" and ck.architecture == arch, _gguf_source, GGUF_SCHEME,
-        interleaved, GGUF_METADATA, _beside,
+        qk_permuted, GGUF_METADATA, _beside,
     )
 
 

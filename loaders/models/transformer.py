@@ -23,7 +23,7 @@ from ...errors import (
 )
 from ..formats import progress, quant
 from ..formats.files import part_files
-from ..formats.safetensors_file import SafetensorsFiles
+from ..formats.safetensors_file import DTYPES, SafetensorsFiles
 from .variants import Flux2Variant, known_variants, variant_for_conditioning, variant_for_transformer
 
 # BFL key <- diffusers keys (several are concatenated along the output dim), and whether the two halves of
@@ -92,6 +92,10 @@ BFL, DIFFUSERS = LAYOUTS
 FP8_MARKERS = ("scaled_fp8",)  # whole-file flags some fp8 writers add; they carry no weights
 # The packed formats (loaders/quant.py) the pack reads in a BFL transformer file.
 READ_FORMATS = (quant.FP8_SCALED,)
+FLOAT_DTYPES = ("BF16", "F16", "F32")  # the safetensors dtypes of a plain (unpacked) transformer
+# What the errors say the pack reads, from the two tables above.
+READS = (f"{', '.join(DTYPES[d][0] for d in FLOAT_DTYPES)} and {', '.join(f.label for f in READ_FORMATS)} FLUX.2 "
+         "transformers")
 
 
 @dataclass(frozen=True)
@@ -254,8 +258,7 @@ def _bfl_state_dict(files: SafetensorsFiles) -> dict[str, torch.Tensor]:
     other = sorted({f"{f.label} ({name})" for name, f in packed.items() if f not in READ_FORMATS})
     if other:
         raise UnsupportedFormatError(
-            f"The transformer holds {other[0]} weights; the pack reads bf16, fp16, fp32 and scaled fp8 FLUX.2 "
-            "transformers. Use one of those."
+            f"The transformer holds {other[0]} weights; the pack reads {READS}. Use one of those."
         )
     out = {}
     for name in progress.tracked(files.infos):
@@ -278,8 +281,7 @@ def _bfl_state_dict(files: SafetensorsFiles) -> dict[str, torch.Tensor]:
     odd = [k for k, t in out.items() if not t.is_floating_point()]
     if odd:
         raise UnsupportedFormatError(
-            f"The transformer holds integer tensors (e.g. {odd[0]}, {out[odd[0]].dtype}); the pack reads bf16, fp16, "
-            "fp32 and scaled fp8 FLUX.2 transformers."
+            f"The transformer holds integer tensors (e.g. {odd[0]}, {out[odd[0]].dtype}); the pack reads {READS}."
         )
     return out
 
@@ -308,10 +310,11 @@ def load_transformer(path: str | Path) -> LoadedTransformer:
     geometry, layout = geometry_from_shapes(shapes)
     variant = variant_for_geometry(geometry, layout)
     if layout is DIFFUSERS:
-        if any(info.dtype not in ("BF16", "F16", "F32") for info in files.infos.values()):
+        if any(info.dtype not in FLOAT_DTYPES for info in files.infos.values()):
             raise UnsupportedFormatError(
                 "This diffusers-layout transformer holds quantized weights; the pack reads diffusers transformers in "
-                "bf16, fp16 or fp32, and scaled fp8 as a BFL single file."
+                f"{', '.join(DTYPES[d][0] for d in FLOAT_DTYPES)}, and "
+                f"{', '.join(f.label for f in READ_FORMATS)} as a BFL single file."
             )
         state_dict = _diffusers_to_bfl(shapes, files.read, geometry)
     else:

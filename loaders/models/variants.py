@@ -13,7 +13,8 @@ import os
 from dataclasses import dataclass, fields
 
 from ...errors import UnknownModelError
-from ..formats.validate import Field, checked, read_json
+from ..formats.files import read_json
+from ..formats.validate import Field, checked
 
 TEST_MODELS_ENV = "FLUX2DEV_TINY_MODELS"  # the path of a test models' declaration file (DECLARATION_FIELDS)
 
@@ -116,7 +117,7 @@ def _encoder(doc: dict, where: str) -> tuple[MistralEncoderGeometry, Flux2Varian
 
 @functools.lru_cache(maxsize=4)
 def _read_declaration(path: str, stamp: tuple) -> DeclaredModels:
-    doc = checked(read_json(path), DECLARATION_FIELDS, path)
+    doc = read_json(path, DECLARATION_FIELDS)
     return DeclaredModels(tuple(_variant(v, path) for v in doc["variants"]),
                       tuple(_encoder(e, path) for e in doc["mistral_encoders"]))
 

@@ -19,9 +19,10 @@ import pytest
 import torch
 
 from bad_files import entry_points, link_tree, message_faults, run_cli, time_bound, watching
+from helpers import TINY_FOLDERS, point_model_folders
 from comfyui_flux2dev.errors import MODULE, MissingWeightsError, UnsupportedFormatError
 
-PACKAGE = Path(__file__).resolve().parent.parent
+PACKAGE = Path(__file__).resolve().parents[2]
 PLANTED_MODULES = ("tokenization_planted", "processing_planted", "configuration_planted", "modeling_planted")
 
 
@@ -186,14 +187,11 @@ def test_the_ladder_notes_why_a_tokenizer_naming_custom_code_was_refused(planted
 
 def test_nodes_and_sources_run_no_code_from_a_models_folder(planted, comfy_host, monkeypatch):
     """The encoder loader, the pipeline sources, in the host, over models folders holding the planted inputs."""
-    import folder_paths
-
     from comfyui_flux2dev.nodes.encoder import Flux2DevEncoderLoader
     from comfyui_flux2dev.nodes.sources import Flux2DevEncoderSource, Flux2DevTransformerSource, Flux2DevVAESource
 
     root = planted["encoder-with-code"].parent
-    for key in ("text_encoders", "diffusers", "diffusion_models", "vae"):
-        monkeypatch.setitem(folder_paths.folder_names_and_paths, key, ([str(root)], folder_paths.folder_names_and_paths[key][1]))
+    point_model_folders(monkeypatch, {key: [root] for key in TINY_FOLDERS})
     with watching("pickle.find_class", "import") as seen:
         clip = Flux2DevEncoderLoader.execute(encoder="encoder-with-code/", padding="reference", allow_network=False).result[0]
         assert clip.flux2dev_encoder["tokenizer"] != "transformers"

@@ -16,6 +16,7 @@ import torch
 from comfyui_flux2dev.loaders.cache.store import ConditioningCache, stat_signature, tensors_digest, weights_fingerprint
 
 from cache_keys import key_of
+from helpers import run_flux2dev
 
 PROMPT = "a red fox in the snow"
 BF16 = "text_encoders/mistral_3_small_flux2_bf16.safetensors"
@@ -92,14 +93,6 @@ def _lazy(path, cache, **options):
 
 def _entries(cache) -> int:
     return len(ConditioningCache(cache).entries())
-
-
-@pytest.fixture
-def encoder(tiny_root, tmp_path):
-    """A private copy of the tiny bf16 single-file encoder (tests rewrite it)."""
-    path = tmp_path / "encoder.safetensors"
-    shutil.copyfile(tiny_root / BF16, path)
-    return path
 
 
 def test_a_hit_is_bit_equal_to_a_fresh_encode_and_reads_no_weights(comfy_host, encoder, tmp_path):
@@ -260,11 +253,6 @@ def test_tokens_are_part_of_the_key_through_the_template(comfy_host, encoder, tm
     assert key["padding"] == "reference" and key["layers"] == [10, 20, 30]
 
 
-def _flux2dev(*args):
-    return subprocess.run([sys.executable, "-P", "-m", "comfyui_flux2dev.cli", *args], capture_output=True, text=True,
-                          env={**os.environ})
-
-
 def test_the_command_fills_a_cache_the_node_then_hits_and_lists_and_prunes_it(comfy_host, encoder, tmp_path):
     """`flux2dev encode --prompts --cache` fills with the node's defaults (dtype as stored), resumes, and
     `flux2dev cache` lists and prunes; the CLIP the node builds then serves every prompt from the cache."""
@@ -273,11 +261,11 @@ def test_the_command_fills_a_cache_the_node_then_hits_and_lists_and_prunes_it(co
     cache = tmp_path / "cache"
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('"a red fox"\n"a lighthouse"\n')
-    out = _flux2dev("encode", str(encoder), "--prompts", str(prompts), "--cache", str(cache))
+    out = run_flux2dev("encode", str(encoder), "--prompts", str(prompts), "--cache", str(cache))
     assert out.returncode == 0, out.stderr
     assert "2 encoded" in out.stdout and "2/2 prompts" in out.stderr
     prompts.write_text('"a red fox"\n"a lighthouse"\n"three cats"\n')
-    out = _flux2dev("encode", str(encoder), "--prompts", str(prompts), "--cache", str(cache))
+    out = run_flux2dev("encode", str(encoder), "--prompts", str(prompts), "--cache", str(cache))
     assert out.returncode == 0 and "1 encoded" in out.stdout, out.stderr
     clip = lazy_clip(str(encoder), cache=str(cache))  # as the node builds it
     fresh = load_clip(str(encoder))
@@ -285,14 +273,14 @@ def test_the_command_fills_a_cache_the_node_then_hits_and_lists_and_prunes_it(co
         assert torch.equal(_encode(clip, prompt), _encode(fresh, prompt))
     assert not clip.flux2dev_source.loaded
 
-    listed = json.loads(_flux2dev("cache", str(cache), "--json").stdout)["entries"]
+    listed = json.loads(run_flux2dev("cache", str(cache), "--json").stdout)["entries"]
     assert len(listed) == 3 and {e["padding"] for e in listed} == {"reference"}
     damaged = ConditioningCache(cache).entries()[0].path
     damaged.write_bytes(damaged.read_bytes()[:-10])
-    pruned = json.loads(_flux2dev("cache", str(cache), "--prune", "--json").stdout)
+    pruned = json.loads(run_flux2dev("cache", str(cache), "--prune", "--json").stdout)
     assert pruned["removed"] == [damaged.name] and len(pruned["entries"]) == 2
     one = pruned["entries"][0]["bytes"]
-    kept = json.loads(_flux2dev("cache", str(cache), "--max-size", str(one), "--json").stdout)
+    kept = json.loads(run_flux2dev("cache", str(cache), "--max-size", str(one), "--json").stdout)
     assert len(kept["entries"]) == 1
-    refused = _flux2dev("encode", str(encoder), "--prompts", str(prompts))
+    refused = run_flux2dev("encode", str(encoder), "--prompts", str(prompts))
     assert refused.returncode == 2 and "--cache DIR" in refused.stderr and "Traceback" not in refused.stderr

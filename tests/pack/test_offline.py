@@ -7,11 +7,12 @@ naming the offline setting."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
+
+from helpers import CHILD_WITH_TINY_FOLDERS, run_python
+
+pytestmark = pytest.mark.host  # the nodes run in a child process with the host
 
 OFFLINE = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
 
@@ -25,15 +26,8 @@ network = []
 REACHING_OUT = ("socket.connect", "socket.getaddrinfo", "socket.gethostbyname", "socket.gethostbyaddr")
 sys.addaudithook(lambda event, args: network.append(f"{event} {args[1:]}") if event in REACHING_OUT else None)
 
-tiny = Path(sys.argv[1])
-from comfyui_flux2dev.host import ensure_comfy
-ensure_comfy()
-import folder_paths
+""" + CHILD_WITH_TINY_FOLDERS + r"""
 import huggingface_hub.constants
-for key, folders in {"text_encoders": ["text_encoders"], "diffusion_models": ["diffusion_models", "unet"],
-                     "diffusers": ["diffusers"], "vae": ["vae"]}.items():
-    folder_paths.folder_names_and_paths[key] = ([str(tiny / f) for f in folders], folder_paths.folder_names_and_paths[key][1])
-
 from comfyui_flux2dev.nodes.encoder import Flux2DevEncoderLoader
 from comfyui_flux2dev.nodes.gguf import Flux2DevGGUFTransformerLoader
 from comfyui_flux2dev.nodes.sources import Flux2DevEncoderSource, Flux2DevTransformerSource, Flux2DevVAESource
@@ -86,9 +80,7 @@ print(json.dumps(report))
 @pytest.fixture(scope="module")
 def offline(tiny_root, tmp_path_factory) -> dict:
     empty = tmp_path_factory.mktemp("empty")
-    env = {**os.environ, **OFFLINE}
-    done = subprocess.run([sys.executable, "-P", "-c", CHILD, str(tiny_root), str(empty)], capture_output=True,
-                          text=True, env=env, timeout=600)
+    done = run_python(CHILD, tiny_root, empty, env=OFFLINE)
     assert done.returncode == 0, done.stderr[-5000:]
     return json.loads(done.stdout.splitlines()[-1])
 

@@ -1,18 +1,14 @@
 """The `flux2dev` command as a user runs it: its output contract and its one-sentence failures."""
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
+
+from helpers import run_devtools, run_flux2dev
 
 from comfyui_flux2dev import tokenizers
 
 
-def flux2dev(*args, env=None):
-    return subprocess.run([sys.executable, "-P", "-m", "comfyui_flux2dev.cli", *args], capture_output=True, text=True,
-                          env={**os.environ, **(env or {})})
 
 
 @pytest.fixture
@@ -30,7 +26,7 @@ def test_tokenize_json_prints_rung_source_the_ids_without_pads_and_the_mask(tekk
     """The default padding is the encoder node's (reference); the ids are those the encoder attends to, the
     mask has one 0 per left pad."""
     tmp_path = tekken_folder
-    out = flux2dev("tokenize", str(tmp_path), "--prompt", "a red fox", "--json", *(("--padding", padding) if padding else ()))
+    out = run_flux2dev("tokenize", str(tmp_path), "--prompt", "a red fox", "--json", *(("--padding", padding) if padding else ()))
     assert out.returncode == 0, out.stderr
     record = json.loads(out.stdout)
     resolution = tokenizers.resolve_tokenizer([tmp_path])
@@ -78,7 +74,7 @@ def test_each_tiny_layout_resolves_its_tokenizer_on_the_expected_rung(tiny_root,
 
 
 def test_tokenize_an_encoder_file_uses_its_embedded_vocabulary(tiny_root):
-    out = flux2dev("tokenize", str(tiny_root / "text_encoders/mistral_3_small_flux2_bf16.safetensors"), "--prompt", "x", "--json")
+    out = run_flux2dev("tokenize", str(tiny_root / "text_encoders/mistral_3_small_flux2_bf16.safetensors"), "--prompt", "x", "--json")
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["rung"] == "embedded-tekken"
 
@@ -89,7 +85,7 @@ def test_tokenize_prompts_file_prints_one_object_a_line_in_order(tekken_folder):
     prompts = ["a red fox", "", "[INST] literal"]
     file = tmp_path / "p.jsonl"
     file.write_text("".join(json.dumps(p) + "\n" for p in prompts))
-    out = flux2dev("tokenize", str(tmp_path), "--prompts", str(file), "--json")
+    out = run_flux2dev("tokenize", str(tmp_path), "--prompts", str(file), "--json")
     assert out.returncode == 0, out.stderr
     lines = [json.loads(line) for line in out.stdout.splitlines()]
     tok = tokenizers.resolve_tokenizer([tmp_path]).tokenizer
@@ -99,7 +95,7 @@ def test_tokenize_prompts_file_prints_one_object_a_line_in_order(tekken_folder):
 
 def test_a_failure_is_exit_2_and_one_sentence_without_traceback(tmp_path):
     missing = tmp_path / "nowhere"
-    out = flux2dev("tokenize", str(missing), "--prompt", "x")
+    out = run_flux2dev("tokenize", str(missing), "--prompt", "x")
     assert out.returncode == 2
     assert out.stdout == ""
     assert "Traceback" not in out.stderr
@@ -108,7 +104,7 @@ def test_a_failure_is_exit_2_and_one_sentence_without_traceback(tmp_path):
 
 
 def test_debug_shows_the_traceback(tmp_path):
-    out = flux2dev("--debug", "tokenize", str(tmp_path / "nowhere"), "--prompt", "x")
+    out = run_flux2dev("--debug", "tokenize", str(tmp_path / "nowhere"), "--prompt", "x")
     assert out.returncode != 0 and "Traceback" in out.stderr
 
 
@@ -123,7 +119,7 @@ def test_inspect_sees_every_tiny_file_as_the_factory_wrote_it(tiny_root, tiny_ma
 
 
 def test_inspect_json_for_an_encoder_names_its_tokenizer_rung(tiny_root):
-    out = flux2dev("inspect", str(tiny_root / "text_encoders/mistral_3_small_flux2_bf16.safetensors"), "--json")
+    out = run_flux2dev("inspect", str(tiny_root / "text_encoders/mistral_3_small_flux2_bf16.safetensors"), "--json")
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
     assert set(report) == {"kind", "layout", "variant", "layers", "reads", "skips", "formats", "tokenizer", "memory_bytes"}
@@ -132,7 +128,7 @@ def test_inspect_json_for_an_encoder_names_its_tokenizer_rung(tiny_root):
 
 
 def test_inspect_refuses_a_klein_encoder_in_one_sentence(tiny_root):
-    out = flux2dev("inspect", str(tiny_root / "diffusers/flux2-klein-4b-tiny-pipeline/text_encoder"))
+    out = run_flux2dev("inspect", str(tiny_root / "diffusers/flux2-klein-4b-tiny-pipeline/text_encoder"))
     assert out.returncode == 2 and "Traceback" not in out.stderr
     assert "tiny Qwen3 text encoder of FLUX.2 Klein 4B" in out.stderr
 
@@ -145,7 +141,7 @@ def test_encode_writes_what_the_host_clip_produces(comfy_host, tiny_root, tmp_pa
 
     path = tiny_root / "text_encoders/mistral_3_small_flux2_bf16.safetensors"
     out_file = tmp_path / "cond.safetensors"
-    out = flux2dev("encode", str(path), "--prompt", "a red fox", "--padding", "reference", "--dtype", "float32",
+    out = run_flux2dev("encode", str(path), "--prompt", "a red fox", "--padding", "reference", "--dtype", "float32",
                    "--out", str(out_file))
     assert out.returncode == 0, out.stderr
     written = load_file(out_file)["conditioning"]
@@ -157,29 +153,24 @@ def test_encode_writes_what_the_host_clip_produces(comfy_host, tiny_root, tmp_pa
 
 @pytest.mark.parametrize("relative", ["unet/flux2-dev-tiny-Q4_K.gguf", "text_encoders/mistral_3_small_flux2_bf16.safetensors"])
 def test_tiny_models_are_unknown_without_their_declaration(tiny_root, relative):
-    out = flux2dev("inspect", str(tiny_root / relative), env={"FLUX2DEV_TINY_MODELS": ""})
+    out = run_flux2dev("inspect", str(tiny_root / relative), env={"FLUX2DEV_TINY_MODELS": ""})
     assert out.returncode == 2 and "geometry" in out.stderr, out.stderr
-    missing = flux2dev("inspect", str(tiny_root / relative), env={"FLUX2DEV_TINY_MODELS": "1"})
+    missing = run_flux2dev("inspect", str(tiny_root / relative), env={"FLUX2DEV_TINY_MODELS": "1"})
     assert missing.returncode == 2 and "FLUX2DEV_TINY_MODELS is '1', which is no file" in missing.stderr
-
-
-def devtools(*args, env=None):
-    return subprocess.run([sys.executable, "-P", "-m", "comfyui_flux2dev.devtools", *args], capture_output=True, text=True,
-                          env={**os.environ, **(env or {})})
 
 
 def test_the_dev_tools_write_tiny_models_into_a_comfyui_install_with_their_declaration(tmp_path):
     comfyui = tmp_path / "ComfyUI"
     (comfyui / "models").mkdir(parents=True)
     (comfyui / "main.py").write_text("")
-    out = devtools("tiny", "--comfyui", str(comfyui), env={"FLUX2DEV_TINY_MODELS": ""})
+    out = run_devtools("tiny", "--comfyui", str(comfyui), env={"FLUX2DEV_TINY_MODELS": ""})
     assert out.returncode == 0, out.stderr
     declaration = comfyui / "models/flux2dev-tiny-models.json"
     assert f"FLUX2DEV_TINY_MODELS={declaration.resolve()} python main.py" in out.stdout
     assert (comfyui / "models/text_encoders/mistral_3_small_flux2_bf16.safetensors").is_file()
     assert (comfyui / "models/unet/flux2-dev-tiny-Q4_K.gguf").is_file()
     assert not (comfyui / "models/manifest.json").exists()
-    known = flux2dev("inspect", str(comfyui / "models/unet/flux2-dev-tiny-Q4_K.gguf"), env={"FLUX2DEV_TINY_MODELS": str(declaration)})
+    known = run_flux2dev("inspect", str(comfyui / "models/unet/flux2-dev-tiny-Q4_K.gguf"), env={"FLUX2DEV_TINY_MODELS": str(declaration)})
     assert known.returncode == 0 and json.loads(known.stdout)["variant"] == "dev", known.stderr
-    refused = devtools("tiny", "--comfyui", str(tmp_path))
+    refused = run_devtools("tiny", "--comfyui", str(tmp_path))
     assert refused.returncode == 2 and "not a ComfyUI folder" in refused.stderr

@@ -14,23 +14,10 @@ from comfyui_flux2dev.loaders.models import encoder as enc
 from comfyui_flux2dev.devtools.tiny import encoders as tiny
 
 PROMPTS = ("a red fox in the snow", "Ein Café, 2024: [IMG] 3 cats <s>!")
-BF16_LAYOUTS = {
-    "hf-mistral3": "hf-mistral3",
-    "hf-mistral3-old-prefix": "hf-mistral3",
-    "standalone": "standalone-folder",
-    "mistral_3_small_flux2_bf16.safetensors": "comfy-single-file",
-    "native": "mistral-native",
-    "pipeline": "diffusers-pipeline",
-}
-QUANTIZED = {
-    "mistral_3_small_flux2_fp8.safetensors": "fp8",
-    "mistral_3_small_flux2_fp8_channel.safetensors": "fp8",
-    "mistral_3_small_flux2_fp4_mixed.safetensors": "nvfp4",
-    "llama-q8_0.gguf": "gguf",
-    "mistral3-q4_0.gguf": "gguf",
-    "mistral3-q4_k.gguf": "gguf",
-    "cow-f16.gguf": "gguf",
-}
+# The tiny encoders, from the table that writes them: bf16 ones (with the tiny [dev] pipeline as one more
+# layout) against transformers, packed ones against their own dequantization (REFERENCES, by format family).
+BF16_LAYOUTS = {**{e.name: e.layout for e in tiny.ENCODERS if e.format == "bf16"}, "pipeline": "diffusers-pipeline"}
+QUANTIZED = {e.name: e.format.split("-")[0] for e in tiny.ENCODERS if e.format != "bf16"}
 
 
 @pytest.fixture(scope="session")

@@ -9,25 +9,14 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
-from comfyui_flux2dev.errors import GraphError
+from comfyui_flux2dev.devtools.tiny.encoders import ENCODERS
 from comfyui_flux2dev.devtools.workflows import node, official_dev_graph
+from comfyui_flux2dev.errors import GraphError
 
 pytestmark = pytest.mark.server
 
-ENCODER_LAYOUTS = [
-    "cow-f16.gguf",
-    "hf-mistral3/",
-    "hf-mistral3-old-prefix/",
-    "llama-q8_0.gguf",
-    "mistral3-q4_0.gguf",
-    "mistral3-q4_k.gguf",
-    "mistral_3_small_flux2_bf16.safetensors",
-    "mistral_3_small_flux2_fp4_mixed.safetensors",
-    "mistral_3_small_flux2_fp8.safetensors",
-    "mistral_3_small_flux2_fp8_channel.safetensors",
-    "native/",
-    "standalone/",
-]
+# Each tiny encoder as the encoder loader's menu names it (folders end with "/").
+ENCODER_LAYOUTS = sorted(e.name if e.name.endswith((".safetensors", ".gguf")) else e.name + "/" for e in ENCODERS)
 DEV_PIPELINE = "flux2-dev-tiny-pipeline/"
 KLEIN_PIPELINE = "flux2-klein-4b-tiny-pipeline/"
 
@@ -50,9 +39,9 @@ def image_of(server, outputs) -> np.ndarray:
     return np.asarray(Image.open(server.output_file(images[0])))
 
 
-def test_the_encoder_list_matches_the_tiny_factory(tiny_manifest):
-    made = {e["path"].removeprefix("text_encoders/") for e in tiny_manifest if e["kind"] == "encoder"}
-    assert made == {name.rstrip("/") for name in ENCODER_LAYOUTS}
+def test_the_tiny_factory_writes_every_encoder_of_its_table(tiny_manifest):
+    made = {(e["path"].removeprefix("text_encoders/"), e["layout"], e["format"]) for e in tiny_manifest if e["kind"] == "encoder"}
+    assert made == {(e.name, e.layout, e.format) for e in ENCODERS}
 
 
 @pytest.mark.parametrize("layout", ENCODER_LAYOUTS)

@@ -5,7 +5,6 @@ page cache included), memory by /proc/self/status."""
 
 from __future__ import annotations
 
-import shutil
 
 import pytest
 import torch
@@ -39,13 +38,6 @@ def _weights_in_memory(clip) -> int:
 
     return sum(p.untyped_storage().nbytes() for m in clip.cond_stage_model.modules() if isinstance(m, PackedLayer)
                for p in m.parameters(recurse=False))
-
-
-@pytest.fixture
-def encoder(tiny_root, tmp_path):
-    path = tmp_path / "encoder.safetensors"
-    shutil.copyfile(tiny_root / BF16, path)
-    return str(path)
 
 
 @pytest.fixture

@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import os
 import struct
-import subprocess
-import sys
-import textwrap
 
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFValueType as V
+
+from helpers import gguf_array, gguf_bytes, gguf_f32, gguf_kv, gguf_string, gguf_tensor_info, gguf_u32, run_python
 
 from comfyui_flux2dev.errors import CorruptFileError, ModelNotFoundError, WrongModelError
 from comfyui_flux2dev.loaders.formats.gguf_file import open_gguf
@@ -22,71 +21,41 @@ from comfyui_flux2dev.loaders.models.kinds import gguf_architectures
 from comfyui_flux2dev.devtools.tiny.gguf_transformers import write_gguf
 
 
-def _s(text: str | bytes) -> bytes:
-    raw = text.encode() if isinstance(text, str) else text
-    return struct.pack("<Q", len(raw)) + raw
-
-
-def _kv(key: str, vtype: int, payload: bytes) -> bytes:
-    return _s(key) + struct.pack("<I", vtype) + payload
-
-
-def _u32(key: str, value: int) -> bytes:
-    return _kv(key, V.UINT32, struct.pack("<I", value))
-
-
-def _f32(key: str, value: float) -> bytes:
-    return _kv(key, V.FLOAT32, struct.pack("<f", value))
-
-
-def _array(key: str, itype: int, items: list[bytes]) -> bytes:
-    return _kv(key, V.ARRAY, struct.pack("<IQ", itype, len(items)) + b"".join(items))
-
-
-def _tensor_info(name: str, dims, qtype: int, offset: int) -> bytes:
-    return _s(name) + struct.pack("<I", len(dims)) + struct.pack(f"<{len(dims)}Q", *dims) + struct.pack("<IQ", qtype, offset)
-
-
-def _file(kvs=(), infos=(), data=b"") -> bytes:
-    head = b"GGUF" + struct.pack("<IQQ", 3, len(infos), len(kvs)) + b"".join(kvs) + b"".join(infos)
-    return head + b"\0" * (-len(head) % 32) + data
-
-
 # The architectures whose settings the encoder loader reads, as it tells the reader.
 ENCODER_ARCHITECTURES = frozenset(gguf_architectures("encoder"))
-ARCH = _kv("general.architecture", V.STRING, _s("mistral3"))
-TENSOR = [_tensor_info("a", [32, 2], Q.F32, 0)]
+ARCH = gguf_kv("general.architecture", V.STRING, gguf_string("mistral3"))
+TENSOR = [gguf_tensor_info("a", [32, 2], Q.F32, 0)]
 DATA = bytes(256)
 
 # name -> (file, words the message must hold)
 CORRUPT = {
-    "alignment 1": (_file([ARCH, _u32("general.alignment", 1)], TENSOR, DATA), "general.alignment"),
-    "alignment 0": (_file([ARCH, _u32("general.alignment", 0)], TENSOR, DATA), "general.alignment"),
-    "alignment huge": (_file([ARCH, _kv("general.alignment", V.UINT64, struct.pack("<Q", 2**63))], TENSOR, DATA), "general.alignment"),
-    "alignment a float": (_file([ARCH, _f32("general.alignment", 32.0)], TENSOR, DATA), "general.alignment"),
-    "alignment 96": (_file([ARCH, _u32("general.alignment", 96)], TENSOR, DATA), "power of two"),
-    "a dimension of 0": (_file([ARCH], [_tensor_info("a", [2**63, 0], Q.F32, 0)], DATA), "dimension of 0"),
-    "a dimension of 2**63": (_file([ARCH], [_tensor_info("a", [32, 2**63], Q.F32, 0)], DATA), "runs past the end"),
-    "dimensions whose product overflows 64 bits": (_file([ARCH], [_tensor_info("a", [2**62, 2**62, 2**62], Q.F32, 0)], DATA), "runs past the end"),
-    "a 0-D tensor": (_file([ARCH], [_tensor_info("token_embd.weight", [], Q.F32, 0)], DATA), "dimensions"),
-    "architecture an array": (_file([_array("general.architecture", V.STRING, [_s("llama")])], TENSOR, DATA), "general.architecture"),
-    "architecture a number": (_file([_u32("general.architecture", 7)], TENSOR, DATA), "general.architecture"),
-    "head count a string": (_file([ARCH, _kv("mistral3.attention.head_count", V.STRING, _s("32"))], TENSOR, DATA), "mistral3.attention.head_count"),
-    "head count 0": (_file([ARCH, _u32("mistral3.attention.head_count_kv", 0)], TENSOR, DATA), "mistral3.attention.head_count_kv"),
-    "head count an array": (_file([ARCH, _array("mistral3.attention.head_count", V.UINT32, [struct.pack("<I", 8)] * 40)], TENSOR, DATA), "head_count"),
-    "rope freq_base a string": (_file([ARCH, _kv("mistral3.rope.freq_base", V.STRING, _s("1e9"))], TENSOR, DATA), "mistral3.rope.freq_base"),
-    "rope freq_base an array": (_file([ARCH, _array("mistral3.rope.freq_base", V.FLOAT32, [struct.pack("<f", 1e9)])], TENSOR, DATA), "rope.freq_base"),
-    "rope freq_base infinite": (_file([ARCH, _f32("mistral3.rope.freq_base", float("inf"))], TENSOR, DATA), "rope.freq_base"),
-    "llama head count a float": (_file([_kv("general.architecture", V.STRING, _s("llama")), _f32("llama.attention.head_count", 32.0)], TENSOR, DATA), "llama.attention.head_count"),
-    "tokens numbers": (_file([ARCH, _array("tokenizer.ggml.tokens", V.UINT32, [struct.pack("<I", 1)] * 3)], TENSOR, DATA), "tokenizer.ggml.tokens"),
-    "token types strings": (_file([ARCH, _array("tokenizer.ggml.token_type", V.STRING, [_s("3")])], TENSOR, DATA), "tokenizer.ggml.token_type"),
+    "alignment 1": (gguf_bytes([ARCH, gguf_u32("general.alignment", 1)], TENSOR, DATA), "general.alignment"),
+    "alignment 0": (gguf_bytes([ARCH, gguf_u32("general.alignment", 0)], TENSOR, DATA), "general.alignment"),
+    "alignment huge": (gguf_bytes([ARCH, gguf_kv("general.alignment", V.UINT64, struct.pack("<Q", 2**63))], TENSOR, DATA), "general.alignment"),
+    "alignment a float": (gguf_bytes([ARCH, gguf_f32("general.alignment", 32.0)], TENSOR, DATA), "general.alignment"),
+    "alignment 96": (gguf_bytes([ARCH, gguf_u32("general.alignment", 96)], TENSOR, DATA), "power of two"),
+    "a dimension of 0": (gguf_bytes([ARCH], [gguf_tensor_info("a", [2**63, 0], Q.F32, 0)], DATA), "dimension of 0"),
+    "a dimension of 2**63": (gguf_bytes([ARCH], [gguf_tensor_info("a", [32, 2**63], Q.F32, 0)], DATA), "runs past the end"),
+    "dimensions whose product overflows 64 bits": (gguf_bytes([ARCH], [gguf_tensor_info("a", [2**62, 2**62, 2**62], Q.F32, 0)], DATA), "runs past the end"),
+    "a 0-D tensor": (gguf_bytes([ARCH], [gguf_tensor_info("token_embd.weight", [], Q.F32, 0)], DATA), "dimensions"),
+    "architecture an array": (gguf_bytes([gguf_array("general.architecture", V.STRING, [gguf_string("llama")])], TENSOR, DATA), "general.architecture"),
+    "architecture a number": (gguf_bytes([gguf_u32("general.architecture", 7)], TENSOR, DATA), "general.architecture"),
+    "head count a string": (gguf_bytes([ARCH, gguf_kv("mistral3.attention.head_count", V.STRING, gguf_string("32"))], TENSOR, DATA), "mistral3.attention.head_count"),
+    "head count 0": (gguf_bytes([ARCH, gguf_u32("mistral3.attention.head_count_kv", 0)], TENSOR, DATA), "mistral3.attention.head_count_kv"),
+    "head count an array": (gguf_bytes([ARCH, gguf_array("mistral3.attention.head_count", V.UINT32, [struct.pack("<I", 8)] * 40)], TENSOR, DATA), "head_count"),
+    "rope freq_base a string": (gguf_bytes([ARCH, gguf_kv("mistral3.rope.freq_base", V.STRING, gguf_string("1e9"))], TENSOR, DATA), "mistral3.rope.freq_base"),
+    "rope freq_base an array": (gguf_bytes([ARCH, gguf_array("mistral3.rope.freq_base", V.FLOAT32, [struct.pack("<f", 1e9)])], TENSOR, DATA), "rope.freq_base"),
+    "rope freq_base infinite": (gguf_bytes([ARCH, gguf_f32("mistral3.rope.freq_base", float("inf"))], TENSOR, DATA), "rope.freq_base"),
+    "llama head count a float": (gguf_bytes([gguf_kv("general.architecture", V.STRING, gguf_string("llama")), gguf_f32("llama.attention.head_count", 32.0)], TENSOR, DATA), "llama.attention.head_count"),
+    "tokens numbers": (gguf_bytes([ARCH, gguf_array("tokenizer.ggml.tokens", V.UINT32, [struct.pack("<I", 1)] * 3)], TENSOR, DATA), "tokenizer.ggml.tokens"),
+    "token types strings": (gguf_bytes([ARCH, gguf_array("tokenizer.ggml.token_type", V.STRING, [gguf_string("3")])], TENSOR, DATA), "tokenizer.ggml.token_type"),
     "token types not one per token": (
-        _file([ARCH, _array("tokenizer.ggml.tokens", V.STRING, [_s("a"), _s("b")]), _array("tokenizer.ggml.token_type", V.INT32, [struct.pack("<i", 1)])], TENSOR, DATA),
+        gguf_bytes([ARCH, gguf_array("tokenizer.ggml.tokens", V.STRING, [gguf_string("a"), gguf_string("b")]), gguf_array("tokenizer.ggml.token_type", V.INT32, [struct.pack("<i", 1)])], TENSOR, DATA),
         "2 tokens but 1 token types",
     ),
-    "too many nested arrays": (_file([_array("k", V.ARRAY, [struct.pack("<IQ", V.UINT8, 0)] * 5000)]), "nested arrays"),
-    "arrays nested three deep": (_file([_array("k", V.ARRAY, [struct.pack("<IQ", V.ARRAY, 1) + struct.pack("<IQ", V.UINT8, 0)])]), "nests arrays"),
-    "a string value of 1 GiB claimed": (_file([_kv("k", V.STRING, struct.pack("<Q", 1 << 30))], (), bytes(64)), "more than any real file"),
+    "too many nested arrays": (gguf_bytes([gguf_array("k", V.ARRAY, [struct.pack("<IQ", V.UINT8, 0)] * 5000)]), "nested arrays"),
+    "arrays nested three deep": (gguf_bytes([gguf_array("k", V.ARRAY, [struct.pack("<IQ", V.ARRAY, 1) + struct.pack("<IQ", V.UINT8, 0)])]), "nests arrays"),
+    "a string value of 1 GiB claimed": (gguf_bytes([gguf_kv("k", V.STRING, struct.pack("<Q", 1 << 30))], (), bytes(64)), "more than any real file"),
 }
 
 
@@ -101,8 +70,8 @@ def test_hostile_metadata_and_tensor_table_are_refused(tmp_path, raw, words):
 
 def test_declared_values_pass_when_sane(tmp_path):
     path = tmp_path / "sane.gguf"
-    kvs = [ARCH, _u32("general.alignment", 64), _u32("mistral3.attention.head_count", 32), _f32("mistral3.rope.freq_base", 1e9),
-           _array("tokenizer.ggml.tokens", V.STRING, [_s("a"), _s("b")]), _array("tokenizer.ggml.token_type", V.INT32, [struct.pack("<i", 3)] * 2)]
+    kvs = [ARCH, gguf_u32("general.alignment", 64), gguf_u32("mistral3.attention.head_count", 32), gguf_f32("mistral3.rope.freq_base", 1e9),
+           gguf_array("tokenizer.ggml.tokens", V.STRING, [gguf_string("a"), gguf_string("b")]), gguf_array("tokenizer.ggml.token_type", V.INT32, [struct.pack("<i", 3)] * 2)]
     head = b"GGUF" + struct.pack("<IQQ", 3, 1, len(kvs)) + b"".join(kvs) + TENSOR[0]
     path.write_bytes(head + b"\0" * (-len(head) % 64) + DATA)
     with open_gguf(path, ENCODER_ARCHITECTURES) as f:
@@ -114,8 +83,8 @@ def test_other_models_settings_are_not_judged(tmp_path):
     """Per-layer head counts (an array, as some llama.cpp architectures store them) in a model the pack does
     not read: the file opens, and its loader names the model instead of calling it damaged."""
     path = tmp_path / "other.gguf"
-    heads = _array("deci.attention.head_count_kv", V.UINT32, [struct.pack("<I", 8)] * 4)
-    path.write_bytes(_file([_kv("general.architecture", V.STRING, _s("deci")), heads], TENSOR, DATA))
+    heads = gguf_array("deci.attention.head_count_kv", V.UINT32, [struct.pack("<I", 8)] * 4)
+    path.write_bytes(gguf_bytes([gguf_kv("general.architecture", V.STRING, gguf_string("deci")), heads], TENSOR, DATA))
     with open_gguf(path, ENCODER_ARCHITECTURES) as f:
         assert f.architecture == "deci" and len(f.metadata["deci.attention.head_count_kv"]) == 4
     bad = tmp_path / "mistral3.gguf"  # a reader not told an architecture does not judge its settings either
@@ -139,7 +108,7 @@ def test_not_a_regular_file(tmp_path):
 
 def _child(code: str, timeout: int = 120) -> str:
     """Run `code` in a fresh interpreter (its peak memory is its own); a hang fails the test, not the run."""
-    done = subprocess.run([sys.executable, "-P", "-c", textwrap.dedent(code)], capture_output=True, text=True, timeout=timeout)
+    done = run_python(code, timeout=timeout)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
 
@@ -172,7 +141,7 @@ MEMORY_BOUND_MIB = 400  # growth of the child's peak RSS; real Mistral headers n
 def test_bloated_metadata_costs_bounded_memory(tmp_path, head, item, count):
     path = tmp_path / "bloat.gguf"
     with open(path, "wb") as f:
-        f.write(b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + _s("k") + struct.pack("<I", V.ARRAY) + head)
+        f.write(b"GGUF" + struct.pack("<IQQ", 3, 0, 1) + gguf_string("k") + struct.pack("<I", V.ARRAY) + head)
         f.write(item * count)
         f.write(bytes(64))
     out = _child(f"""

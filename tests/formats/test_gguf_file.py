@@ -12,6 +12,8 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFValueType as V
 
+from helpers import gguf_bytes, gguf_kv, gguf_string, gguf_tensor_info
+
 from comfyui_flux2dev.devtools.tiny.gguf_blocks import random_blocks, write_and_close
 from comfyui_flux2dev.errors import CorruptFileError, UnsupportedFormatError
 from comfyui_flux2dev.loaders.formats import gguf_file
@@ -113,29 +115,9 @@ def test_views_outlive_close(written):
 # Hostile files, built byte by byte so each field can be set to anything.
 
 
-def _s(text: str | bytes) -> bytes:
-    raw = text.encode() if isinstance(text, str) else text
-    return struct.pack("<Q", len(raw)) + raw
-
-
-def _kv(key: str, vtype: int, payload: bytes) -> bytes:
-    return _s(key) + struct.pack("<I", vtype) + payload
-
-
-def _tensor_info(name: str, dims, qtype: int, offset: int) -> bytes:
-    return _s(name) + struct.pack("<I", len(dims)) + struct.pack(f"<{len(dims)}Q", *dims) + struct.pack("<IQ", qtype, offset)
-
-
-def _file(kvs=(), infos=(), data=b"", n_kv=None, n_tensors=None, magic=b"GGUF", version=3, alignment=32):
-    head = magic + struct.pack("<IQQ", version, len(infos) if n_tensors is None else n_tensors, len(kvs) if n_kv is None else n_kv)
-    head += b"".join(kvs) + b"".join(infos)
-    head += b"\0" * (-len(head) % alignment)
-    return head + data
-
-
-GOOD_KVS = [_kv("general.architecture", V.STRING, _s("llama")), _kv("tokenizer.ggml.tokens", V.ARRAY, struct.pack("<IQ", V.STRING, 3) + _s("a") + _s("ÿ") + _s(""))]
-GOOD_INFOS = [_tensor_info("a", [32, 2], Q.F32, 0), _tensor_info("b", [32], Q.Q8_0, 256)]
-GOOD = _file(GOOD_KVS, GOOD_INFOS, bytes(range(256)) + bytes(34))
+GOOD_KVS = [gguf_kv("general.architecture", V.STRING, gguf_string("llama")), gguf_kv("tokenizer.ggml.tokens", V.ARRAY, struct.pack("<IQ", V.STRING, 3) + gguf_string("a") + gguf_string("ÿ") + gguf_string(""))]
+GOOD_INFOS = [gguf_tensor_info("a", [32, 2], Q.F32, 0), gguf_tensor_info("b", [32], Q.Q8_0, 256)]
+GOOD = gguf_bytes(GOOD_KVS, GOOD_INFOS, bytes(range(256)) + bytes(34))
 
 
 def _open_bytes(tmp_path, raw: bytes):
@@ -158,34 +140,34 @@ def test_every_truncation_fails(tmp_path):
 
 
 HOSTILE = {
-    "wrong magic": _file(GOOD_KVS, GOOD_INFOS, bytes(290), magic=b"GGML"),
-    "absurd tensor count": _file(GOOD_KVS, GOOD_INFOS, bytes(290), n_tensors=2**63),
-    "absurd metadata count": _file(GOOD_KVS, GOOD_INFOS, bytes(290), n_kv=2**60),
-    "key length past the end": _file([struct.pack("<Q", 2**40) + b"general"], [], bytes(64)),
-    "string value past the end": _file([_kv("k", V.STRING, struct.pack("<Q", 10**6) + b"abc")], [], bytes(64)),
-    "string array count": _file([_kv("k", V.ARRAY, struct.pack("<IQ", V.STRING, 2**62) + _s("a"))], [], bytes(64)),
-    "string in array past the end": _file([_kv("k", V.ARRAY, struct.pack("<IQ", V.STRING, 2) + _s("a") + struct.pack("<Q", 2**50))], [], bytes(64)),
-    "numeric array count": _file([_kv("k", V.ARRAY, struct.pack("<IQ", V.INT32, 2**61))], [], bytes(64)),
-    "nested arrays": _file([_kv("k", V.ARRAY, struct.pack("<IQ", V.ARRAY, 1) * 20)], [], bytes(400)),
-    "unknown value type": _file([_kv("k", 99, b"\0" * 8)], [], bytes(64)),
-    "invalid UTF-8 in a string array": _file([_kv("k", V.ARRAY, struct.pack("<IQ", V.STRING, 2) + _s(b"\xc3") + _s(b"\xa9"))], [], bytes(64)),
-    "0xFF inside a string array": _file([_kv("k", V.ARRAY, struct.pack("<IQ", V.STRING, 1) + _s(b"a\xffb"))], [], bytes(64)),
-    "duplicate key": _file(GOOD_KVS + GOOD_KVS[:1], GOOD_INFOS, bytes(290)),
-    "tensor past the end": _file(GOOD_KVS, [_tensor_info("a", [32, 2], Q.F32, 0), _tensor_info("b", [32], Q.Q8_0, 2**40)], bytes(290)),
-    "tensor dims past the end": _file(GOOD_KVS, [_tensor_info("a", [2**40, 2**20], Q.F32, 0)], bytes(290)),
-    "overlapping tensors": _file(GOOD_KVS, [_tensor_info("a", [32, 2], Q.F32, 0), _tensor_info("b", [32], Q.Q8_0, 224)], bytes(290)),
-    "misaligned tensor": _file(GOOD_KVS, [_tensor_info("a", [32, 2], Q.F32, 8)], bytes(290)),
-    "row not a whole block": _file(GOOD_KVS, [_tensor_info("b", [33], Q.Q8_0, 0)], bytes(290)),
-    "too many dims": _file(GOOD_KVS, [_tensor_info("a", [1, 1, 1, 1, 1], Q.F32, 0)], bytes(290)),
-    "duplicate tensor": _file(GOOD_KVS, GOOD_INFOS[:1] * 2, bytes(290)),
-    "alignment not a power of two": _file(GOOD_KVS + [_kv("general.alignment", V.UINT32, struct.pack("<I", 48))], [], bytes(64)),
-    "alignment zero": _file(GOOD_KVS + [_kv("general.alignment", V.UINT32, struct.pack("<I", 0))], [], bytes(64)),
+    "wrong magic": gguf_bytes(GOOD_KVS, GOOD_INFOS, bytes(290), magic=b"GGML"),
+    "absurd tensor count": gguf_bytes(GOOD_KVS, GOOD_INFOS, bytes(290), n_tensors=2**63),
+    "absurd metadata count": gguf_bytes(GOOD_KVS, GOOD_INFOS, bytes(290), n_kv=2**60),
+    "key length past the end": gguf_bytes([struct.pack("<Q", 2**40) + b"general"], [], bytes(64)),
+    "string value past the end": gguf_bytes([gguf_kv("k", V.STRING, struct.pack("<Q", 10**6) + b"abc")], [], bytes(64)),
+    "string array count": gguf_bytes([gguf_kv("k", V.ARRAY, struct.pack("<IQ", V.STRING, 2**62) + gguf_string("a"))], [], bytes(64)),
+    "string in array past the end": gguf_bytes([gguf_kv("k", V.ARRAY, struct.pack("<IQ", V.STRING, 2) + gguf_string("a") + struct.pack("<Q", 2**50))], [], bytes(64)),
+    "numeric array count": gguf_bytes([gguf_kv("k", V.ARRAY, struct.pack("<IQ", V.INT32, 2**61))], [], bytes(64)),
+    "nested arrays": gguf_bytes([gguf_kv("k", V.ARRAY, struct.pack("<IQ", V.ARRAY, 1) * 20)], [], bytes(400)),
+    "unknown value type": gguf_bytes([gguf_kv("k", 99, b"\0" * 8)], [], bytes(64)),
+    "invalid UTF-8 in a string array": gguf_bytes([gguf_kv("k", V.ARRAY, struct.pack("<IQ", V.STRING, 2) + gguf_string(b"\xc3") + gguf_string(b"\xa9"))], [], bytes(64)),
+    "0xFF inside a string array": gguf_bytes([gguf_kv("k", V.ARRAY, struct.pack("<IQ", V.STRING, 1) + gguf_string(b"a\xffb"))], [], bytes(64)),
+    "duplicate key": gguf_bytes(GOOD_KVS + GOOD_KVS[:1], GOOD_INFOS, bytes(290)),
+    "tensor past the end": gguf_bytes(GOOD_KVS, [gguf_tensor_info("a", [32, 2], Q.F32, 0), gguf_tensor_info("b", [32], Q.Q8_0, 2**40)], bytes(290)),
+    "tensor dims past the end": gguf_bytes(GOOD_KVS, [gguf_tensor_info("a", [2**40, 2**20], Q.F32, 0)], bytes(290)),
+    "overlapping tensors": gguf_bytes(GOOD_KVS, [gguf_tensor_info("a", [32, 2], Q.F32, 0), gguf_tensor_info("b", [32], Q.Q8_0, 224)], bytes(290)),
+    "misaligned tensor": gguf_bytes(GOOD_KVS, [gguf_tensor_info("a", [32, 2], Q.F32, 8)], bytes(290)),
+    "row not a whole block": gguf_bytes(GOOD_KVS, [gguf_tensor_info("b", [33], Q.Q8_0, 0)], bytes(290)),
+    "too many dims": gguf_bytes(GOOD_KVS, [gguf_tensor_info("a", [1, 1, 1, 1, 1], Q.F32, 0)], bytes(290)),
+    "duplicate tensor": gguf_bytes(GOOD_KVS, GOOD_INFOS[:1] * 2, bytes(290)),
+    "alignment not a power of two": gguf_bytes(GOOD_KVS + [gguf_kv("general.alignment", V.UINT32, struct.pack("<I", 48))], [], bytes(64)),
+    "alignment zero": gguf_bytes(GOOD_KVS + [gguf_kv("general.alignment", V.UINT32, struct.pack("<I", 0))], [], bytes(64)),
 }
 UNSUPPORTED = {
-    "unknown tensor type": _file(GOOD_KVS, [_tensor_info("a", [32], 200, 0)], bytes(290)),
-    "removed tensor type Q4_2": _file(GOOD_KVS, [_tensor_info("a", [32], 4, 0)], bytes(290)),
-    "version 1": _file(GOOD_KVS, GOOD_INFOS, bytes(290), version=1),
-    "big-endian": _file(GOOD_KVS, GOOD_INFOS, bytes(290), version=3 << 24),
+    "unknown tensor type": gguf_bytes(GOOD_KVS, [gguf_tensor_info("a", [32], 200, 0)], bytes(290)),
+    "removed tensor type Q4_2": gguf_bytes(GOOD_KVS, [gguf_tensor_info("a", [32], 4, 0)], bytes(290)),
+    "version 1": gguf_bytes(GOOD_KVS, GOOD_INFOS, bytes(290), version=1),
+    "big-endian": gguf_bytes(GOOD_KVS, GOOD_INFOS, bytes(290), version=3 << 24),
 }
 
 

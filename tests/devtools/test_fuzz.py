@@ -1,4 +1,4 @@
-"""Mutation fuzzing of every parser and loader entry point (devtools/fuzz.py) in its quick mode: each target
+"""Mutation fuzzing of every parser and loader entry point (devtools/fuzz/) in its quick mode: each target
 first runs its seed files unchanged (they must load), then 2,000 mutated inputs, each of which must end
 normally or in the pack's own error, in bounded time and memory. Each target runs in a process of its own
 (`python -m comfyui_flux2dev.devtools fuzz`), as a developer runs it; failing inputs are written under the
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from comfyui_flux2dev.devtools import fuzz
+from comfyui_flux2dev.devtools.fuzz import files, harness, targets
 from comfyui_flux2dev.errors import CorruptFileError
 
 
@@ -36,17 +36,17 @@ def _planted(path: Path) -> None:
     if bug == 2:
         assert len(b"x" * (900 << 20))  # a blowup far past the input's size
     if bug == 3:
-        raise CorruptFileError(f"header length {fuzz.LEAKS[1]} is too large")  # quotes the canary's first bytes
+        raise CorruptFileError(f"header length {harness.LEAKS[1]} is too large")  # quotes the canary's first bytes
     raise CorruptFileError("not this time")
 
 
 def test_harness_reports_each_kind_of_failure(tmp_path):
-    tree = fuzz.Tree("planted", {"x.json": fuzz.JsonDoc({"a": [1, "b"]})}, "x.json", ("x.json",), _planted)
-    report = fuzz.fuzz_target("planted", [tree], inputs=40, seed=3, out=tmp_path, jobs=2, log=lambda line: None)
+    tree = targets.Tree("planted", {"x.json": files.JsonDoc({"a": [1, "b"]})}, "x.json", ("x.json",), _planted)
+    report = harness.fuzz_target("planted", [tree], inputs=40, seed=3, out=tmp_path, jobs=2, log=lambda line: None)
     found = {f["index"]: (f["kind"], f["type"]) for f in report.failures}
     expected = {}
     for index in range(-1, 40):
-        case = fuzz.make_case("planted", [tree], 3, index)
+        case = harness.make_case("planted", [tree], 3, index)
         if case.spec is not None:
             bug = _planted_bug(case.spec.bytes())
             if bug in PLANTED:
@@ -60,24 +60,24 @@ def test_harness_reports_each_kind_of_failure(tmp_path):
 
 
 def test_inputs_are_reproducible():
-    tree = fuzz.Tree("t", {"x.json": fuzz.JsonDoc({"config": {"n": 1000}, "vocab": [{"rank": 0}]})}, "x.json",
+    tree = targets.Tree("t", {"x.json": files.JsonDoc({"config": {"n": 1000}, "vocab": [{"rank": 0}]})}, "x.json",
                      ("x.json",), _planted)
-    first = [fuzz.make_case("t", [tree], 5, i) for i in range(50)]
-    again = [fuzz.make_case("t", [tree], 5, i) for i in range(50)]
+    first = [harness.make_case("t", [tree], 5, i) for i in range(50)]
+    again = [harness.make_case("t", [tree], 5, i) for i in range(50)]
     assert [(c.notes, c.spec) for c in first] == [(c.notes, c.spec) for c in again]
     assert len({c.spec for c in first}) > 40  # and they differ from one another
 
 
-@pytest.mark.parametrize("target", sorted(fuzz.TARGETS))
+@pytest.mark.parametrize("target", sorted(targets.TARGETS))
 def test_fuzz_quick(target, tiny_root, tmp_path):
     inputs, report_file = tmp_path / "inputs", tmp_path / "report.json"
     run = subprocess.run(
         [sys.executable, "-P", "-m", "comfyui_flux2dev.devtools", "fuzz", "--target", target, "--fixtures", str(tiny_root),
-         "--inputs", str(fuzz.QUICK_INPUTS), "--out", str(inputs), "--json", str(report_file)],
+         "--inputs", str(harness.QUICK_INPUTS), "--out", str(inputs), "--json", str(report_file)],
         capture_output=True, text=True, timeout=1200,
     )
     assert report_file.is_file(), f"the fuzz harness did not finish:\n{run.stdout[-4000:]}\n{run.stderr[-4000:]}"
     (report,) = json.loads(report_file.read_text())
-    assert report["inputs"] == fuzz.QUICK_INPUTS
+    assert report["inputs"] == harness.QUICK_INPUTS
     summary = run.stdout[run.stdout.rfind(f"{target}: "):]
     assert not report["failures"], f"inputs written under {inputs}:\n{summary[-6000:]}"

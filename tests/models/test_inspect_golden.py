@@ -4,13 +4,14 @@ recorded (paths relative to the tiny root), so reshaping the loaders cannot chan
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 
+from helpers import DATA
+
 from comfyui_flux2dev import cli
 
-GOLDEN = json.loads((Path(__file__).parent / "data" / "inspect_golden.json").read_text())
+GOLDEN = json.loads((DATA / "inspect_golden.json").read_text())
 
 
 def test_the_golden_file_covers_every_tiny_fixture(tiny_manifest):

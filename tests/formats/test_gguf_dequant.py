@@ -14,6 +14,8 @@ from gguf import GGMLQuantizationType as Q
 from comfyui_flux2dev.devtools.tiny.gguf_blocks import random_blocks
 from comfyui_flux2dev.errors import CorruptFileError, UnsupportedFormatError
 from comfyui_flux2dev.loaders.formats import dequant_steps, gguf_dequant
+from helpers import GGUF_FLOAT_TYPES, GGUF_QUANTIZED_TYPES
+
 from comfyui_flux2dev.loaders.formats.gguf_dequant import TORCH_TYPES, dequantize
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
@@ -49,9 +51,16 @@ def _assert_bits_equal(got: torch.Tensor, want: np.ndarray) -> None:
     assert mismatched.size == 0, f"{mismatched.size} values differ, first at flat index {mismatched[0]}"
 
 
+def test_the_kernel_table_holds_the_listed_types_and_no_others():
+    """The types the pack's kernels dequantize are the ones it lists (README, tests/helpers.py), each one gguf
+    knows: a kernel added must be listed, and one dropped fails the tests below."""
+    assert [q.name for q in TORCH_TYPES] == [*GGUF_FLOAT_TYPES, *GGUF_QUANTIZED_TYPES]
+    assert all(n in Q.__members__ for n in GGUF_FLOAT_TYPES + GGUF_QUANTIZED_TYPES)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
-@pytest.mark.parametrize("qtype", TORCH_TYPES, ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", [Q[n] for n in GGUF_FLOAT_TYPES + GGUF_QUANTIZED_TYPES], ids=lambda q: q.name)
 def test_exact_against_gguf_numpy(qtype, shape, device):
     raw = _quantized(qtype, shape, seed=sum(shape) + int(qtype))
     want = _reference(raw, qtype, shape)
@@ -64,7 +73,7 @@ def test_exact_against_gguf_numpy(qtype, shape, device):
     _assert_bits_equal(dequantize(data, qtype, shape, dtype=torch.bfloat16), want)
 
 
-@pytest.mark.parametrize("qtype", sorted(set(TORCH_TYPES) - {Q.F32, Q.F16, Q.BF16}), ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", [Q[n] for n in GGUF_QUANTIZED_TYPES], ids=lambda q: q.name)
 def test_chunk_boundaries(qtype, monkeypatch):
     """Tensors spanning many chunks, the last one partial, give the same values as one pass."""
     block_size = gguf.GGML_QUANT_SIZES[qtype][0]

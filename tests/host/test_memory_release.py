@@ -8,33 +8,24 @@ error is raised, without waiting for the garbage collector."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from bad_files import link_tree, write_gguf
+from helpers import CHILD_WITH_TINY_FOLDERS, link_tree, run_python, write_gguf
+
+pytestmark = pytest.mark.host  # the nodes run in a child process with the host
+
 
 LOADS = 10
 GROWTH = 1.05
 
 # Shared by both children: the host on the CPU, the tiny files in its model folders, and what the process
 # holds of a file (its mappings in /proc/self/maps, its descriptors in /proc/self/fd).
-PRELUDE = r"""
-import gc, json, os, sys
-from pathlib import Path
-
-tiny = Path(sys.argv[1])
-from comfyui_flux2dev.host import ensure_comfy
-ensure_comfy()
+PRELUDE = CHILD_WITH_TINY_FOLDERS + r"""
+import gc, json, os
 import comfy.model_management as mm
-import folder_paths
-for key, folders in {"text_encoders": ["text_encoders"], "diffusion_models": ["diffusion_models", "unet"],
-                     "diffusers": ["diffusers"], "vae": ["vae"]}.items():
-    folder_paths.folder_names_and_paths[key] = ([str(tiny / f) for f in folders], folder_paths.folder_names_and_paths[key][1])
 from comfyui_flux2dev.nodes.encoder import Flux2DevEncoderLoader
 from comfyui_flux2dev.nodes.gguf import Flux2DevGGUFTransformerLoader
 from comfyui_flux2dev.nodes.sources import Flux2DevEncoderSource, Flux2DevTransformerSource, Flux2DevVAESource
@@ -137,7 +128,7 @@ print(json.dumps(report))
 
 
 def run_child(script: str, *args: str) -> dict | list:
-    done = subprocess.run([sys.executable, "-P", "-c", script, *args], capture_output=True, text=True, timeout=600)
+    done = run_python(script, *args)
     assert done.returncode == 0, done.stderr[-5000:]
     return json.loads(done.stdout.splitlines()[-1])
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from helpers import PACK
+
 CPU = torch.device("cpu")
 PROMPT = "a red fox in the snow"
 
@@ -94,14 +96,11 @@ def test_every_host_name_the_pack_uses_is_probed_in_compat():
     """A scan of host/ and nodes/: each name of ComfyUI the code reaches is a REQUIRED or OPTIONAL row of
     compat (the row may name a member of it, or it a member of the row's), so a release that drops it fails
     the probe above with the row's words, not deep inside a load."""
-    from pathlib import Path
-
     from comfyui_flux2dev.host.compat import OPTIONAL, REQUIRED
 
-    pack = Path(__file__).resolve().parent.parent
     used = set()
     for folder in ("host", "nodes"):
-        for path in sorted((pack / folder).glob("*.py")):
+        for path in sorted((PACK / folder).glob("*.py")):
             used |= _host_names(path)
     probed = [spec.replace(":", ".") for _, spec in REQUIRED] + [spec.replace(":", ".") for _, spec, _ in OPTIONAL]
     assert len(used) > 30, sorted(used)  # the scan sees the code's host names

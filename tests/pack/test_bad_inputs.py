@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 from bad_files import ESCAPES, build_all, entry_points, message_faults, outcome, outside_target, run_cli, secret_faults, time_bound
+from helpers import point_model_folders
 from comfyui_flux2dev.errors import (
     MODULE,
     CorruptFileError,
@@ -206,14 +207,7 @@ def node_class(node_id: str):
 @pytest.fixture
 def model_folders(comfy_host, monkeypatch):
     """point(folder): every model folder the pack's menus read is `folder` alone."""
-    import folder_paths
-
-    def point(folder: Path) -> None:
-        for key in MODEL_FOLDERS:
-            extensions = folder_paths.folder_names_and_paths[key][1]
-            monkeypatch.setitem(folder_paths.folder_names_and_paths, key, ([str(folder)], extensions))
-
-    return point
+    return lambda folder: point_model_folders(monkeypatch, {key: [folder] for key in MODEL_FOLDERS})
 
 
 @pytest.mark.parametrize("case, node", NODE_MATRIX, ids=[f"{c}-{n}" for c, n in NODE_MATRIX])

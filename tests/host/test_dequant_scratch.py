@@ -11,7 +11,8 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from comfyui_flux2dev.loaders.formats.gguf_dequant import QUANTIZED_TYPES
+from helpers import GGUF_QUANTIZED_TYPES
+
 from comfyui_flux2dev.devtools.tiny.gguf_blocks import random_blocks
 
 WIDTH = 512  # two NVFP4 scale tiles wide, two K-quant blocks
@@ -48,7 +49,7 @@ def _nvfp4_weight(qtype, seed: int):
     return {"weight": packed, "weight_scale": scales, "weight_scale_2": scale2}, values
 
 
-FORMATS = {q.name: (_gguf_weight, q) for q in QUANTIZED_TYPES} | {
+FORMATS = {n: (_gguf_weight, Q[n]) for n in GGUF_QUANTIZED_TYPES} | {
     "fp8-scaled": (_fp8_weight, None), "nvfp4": (_nvfp4_weight, None),
 }
 
@@ -131,7 +132,7 @@ def _forward(patcher, grad_mode):
 
 @pytest.mark.parametrize("fmt", ("Q4_0", "Q6_K"))
 def test_host_forward_scratch_equals_fresh_and_gguf_with_and_without_lora(gguf_dir, comfy_host, fmt):
-    from test_gguf_transformer import reference_model, tiny_lora
+    from helpers import reference_model, tiny_lora
 
     from comfyui_flux2dev.host import model as host_model, ops
 

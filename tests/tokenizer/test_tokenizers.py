@@ -34,9 +34,9 @@ from comfyui_flux2dev.tokenizers.vocab import vocab_from_transformers
 
 pytestmark = pytest.mark.transformers_matrix
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 OLDEST = REPO / ".venv" / "oldest"  # transformers 4.57 and the other oldest releases (tests/run)
-OWN_CORPUS = Path(__file__).with_name("data") / "prompts.jsonl"
+OWN_CORPUS = Path(__file__).resolve().parents[1] / "data" / "prompts.jsonl"
 # More prompts where the project's shared folder lies beside the clone (a user's clone has none).
 SHARED_CORPUS = Path(os.environ.get("FLUX2DEV_PROMPT_CORPUS", REPO.parent / "shared" / "corpus" / "prompts.jsonl"))
 REFERENCE_SCRIPT = Path(__file__).with_name("tokenizer_reference.py")

@@ -47,7 +47,7 @@ def test_requirements_txt_lists_exactly_the_pyproject_dependencies():
     import pathlib
     import tomllib
 
-    root = pathlib.Path(__file__).resolve().parent.parent
+    root = pathlib.Path(__file__).resolve().parents[2]
     declared = tomllib.loads((root / "pyproject.toml").read_text())["project"]["dependencies"]
     listed = [line.strip() for line in (root / "requirements.txt").read_text().splitlines()]
     assert [line for line in listed if line and not line.startswith("#")] == declared
@@ -72,7 +72,7 @@ def test_the_wheel_ships_every_module_of_the_pack_and_no_dev_tool(tmp_path):
     import shutil
     import zipfile
 
-    root = pathlib.Path(__file__).resolve().parent.parent
+    root = pathlib.Path(__file__).resolve().parents[2]
     listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=root, capture_output=True,
                             text=True, check=True).stdout.splitlines()
     source = tmp_path / "source"

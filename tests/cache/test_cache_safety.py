@@ -16,14 +16,13 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
-from bad_files import time_bound
+from helpers import DATA, run_flux2dev, run_python, time_bound
 from cache_keys import key_of
 from comfyui_flux2dev.errors import CacheError, CorruptFileError
 from comfyui_flux2dev.loaders.cache import store as cc
@@ -123,16 +122,11 @@ def test_relative_cache_names_stay_inside_the_user_folder(comfy_host, tmp_path):
     assert cache_folder(str(tmp_path / "anywhere")) == str(tmp_path / "anywhere")  # absolute: anywhere
 
 
-def _flux2dev(*args, env=None):
-    return subprocess.run([sys.executable, "-P", "-m", "comfyui_flux2dev.cli", *args], capture_output=True, text=True,
-                          env={**os.environ, **(env or {})}, timeout=300)
-
-
 @pytest.mark.parametrize("size", ["-5", "infG", "nanM", "0", "-1G", "1e3", "20 GB", "G", "", "0.0001"])
 def test_max_size_refuses_what_is_not_a_positive_size_and_deletes_nothing(cache_dir, size):
     ConditioningCache(cache_dir).put(key_of("a"), _tensors())
     before = _snapshot(cache_dir)
-    out = _flux2dev("cache", str(cache_dir), "--prune", f"--max-size={size}")
+    out = run_flux2dev("cache", str(cache_dir), "--prune", f"--max-size={size}")
     assert out.returncode == 2 and "is not a size" in out.stderr and "unexpectedly" not in out.stderr, out.stderr
     assert _snapshot(cache_dir) == before
 
@@ -142,7 +136,7 @@ def test_max_size_takes_a_number_with_an_optional_binary_unit(cache_dir, size, k
     cache = ConditioningCache(cache_dir)
     for k in (key_of("a"), key_of("b")):
         cache.put(k, _tensors())
-    out = _flux2dev("cache", str(cache_dir), f"--max-size={size}", "--json")
+    out = run_flux2dev("cache", str(cache_dir), f"--max-size={size}", "--json")
     assert out.returncode == 0, out.stderr
     assert len(json.loads(out.stdout)["entries"]) == kept
 
@@ -152,7 +146,7 @@ def test_the_command_refuses_a_models_folder_and_changes_nothing(tmp_path):
     models.mkdir()
     _model_file(models / "mistral_3_small_flux2_bf16.safetensors")
     before = _snapshot(models)
-    out = _flux2dev("cache", str(models), "--prune", "--max-size", "1")
+    out = run_flux2dev("cache", str(models), "--prune", "--max-size", "1")
     assert out.returncode == 2 and "did not write" in out.stderr
     assert _snapshot(models) == before
 
@@ -264,7 +258,7 @@ def test_special_files_at_the_cache_names_stop_no_eviction(cache_dir, tmp_path, 
         assert {p.name for p in reopened.evict(0)} == {reopened.path_of(k).name for k in keys}
         reopened.put(key_of("new"), _tensors())
         assert reopened.get(key_of("new")) is not None
-    out = _flux2dev("cache", str(cache_dir), "--prune", "--json")
+    out = run_flux2dev("cache", str(cache_dir), "--prune", "--json")
     assert out.returncode == 0, out.stderr
     assert len(json.loads(out.stdout)["entries"]) == 1
 
@@ -360,12 +354,10 @@ print(json.dumps(out))
 
 @pytest.mark.parametrize("how", ["read-only", "full"])
 @pytest.mark.parametrize("same_file", [True, False], ids=["same-encoder-file", "a-copy-of-the-encoder"])
-def test_a_read_only_or_full_cache_serves_hits_and_skips_stores_with_one_warning(comfy_host, tiny_root, tmp_path,
+def test_a_read_only_or_full_cache_serves_hits_and_skips_stores_with_one_warning(comfy_host, encoder, tmp_path,
                                                                                  how, same_file):
     from comfyui_flux2dev.host.clip import lazy_clip
 
-    encoder = tmp_path / "encoder.safetensors"
-    shutil.copyfile(tiny_root / "text_encoders/mistral_3_small_flux2_bf16.safetensors", encoder)
     cache = tmp_path / "cache"
     filler = lazy_clip(str(encoder), cache=str(cache), dtype=torch.float32)
     fox = filler.encode_from_tokens(filler.tokenize("a red fox"), return_dict=True)["cond"]
@@ -414,7 +406,7 @@ def test_a_bad_prompts_file_is_refused_with_its_line_number(tekken_folder, tmp_p
     data, message = BAD_PROMPTS[case]
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_bytes(data)
-    out = _flux2dev("tokenize", str(tekken_folder), "--prompts", str(prompts))
+    out = run_flux2dev("tokenize", str(tekken_folder), "--prompts", str(prompts))
     assert out.returncode == 2 and message in out.stderr, out.stderr
     assert "unexpectedly" not in out.stderr
 
@@ -423,7 +415,7 @@ def test_a_bad_prompts_file_is_refused_with_its_line_number(tekken_folder, tmp_p
 def test_a_prompts_file_that_is_no_regular_file_is_refused_at_once(tekken_folder, tmp_path, kind):
     prompts = tmp_path / "prompts.jsonl"
     _special(prompts, kind, tmp_path)
-    out = _flux2dev("tokenize", str(tekken_folder), "--prompts", str(prompts))
+    out = run_flux2dev("tokenize", str(tekken_folder), "--prompts", str(prompts))
     assert out.returncode == 2 and ("not a regular file" in out.stderr or "is a folder" in out.stderr), out.stderr
 
 
@@ -435,7 +427,7 @@ def test_prompts_files_split_on_newlines_alone_with_a_byte_order_mark_allowed(te
     prompts.write_bytes(b"\xef\xbb\xbf" + "\n".join(json.dumps(p, ensure_ascii=False) for p in lines[:3]).encode()
                         + b"\n" + json.dumps(lines[3]).encode() + b"\r\n\n")
     assert read_prompts(prompts) == lines
-    out = _flux2dev("tokenize", str(tekken_folder), "--prompts", str(prompts), "--json")
+    out = run_flux2dev("tokenize", str(tekken_folder), "--prompts", str(prompts), "--json")
     assert out.returncode == 0, out.stderr
     assert len(out.stdout.splitlines()) == 4
 
@@ -451,7 +443,7 @@ def test_a_long_prompt_is_tokenized_only_as_far_as_the_template_uses_and_gives_t
 
     tokenizer = tokenizers.resolve_tokenizer([tekken_folder]).tokenizer
     system = tokenizer.encode(tokenizers.SYSTEM_PROMPT)
-    corpus = [json.loads(line) for line in (Path(__file__).parent / "data/prompts.jsonl").read_text().splitlines() if line.strip()]
+    corpus = [json.loads(line) for line in (DATA / "prompts.jsonl").read_text().splitlines() if line.strip()]
     pieces = ["[INST]", "[/INST]", "<s>", "<pad>", "[SYSTEM_PROMPT]", "<SPECIAL_10>", "<SPECIAL_1>", "[IMG]", "'s", "123456"]
     rng = random.Random(0)
     for trial in range(120):
@@ -542,7 +534,7 @@ def test_listing_survives_stored_keys_of_the_wrong_types(cache_dir):
         text = json.dumps(odd)
         save_file(_tensors(), str(cache_dir / (hashlib.sha256(text.encode()).hexdigest() + ".safetensors")),
                   metadata={"flux2dev_key": text, "flux2dev_checksum": "x"})
-    out = _flux2dev("cache", str(cache_dir), "--json")
+    out = run_flux2dev("cache", str(cache_dir), "--json")
     assert out.returncode == 0, out.stderr
     rows = json.loads(out.stdout)["entries"]
     assert len(rows) == 4 and sorted(r["tokens"] is None for r in rows) == [False, True, True, True]
@@ -610,6 +602,6 @@ def test_a_bad_file_is_refused_before_torch_or_the_host_is_imported(tmp_path, na
         heavy = sorted(m for m in ("torch", "gguf", "comfy", "transformers", "safetensors.torch") if m in sys.modules)
         print(status, heavy)
     """)
-    out = subprocess.run([sys.executable, "-P", "-c", probe], capture_output=True, text=True, timeout=60)
+    out = run_python(probe, timeout=60)
     assert out.stdout.strip() == "2 []", (out.stdout, out.stderr)
     assert out.stderr.startswith("flux2dev inspect: ") and "unexpectedly" not in out.stderr

@@ -12,7 +12,6 @@ import contextlib
 import json
 import os
 import re
-import signal
 import struct
 import sys
 import unicodedata
@@ -20,6 +19,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+from helpers import TESTS, link_tree, time_bound, write_gguf
 
 SECRET = b"SECRET-BYTES-OUTSIDE-THE-MODEL-FOLDER"  # planted at ../../x of every escaping index
 # What an index names instead of its second shard: a file outside the model folder, three ways.
@@ -33,26 +34,6 @@ ODD = "evil\nname\u202e"  # a newline and a right-to-left override, as a downloa
 
 
 # --- watching a call --------------------------------------------------------------------------------------
-
-
-class Blocked(BaseException):
-    """Raised into a call that did not return in time; a BaseException, so no `except Exception` hides it."""
-
-
-@contextlib.contextmanager
-def time_bound(seconds: float = 5.0):
-    """Interrupt the block after `seconds` (SIGALRM: a blocking open() of a FIFO returns to Python for it)."""
-
-    def alarm(signum, frame):
-        raise Blocked(f"still running after {seconds} s (blocked on a FIFO?)")
-
-    previous = signal.signal(signal.SIGALRM, alarm)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 _watched: dict[str, list] | None = None  # audit event -> its records, while a `watching` block runs
@@ -130,18 +111,6 @@ def secret_faults(message: str, outside: Path) -> list[str]:
 # --- building inputs --------------------------------------------------------------------------------------
 
 
-def link_tree(src: Path, dst: Path, skip: tuple[str, ...] = ()) -> Path:
-    """A copy of a model file or folder made of hard links (the tiny weights are not copied)."""
-    if src.is_file():
-        os.link(src, dst)
-        return dst
-    dst.mkdir(parents=True)
-    for item in sorted(src.iterdir()):
-        if item.name not in skip:
-            link_tree(item, dst / item.name)
-    return dst
-
-
 def rewrite_index(folder: Path, index: str, shard: str, new_name: str | None) -> None:
     """Point every tensor of `shard` at `new_name` in the folder's index, and take the shard away."""
     path = folder / index
@@ -156,18 +125,6 @@ def save(path: Path, tensors: dict) -> Path:
     from safetensors.torch import save_file
 
     save_file(tensors, str(path))
-    return path
-
-
-def write_gguf(path: Path, architecture: str, tensors: dict[str, np.ndarray]) -> Path:
-    import gguf
-
-    from comfyui_flux2dev.devtools.tiny.gguf_blocks import write_and_close
-
-    writer = gguf.GGUFWriter(str(path), architecture)
-    for name, array in tensors.items():
-        writer.add_tensor(name, array)
-    write_and_close(writer)
     return path
 
 
@@ -359,8 +316,9 @@ def outside_target(case: str, path: Path) -> Path | None:
 # writes there directly), and prints what each printed on stderr, returned, and opened.
 _CLI_CHILD = r"""
 import json, os, sys, tempfile
-sys.path.insert(0, sys.argv[2])
-from bad_files import opened_files, time_bound
+sys.path[:0] = sys.argv[2:4]  # the folders of bad_files and of helpers
+from bad_files import opened_files
+from helpers import time_bound
 from comfyui_flux2dev.cli import main
 
 results = []
@@ -393,7 +351,7 @@ def run_cli(runs: list[tuple[str, Path]], work: Path, env: dict | None = None) -
 
     listing = work / "runs.json"
     listing.write_text(json.dumps([(verb, str(path), str(work / "out.safetensors")) for verb, path in runs]), encoding="utf-8")
-    done = subprocess.run([sys.executable, "-P", "-c", _CLI_CHILD, str(listing), str(Path(__file__).parent)],
+    done = subprocess.run([sys.executable, "-P", "-c", _CLI_CHILD, str(listing), str(Path(__file__).parent), str(TESTS)],
                           capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})})
     assert done.returncode == 0, done.stderr[-5000:]
     return json.loads(done.stdout.splitlines()[-1])

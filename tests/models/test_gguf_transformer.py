@@ -7,6 +7,8 @@ import numpy as np
 import pytest
 import torch
 
+from helpers import reference_model, tiny_lora
+
 from comfyui_flux2dev.errors import UnknownModelError, VariantMismatchError, WrongModelError
 from comfyui_flux2dev.loaders.models.variants import variant_by_key
 
@@ -31,22 +33,6 @@ def load(ops, path, **kwargs):
     return ops.load_gguf_model(path, dtype=torch.float32, **kwargs)
 
 
-def reference_model(path):
-    """The host model built from every tensor of the file as gguf-py's reader and numpy dequantizer see it."""
-    import gguf
-
-    from comfyui_flux2dev.host.model import build_model
-    from comfyui_flux2dev.loaders.models.transformer import LoadedTransformer, geometry_from_shapes, variant_for_geometry
-
-    sd = {}
-    for t in gguf.GGUFReader(str(path)).tensors:
-        values = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
-        sd[t.name] = torch.from_numpy(values.reshape([int(d) for d in reversed(t.shape)]))
-    geometry, layout = geometry_from_shapes({k: tuple(v.shape) for k, v in sd.items()})
-    loaded = LoadedTransformer(sd, variant_for_geometry(geometry, layout), geometry, layout.name)
-    return build_model(loaded, dtype=torch.float32)
-
-
 def forward(patcher):
     variant = patcher.model.flux2_variant
     g = torch.Generator().manual_seed(0)
@@ -67,27 +53,6 @@ def run(patcher, lowvram=False, unload_after_load=False):
         return forward(patcher)
     finally:
         patcher.unpatch_model(device_to=CPU)
-
-
-def tiny_lora(patcher) -> dict:
-    """A rank-4 LoRA over a quantized attention weight, a block-less F16 weight (txt_in) and a single block,
-    in the two key spellings the host reads for Flux: generic BFL names and lora_unet_ names."""
-    sd = patcher.model.diffusion_model.state_dict()
-    g = torch.Generator().manual_seed(1)
-    lora = {}
-    for layer, spelling in (
-        ("double_blocks.0.img_attn.qkv", "diffusion_model.{}"),
-        ("txt_in", "diffusion_model.{}"),
-        ("single_blocks.1.linear1", "lora_unet_{}"),
-    ):
-        name = spelling.format(layer if spelling.startswith("diffusion") else layer.replace(".", "_"))
-        out_features = patcher.model.diffusion_model.get_submodule(layer).out_features
-        in_features = patcher.model.diffusion_model.get_submodule(layer).in_features
-        assert layer + ".weight" in sd
-        lora[f"{name}.lora_up.weight"] = torch.randn(out_features, 4, generator=g) * 0.2
-        lora[f"{name}.lora_down.weight"] = torch.randn(4, in_features, generator=g) * 0.2
-        lora[f"{name}.alpha"] = torch.tensor(2.0)
-    return lora
 
 
 @pytest.mark.parametrize("fmt", DEV_FILES)

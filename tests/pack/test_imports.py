@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = "comfyui_flux2dev"
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SKIPPED = {".venv", ".comfyui", ".hosts", "tests", ".git"}
 
 

@@ -1,0 +1,207 @@
+"""What several tests share: running the pack's commands and Python in a child process, bounding a call in
+time, pointing the host's model folders at test files (in this process and in a child's), GGUF files built
+byte by byte or by gguf's writer, hard-linked copies of model trees, and the list of GGUF types the pack
+dequantizes."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import struct
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGUFValueType as V
+
+TESTS = Path(__file__).resolve().parent
+PACK = TESTS.parent  # the pack's own folder (the repository)
+DATA = TESTS / "data"
+
+# The GGUF types the pack dequantizes itself, as the README lists them. The kernel and format tests take their
+# types from here, not from the kernel table, so that a kernel dropped from the table fails a test instead of
+# silently leaving the tests.
+GGUF_FLOAT_TYPES = ("F32", "F16", "BF16")
+GGUF_QUANTIZED_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
+
+
+# --- child processes ----------------------------------------------------------------------------------------
+
+
+def run_python(code: str, *args: str, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+    """`code` in a fresh interpreter (nothing of this process imported; its memory its own), with `args`."""
+    return subprocess.run([sys.executable, "-P", "-c", textwrap.dedent(code), *map(str, args)], capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def run_flux2dev(*args, env: dict | None = None, timeout: int = 600) -> subprocess.CompletedProcess:
+    """The user's command, `flux2dev ARGS`, as a user runs it."""
+    return subprocess.run([sys.executable, "-P", "-m", "comfyui_flux2dev.cli", *map(str, args)], capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def run_devtools(*args, env: dict | None = None, timeout: int = 1200) -> subprocess.CompletedProcess:
+    """The developers' command, `python -m comfyui_flux2dev.devtools ARGS`."""
+    return subprocess.run([sys.executable, "-P", "-m", "comfyui_flux2dev.devtools", *map(str, args)], capture_output=True,
+                          text=True, timeout=timeout, env={**os.environ, **(env or {})})
+
+
+# --- watching a call ----------------------------------------------------------------------------------------
+
+
+class Blocked(BaseException):
+    """Raised into a call that did not return in time; a BaseException, so no `except Exception` hides it."""
+
+
+@contextlib.contextmanager
+def time_bound(seconds: float = 5.0):
+    """Interrupt the block after `seconds` (SIGALRM: a blocking open() of a FIFO returns to Python for it)."""
+
+    def alarm(signum, frame):
+        raise Blocked(f"still running after {seconds} s (blocked on a FIFO?)")
+
+    previous = signal.signal(signal.SIGALRM, alarm)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+# --- the host's model folders ------------------------------------------------------------------------------
+
+# Each host model folder key -> the folders of the tiny models (as `devtools tiny DIR` writes them) it lists.
+TINY_FOLDERS = {"text_encoders": ["text_encoders"], "diffusion_models": ["diffusion_models", "unet"],
+                "diffusers": ["diffusers"], "vae": ["vae"]}
+
+
+def point_model_folders(monkeypatch, folders: dict) -> None:
+    """Make the host's model folder keys list only `folders` ({key: [paths]}) for this test."""
+    import folder_paths
+
+    for key, paths in folders.items():
+        extensions = folder_paths.folder_names_and_paths[key][1]
+        monkeypatch.setitem(folder_paths.folder_names_and_paths, key, ([str(p) for p in paths], extensions))
+
+
+# The start of a child script (run_python) that loads the host and points its model folders at the tiny
+# models under sys.argv[1], as point_model_folders does in this process.
+CHILD_WITH_TINY_FOLDERS = f"""
+import sys
+from pathlib import Path
+
+tiny = Path(sys.argv[1])
+from comfyui_flux2dev.host import ensure_comfy
+ensure_comfy()
+import folder_paths
+for key, folders in {TINY_FOLDERS!r}.items():
+    folder_paths.folder_names_and_paths[key] = ([str(tiny / f) for f in folders], folder_paths.folder_names_and_paths[key][1])
+"""
+
+
+# --- GGUF files byte by byte, so that each field can be set to anything ---------------------------------------
+
+
+def gguf_string(text: str | bytes) -> bytes:
+    raw = text.encode() if isinstance(text, str) else text
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def gguf_kv(key: str, vtype: int, payload: bytes) -> bytes:
+    return gguf_string(key) + struct.pack("<I", vtype) + payload
+
+
+def gguf_u32(key: str, value: int) -> bytes:
+    return gguf_kv(key, V.UINT32, struct.pack("<I", value))
+
+
+def gguf_f32(key: str, value: float) -> bytes:
+    return gguf_kv(key, V.FLOAT32, struct.pack("<f", value))
+
+
+def gguf_array(key: str, itype: int, items: list[bytes]) -> bytes:
+    return gguf_kv(key, V.ARRAY, struct.pack("<IQ", itype, len(items)) + b"".join(items))
+
+
+def gguf_tensor_info(name: str, dims, qtype: int, offset: int) -> bytes:
+    return gguf_string(name) + struct.pack("<I", len(dims)) + struct.pack(f"<{len(dims)}Q", *dims) + struct.pack("<IQ", qtype, offset)
+
+
+def gguf_bytes(kvs=(), infos=(), data=b"", n_kv=None, n_tensors=None, magic=b"GGUF", version=3, alignment=32) -> bytes:
+    """A GGUF file of these metadata entries and tensor infos (gguf_kv, gguf_tensor_info), padded to the
+    alignment, then `data`; the counts, magic and version may be set to what the entries do not say."""
+    head = magic + struct.pack("<IQQ", version, len(infos) if n_tensors is None else n_tensors, len(kvs) if n_kv is None else n_kv)
+    head += b"".join(kvs) + b"".join(infos)
+    return head + b"\0" * (-len(head) % alignment) + data
+
+
+def write_gguf(path: Path, architecture: str, tensors: dict[str, np.ndarray]) -> Path:
+    import gguf
+
+    from comfyui_flux2dev.devtools.tiny.gguf_blocks import write_and_close
+
+    writer = gguf.GGUFWriter(str(path), architecture)
+    for name, array in tensors.items():
+        writer.add_tensor(name, array)
+    write_and_close(writer)
+    return path
+
+
+# --- FLUX.2 transformer GGUFs: the independent reference, and a LoRA over one ---------------------------------
+
+
+def reference_model(path):
+    """The host model built from every tensor of the file as gguf-py's reader and numpy dequantizer see it."""
+    import gguf
+
+    from comfyui_flux2dev.host.model import build_model
+    from comfyui_flux2dev.loaders.models.transformer import LoadedTransformer, geometry_from_shapes, variant_for_geometry
+
+    sd = {}
+    for t in gguf.GGUFReader(str(path)).tensors:
+        values = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+        sd[t.name] = torch.from_numpy(values.reshape([int(d) for d in reversed(t.shape)]))
+    geometry, layout = geometry_from_shapes({k: tuple(v.shape) for k, v in sd.items()})
+    loaded = LoadedTransformer(sd, variant_for_geometry(geometry, layout), geometry, layout.name)
+    return build_model(loaded, dtype=torch.float32)
+
+
+def tiny_lora(patcher) -> dict:
+    """A rank-4 LoRA over a quantized attention weight, a block-less F16 weight (txt_in) and a single block,
+    in the two key spellings the host reads for Flux: generic BFL names and lora_unet_ names."""
+    sd = patcher.model.diffusion_model.state_dict()
+    g = torch.Generator().manual_seed(1)
+    lora = {}
+    for layer, spelling in (
+        ("double_blocks.0.img_attn.qkv", "diffusion_model.{}"),
+        ("txt_in", "diffusion_model.{}"),
+        ("single_blocks.1.linear1", "lora_unet_{}"),
+    ):
+        name = spelling.format(layer if spelling.startswith("diffusion") else layer.replace(".", "_"))
+        out_features = patcher.model.diffusion_model.get_submodule(layer).out_features
+        in_features = patcher.model.diffusion_model.get_submodule(layer).in_features
+        assert layer + ".weight" in sd
+        lora[f"{name}.lora_up.weight"] = torch.randn(out_features, 4, generator=g) * 0.2
+        lora[f"{name}.lora_down.weight"] = torch.randn(4, in_features, generator=g) * 0.2
+        lora[f"{name}.alpha"] = torch.tensor(2.0)
+    return lora
+
+
+# --- files ------------------------------------------------------------------------------------------------
+
+
+def link_tree(src: Path, dst: Path, skip: tuple[str, ...] = ()) -> Path:
+    """A copy of a model file or folder made of hard links (the tiny weights are not copied)."""
+    if src.is_file():
+        os.link(src, dst)
+        return dst
+    dst.mkdir(parents=True)
+    for item in sorted(src.iterdir()):
+        if item.name not in skip:
+            link_tree(item, dst / item.name)
+    return dst
