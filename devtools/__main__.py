@@ -16,7 +16,7 @@ PROG = "python -m comfyui_flux2dev.devtools"
 PROGRAMS = {
     "fuzz": ("fuzz.harness", "mutation fuzzing of every parser and loader entry point"),
     "workflows": ("example_workflows", "write the example workflows (UI and API form) from their definitions"),
-    "screenshot": ("screenshot", "the README's pictures of the templates browser and an example workflow"),
+    "screenshot": ("frontend", "the README's pictures of the frontend and the templates' thumbnails"),
 }
 
 
@@ -24,16 +24,20 @@ def _tiny(args) -> None:
     from . import tiny
     from .tiny.geometry import DECLARATION
 
-    if args.comfyui:
-        if not (Path(args.comfyui) / "main.py").is_file():
-            raise UsageError(f"{args.comfyui} is not a ComfyUI folder (it has no main.py); give the folder that holds main.py.")
-        target = Path(args.comfyui) / "models"  # each part goes to the model folder of its name
-    else:
-        target = Path(args.dir)
-    entries = tiny.write_all(target, manifest=not args.comfyui)
-    print(f"wrote {len(entries)} tiny models to {target}")
+    if not args.comfyui:
+        entries = tiny.write_all(args.dir)
+        print(f"wrote {len(entries)} tiny models to {args.dir}, with {Path(args.dir) / tiny.MANIFEST}")
+        return
+    if not (Path(args.comfyui) / "main.py").is_file():
+        raise UsageError(f"{args.comfyui} is not a ComfyUI folder (it has no main.py); give the folder that holds main.py.")
+    written = tiny.write_into_comfyui(args.comfyui)
+    declaration = next(p for p in written if p.name == DECLARATION)
+    print("wrote the tiny models into a folder of their own in each model folder:")
+    print("\n".join(f"  {p}" for p in written if p.is_dir()))
+    print("and the pack's example workflows in their tiny form (256x256, 2 steps) into the user's workflows:")
+    print("\n".join(f"  {p.name}" for p in written if p.suffix == ".json" and p != declaration))
     print(f"ComfyUI lists them in the pack's nodes, and loads them only when started with FLUX2DEV_TINY_MODELS naming "
-          f"their declaration: FLUX2DEV_TINY_MODELS={(target / DECLARATION).resolve()} python main.py")
+          f"their declaration: FLUX2DEV_TINY_MODELS={declaration.resolve()} python main.py")
 
 
 def _bench(args) -> None:

@@ -18,16 +18,38 @@ from .workflows import node, official_dev_graph
 PACK_ROOT = Path(__file__).resolve().parents[1]
 UI_FOLDER = PACK_ROOT / "example_workflows"
 API_FOLDER = PACK_ROOT / "tests" / "data" / "example_workflows"
+TINY_FOLDER = "flux2dev-tiny"  # where `tiny --comfyui` puts the tiny models, in each of ComfyUI's model folders
 
 GGUF = "flux2-dev-Q4_K_M.gguf"
 ENCODER = "mistral_3_small_flux2_fp8.safetensors"
 VAE = "flux2-vae.safetensors"
 DEV_PIPELINE = "FLUX.2-dev/"
 KLEIN_PIPELINE = "FLUX.2-klein-4B/"
-REFERENCES = ("reference-1.png", "reference-2.png")
+# The public files the examples name: name -> (ComfyUI model folder, download address, tiny model in its place).
+# The frontend offers each download when the file is missing.
+MODELS = {
+    GGUF: ("diffusion_models", "https://huggingface.co/city96/FLUX.2-dev-gguf/resolve/main/flux2-dev-Q4_K_M.gguf",
+           "flux2-dev-tiny-Q4_K.gguf"),
+    ENCODER: ("text_encoders", "https://huggingface.co/Comfy-Org/flux2-dev/resolve/main/split_files/text_encoders/"
+              "mistral_3_small_flux2_fp8.safetensors", "mistral_3_small_flux2_fp8.safetensors"),
+    VAE: ("vae", "https://huggingface.co/Comfy-Org/flux2-dev/resolve/main/split_files/vae/flux2-vae.safetensors",
+          "flux2-ae.safetensors"),
+}
+# Pipeline folders are repositories, not one file to download: name -> (repository, tiny pipeline in its place).
+PIPELINES = {
+    DEV_PIPELINE: ("https://huggingface.co/black-forest-labs/FLUX.2-dev", "flux2-dev-tiny-pipeline/"),
+    KLEIN_PIPELINE: ("https://huggingface.co/black-forest-labs/FLUX.2-klein-4B", "flux2-klein-4b-tiny-pipeline/"),
+}
+# The edit example's reference images, shipped in example_workflows/inputs/ and copied into ComfyUI's input
+# folder when the pack loads (host/examples.py).
+REFERENCES = ("flux2dev-reference-1.png", "flux2dev-reference-2.png")
 CACHE = "flux2dev-shared-cache"
 PROMPT = "A red fox sitting in fresh snow at dawn, soft light, shallow depth of field"
-EDIT_PROMPT = "The fox from the first image wearing the scarf from the second image, same snowy forest"
+EDIT_PROMPT = ("The wooden cabin from the first image, its walls painted in the red and white stripes of the second "
+               "image, in a snowy forest at dawn")
+# The official FLUX.2 [dev] workflow's size and steps (ComfyUI's image_flux2 template), and the tiny form's.
+SIZES = {"width": 1248, "height": 832, "steps": 20}
+TINY_SIZES = {"width": 256, "height": 256, "steps": 2}
 
 
 def gguf_loader() -> dict:
@@ -44,8 +66,7 @@ def vae_source(name: str = VAE) -> dict:
 
 
 def _dev(model: dict, clip: dict, vae: dict, prefix: str, prompt: str = PROMPT) -> dict:
-    return official_dev_graph(model, clip, vae, prompt=prompt, width=1024, height=1024, steps=28,
-                              filename_prefix=prefix)
+    return official_dev_graph(model, clip, vae, prompt=prompt, **SIZES, filename_prefix=prefix)
 
 
 def _edit() -> dict:
@@ -60,22 +81,95 @@ def _edit() -> dict:
     return graph
 
 
-# name -> the graph; the name is the template's title in ComfyUI's Templates browser.
+# name -> the graph; the name is the template's title in ComfyUI's Templates browser, which shows its first
+# words only, so they say what differs.
 EXAMPLES = {
-    "FLUX.2 dev text to image - GGUF transformer, fp8 encoder": lambda: _dev(
+    "Text to image, GGUF transformer - FLUX.2 dev": lambda: _dev(
         gguf_loader(), encoder_loader(), vae_source(), "flux2-dev"),
-    "FLUX.2 dev from a diffusers pipeline folder": lambda: _dev(
+    "Pipeline folder (diffusers) - FLUX.2 dev": lambda: _dev(
         node("Flux2DevTransformerSource", transformer=DEV_PIPELINE),
         node("Flux2DevEncoderSource", pipeline=DEV_PIPELINE, padding="reference", cache="", keep_loaded=True),
         vae_source(DEV_PIPELINE), "flux2-dev-pipeline"),
-    "FLUX.2 dev image edit with two reference images": _edit,
-    "FLUX.2 dev with the VAE of a Klein pipeline": lambda: _dev(
+    "Image edit, two reference images - FLUX.2 dev": _edit,
+    "VAE from a Klein pipeline - FLUX.2 dev": lambda: _dev(
         gguf_loader(), encoder_loader(), vae_source(KLEIN_PIPELINE), "flux2-dev-klein-vae"),
     # Each prompt is encoded once into the named cache folder (relative: in ComfyUI's user folder; an absolute
     # path on a shared drive serves several ComfyUI instances), and the encoder's memory is freed after use.
-    "FLUX.2 dev with a conditioning cache, encoder freed after use": lambda: _dev(
+    "Conditioning cache, encoder freed - FLUX.2 dev": lambda: _dev(
         gguf_loader(), encoder_loader(cache=CACHE, keep_loaded=False), vae_source(), "flux2-dev-cached"),
 }
+TEXT_TO_IMAGE = next(iter(EXAMPLES))
+
+
+SIZED = ("Flux2Scheduler", "EmptyFlux2LatentImage")  # the nodes that hold SIZES
+
+
+def _tiny_names(folder: str) -> dict[str, str]:
+    return {name: folder + row[2] for name, row in MODELS.items()} | {name: folder + row[1] for name, row in PIPELINES.items()}
+
+
+def tiny_form(graph: dict, folder: str = TINY_FOLDER + "/") -> dict:
+    """An example's API graph on the tiny models (in `folder` of each model folder) at the tiny size and steps."""
+    names = _tiny_names(folder)
+    return {key: {**n, "inputs": {
+        k: names.get(v, v) if isinstance(v, str) else TINY_SIZES[k] if k in TINY_SIZES and n["class_type"] in SIZED else v
+        for k, v in n["inputs"].items()}} for key, n in graph.items()}
+
+
+def tiny_ui(ui: dict, folder: str = TINY_FOLDER + "/") -> dict:
+    """An example's UI file in the tiny form of tiny_form; its nodes list no downloads (there are none)."""
+    names = _tiny_names(folder)
+    small = {SIZES[k]: TINY_SIZES[k] for k in SIZES}
+    nodes = []
+    for n in ui["nodes"]:
+        values = [names.get(v, v) if isinstance(v, str) else small.get(v, v) if n["type"] in SIZED else v
+                  for v in n["widgets_values"]]
+        properties = {k: v for k, v in n["properties"].items() if k != "models"}
+        nodes.append({**n, "widgets_values": values, "properties": properties})
+    return {**ui, "nodes": nodes}
+
+
+def downloads() -> dict[str, tuple[str, str]]:
+    return {name: (folder, url) for name, (folder, url, _) in MODELS.items()}
+
+
+def _cabin(draw) -> None:
+    """Reference 1: a wooden cabin in the snow, drawn with flat shapes."""
+    draw.rectangle((0, 0, 768, 330), fill=(176, 206, 232))
+    draw.rectangle((0, 330, 768, 512), fill=(244, 247, 250))
+    for x in (40, 600, 690):
+        draw.polygon([(x, 340), (x + 40, 180), (x + 80, 340)], fill=(38, 84, 52))
+    draw.rectangle((250, 230, 520, 400), fill=(133, 86, 48))
+    for y in range(245, 400, 22):
+        draw.line((250, y, 520, y), fill=(104, 64, 34), width=3)
+    draw.polygon([(225, 235), (385, 120), (545, 235)], fill=(250, 250, 252))
+    draw.rectangle((360, 310, 410, 400), fill=(74, 44, 22))
+    draw.rectangle((280, 270, 330, 320), fill=(255, 214, 120))
+
+
+def _stripes(draw) -> None:
+    """Reference 2: a red and white striped pattern."""
+    for i in range(-512, 1024, 64):
+        draw.polygon([(i, 0), (i + 32, 0), (i + 32 + 512, 512), (i + 512, 512)], fill=(200, 30, 40))
+
+
+REFERENCE_DRAWINGS = {REFERENCES[0]: ((768, 512), (255, 255, 255), _cabin),
+                      REFERENCES[1]: ((512, 512), (250, 246, 240), _stripes)}
+INPUTS_FOLDER = UI_FOLDER / "inputs"
+
+
+def write_references() -> list[Path]:
+    """The edit example's reference images, drawn here so that the pack ships pictures of its own."""
+    from PIL import Image, ImageDraw
+
+    INPUTS_FOLDER.mkdir(parents=True, exist_ok=True)
+    written = []
+    for name, (size, background, drawing) in REFERENCE_DRAWINGS.items():
+        image = Image.new("RGB", size, background)
+        drawing(ImageDraw.Draw(image))
+        image.save(INPUTS_FOLDER / name, optimize=True)
+        written.append(INPUTS_FOLDER / name)
+    return written
 
 
 def numbered(graph: dict) -> dict:
@@ -93,10 +187,10 @@ def write_all(object_info: dict) -> list[Path]:
 
     UI_FOLDER.mkdir(exist_ok=True)
     API_FOLDER.mkdir(parents=True, exist_ok=True)
-    written = []
+    written = write_references()
     for name, build in EXAMPLES.items():
         graph = numbered(build())
-        for path, doc in ((UI_FOLDER / f"{name}.json", api_to_ui(graph, object_info)),
+        for path, doc in ((UI_FOLDER / f"{name}.json", api_to_ui(graph, object_info, downloads())),
                           (API_FOLDER / f"{name}.json", graph)):
             path.write_text(json.dumps(doc, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
             written.append(path)

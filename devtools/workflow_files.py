@@ -36,9 +36,11 @@ def _height(schema: dict, links: int) -> int:
     return 46 + 24 * rows + 140 * tall
 
 
-def api_to_ui(graph: dict, object_info: dict) -> dict:
+def api_to_ui(graph: dict, object_info: dict, downloads: dict[str, tuple[str, str]] | None = None) -> dict:
     """The UI-format workflow of an API graph, laid out left to right, one column per step: a node stands one
-    column right of its deepest input."""
+    column right of its deepest input. downloads: {model file name: (model folder, download address)}; a node
+    naming such a file lists it in its properties, where the frontend's missing-models dialog reads it."""
+    downloads = downloads or {}
     ids = {key: i for i, key in enumerate(graph, 1)}
     depth: dict[str, int] = {}
 
@@ -87,7 +89,8 @@ def api_to_ui(graph: dict, object_info: dict) -> dict:
             "id": ids[key], "type": node["class_type"], "pos": [x * COLUMN_WIDTH, y], "size": [NODE_WIDTH, height],
             "flags": {}, "order": 0, "mode": 0, "inputs": inputs, "outputs": outs,
             "title": node.get("_meta", {}).get("title", schema["display_name"]),
-            "properties": {"Node name for S&R": node["class_type"]}, "widgets_values": widgets,
+            "properties": {"Node name for S&R": node["class_type"], **_models(widgets, downloads)},
+            "widgets_values": widgets,
         })
     for order, n in enumerate(sorted(nodes, key=lambda n: (column(_key(graph, ids, n["id"])), n["id"]))):
         n["order"] = order
@@ -103,6 +106,12 @@ def api_to_ui(graph: dict, object_info: dict) -> dict:
         "links": ui_links, "groups": [], "config": {}, "extra": {"ds": {"scale": 1, "offset": [90, 140]}},
         "version": 0.4,
     }
+
+
+def _models(widgets: list, downloads: dict[str, tuple[str, str]]) -> dict:
+    found = [{"name": v, "url": downloads[v][1], "directory": downloads[v][0]}
+             for v in widgets if isinstance(v, str) and v in downloads]
+    return {"models": found} if found else {}
 
 
 def _key(graph: dict, ids: dict, node_id: int) -> str:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import logging
 import math
+import time
 
 import torch
 
@@ -50,18 +51,20 @@ def _clip_class():
         def encode_from_tokens(self, tokens, return_pooled=False, return_dict=False):
             src = self.flux2dev_source
             bypass = cache_bypass(self, tokens) if src.cache is not None else None
-            if bypass:
-                logging.info("FLUX.2 [dev] conditioning cache bypassed: %s; this prompt is encoded fresh and not stored.", bypass)
             key = conditioning_key(self, tokens) if src.cache is not None and not bypass else None
             out = src.cache.get(key) if key is not None else None
             if out is not None:
                 out = {"pooled_output": None, **out}
                 self.add_hooks_to_dict(out)
+                logging.info("FLUX.2 [dev] prompt: conditioning cache hit in %s (the encoder did not run).", src.cache.folder)
             else:
+                started = time.monotonic()
                 out = super().encode_from_tokens(tokens, return_pooled=return_pooled, return_dict=True)
                 tensors = {k: v for k, v in out.items() if isinstance(v, torch.Tensor)}
+                stored = None
                 if key is not None and all(v is None or k in tensors or k == "hooks" for k, v in out.items()):
-                    src.cache.put(key, tensors)
+                    stored = src.cache.put(key, tensors)
+                logging.info("FLUX.2 [dev] prompt encoded in %.1f s: %s.", time.monotonic() - started, _miss(src, bypass, stored))
             if not src.keep_loaded:
                 release_weights(self)
             if return_dict:
@@ -69,6 +72,17 @@ def _clip_class():
             return (out["cond"], out["pooled_output"]) if return_pooled else out["cond"]
 
     return Flux2DevCLIP
+
+
+def _miss(src: EncoderSource, bypass: str | None, stored) -> str:
+    """What the log says of a prompt the conditioning cache did not serve."""
+    if src.cache is None:
+        return "no conditioning cache is set"
+    if bypass:
+        return f"conditioning cache bypassed ({bypass}), so it is not stored in {src.cache.folder}"
+    if stored is None:
+        return f"conditioning cache miss; {src.cache.folder} could not take it, so it is not stored"
+    return f"conditioning cache miss, now stored in {src.cache.folder}"
 
 
 def _build_clip(plan: EncoderPlan, tokenizer, *, padding: str, dtype: torch.dtype | None, keep_loaded: bool,

@@ -113,6 +113,14 @@ def call_with_known(fn, **kwargs):
     return fn(**{k: v for k, v in kwargs.items() if k in accepted})
 
 
+def node_schema(**fields):
+    """The host's V3 node schema with the fields this release knows: search_aliases is newer than 0.3.75, whose
+    server sends none (its search finds the pack's nodes by title only)."""
+    from comfy_api.latest import io
+
+    return call_with_known(io.Schema, **fields)
+
+
 def new_patcher(model, load_device, offload_device, disable_dynamic: bool = False):
     """The patcher the host's own loaders would build for `model` right now. 0.33: CoreModelPatcher, which
     its main.py points at the dynamic-VRAM patcher on NVIDIA GPUs (the plain one on the CPU); the plain

@@ -20,4 +20,7 @@ NODES = (
 
 class Flux2DevExtension(ComfyExtension):
     async def get_node_list(self):
+        from ..host.examples import install_example_inputs
+
+        install_example_inputs()  # here, not in on_load: ComfyUI 0.3.75 never calls on_load
         return list(NODES)

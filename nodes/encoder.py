@@ -5,22 +5,22 @@ from __future__ import annotations
 from comfy_api.latest import io
 
 from ..tokenizers import PADDING_MODES
-from .shared import CACHE_TOOLTIP, CATEGORY, CLIP_TOOLTIP, KEEP_LOADED_TOOLTIP, PADDING_TOOLTIP
+from .shared import CACHE_TOOLTIP, CLIP_TOOLTIP, KEEP_LOADED_TOOLTIP, PADDING_TOOLTIP, schema
 from ..host.menus import chosen_path, model_choices
+from ..loaders.models.node_titles import title
 
 
 class Flux2DevEncoderLoader(io.ComfyNode):
     @classmethod
     def define_schema(cls):
-        return io.Schema(
-            node_id="Flux2DevEncoderLoader",
-            display_name="Load FLUX.2 [dev] text encoder",
-            category=CATEGORY,
-            description="Loads the Mistral-Small text encoder of FLUX.2 [dev] from any layout (ComfyUI file, HF or "
-            "diffusers folder, Mistral native, fp8, NVFP4, GGUF). 'reference' padding matches BFL/diffusers; "
-            "'comfy' matches ComfyUI's own loader. Only headers and the tokenizer are read here; the weights are read "
-            "on the first prompt the conditioning cache does not hold.",
-            inputs=[
+        return schema(
+            "Flux2DevEncoderLoader",
+            "The Mistral-Small text encoder of FLUX.2 [dev] from models/text_encoders, in any layout: a ComfyUI file "
+            "(bf16, fp8, NVFP4), a .gguf quantization, a Hugging Face, diffusers text_encoder/ or Mistral native "
+            "folder. Pick this one for an encoder file or folder of its own; for the encoder inside a whole diffusers "
+            f"pipeline folder use {title('Flux2DevEncoderSource')}. Only headers and the tokenizer "
+            "are read here; the weights are read on the first prompt the conditioning cache does not hold.",
+            [
                 io.Combo.Input(
                     "encoder",
                     options=list(model_choices("encoder")),
@@ -50,7 +50,7 @@ class Flux2DevEncoderLoader(io.ComfyNode):
                     tooltip=KEEP_LOADED_TOOLTIP,
                 ),
             ],
-            outputs=[io.Clip.Output(tooltip=CLIP_TOOLTIP + " Its weights are read on the first prompt not in the cache.")],
+            [io.Clip.Output(tooltip=CLIP_TOOLTIP + " Its weights are read on the first prompt not in the cache.")],
         )
 
     @classmethod

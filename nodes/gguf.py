@@ -5,28 +5,27 @@ from __future__ import annotations
 from comfy_api.latest import io
 
 from ..host import model
-from .shared import CATEGORY, MODEL_TOOLTIP
+from .shared import MODEL_TOOLTIP, schema
 from ..host.menus import chosen_path, model_choices
+from ..loaders.models.node_titles import title
 
 
 class Flux2DevGGUFTransformerLoader(io.ComfyNode):
     @classmethod
     def define_schema(cls):
-        return io.Schema(
-            node_id="Flux2DevGGUFTransformerLoader",
-            display_name="Load FLUX.2 GGUF transformer",
-            category=CATEGORY,
-            description=(
-                "Loads a FLUX.2 transformer GGUF ([dev], Klein 4B or Klein 9B: the file says which) from "
-                "models/diffusion_models or models/unet. Weights stay quantized in memory and are expanded one "
-                "layer at a time while sampling; LoRAs apply on top as usual."
-            ),
-            inputs=[
+        return schema(
+            "Flux2DevGGUFTransformerLoader",
+            "A FLUX.2 transformer quantized as .gguf ([dev], Klein 4B or Klein 9B: the file says which) from "
+            "models/diffusion_models or models/unet, such as city96's flux2-dev-Q4_K_M.gguf. Pick this one for .gguf "
+            f"files; for .safetensors files and pipeline folders use {title('Flux2DevTransformerSource')}. "
+            "Weights stay quantized in memory and are expanded one layer at a time while sampling; LoRAs apply on top "
+            "as usual.",
+            [
                 io.Combo.Input(
                     "gguf_name",
                     options=list(model_choices("gguf")),
                     tooltip="A FLUX.2 transformer quantized as .gguf (for example flux2-dev-Q4_K_M.gguf), from "
-                    "models/diffusion_models or models/unet. Not a text encoder .gguf: those go to the text encoder loader.",
+                    f"models/diffusion_models or models/unet. Not a text encoder .gguf: those go to {title('Flux2DevEncoderLoader')}.",
                 ),
                 io.Combo.Input(
                     "dequant_dtype",
@@ -43,7 +42,7 @@ class Flux2DevGGUFTransformerLoader(io.ComfyNode):
                     "bfloat16 or float16 save a little memory with large LoRAs.",
                 ),
             ],
-            outputs=[io.Model.Output(tooltip=MODEL_TOOLTIP)],
+            [io.Model.Output(tooltip=MODEL_TOOLTIP)],
         )
 
     @classmethod

@@ -1,6 +1,17 @@
-"""What more than one node shares: the menu category and input and output tooltips."""
+"""What more than one node shares: the schema's frame (title, search words, menu category) and input and output
+tooltips."""
+
+from ..host.compat import node_schema
+from ..loaders.models.node_titles import NODES
 
 CATEGORY = "loaders/FLUX.2"  # beside the host's own loaders
+
+
+def schema(node_id: str, description: str, inputs: list, outputs: list):
+    """The node's schema, with the title and search words node_titles gives it."""
+    title, aliases = NODES[node_id]
+    return node_schema(node_id=node_id, display_name=title, search_aliases=list(aliases), category=CATEGORY,
+                       description=description, inputs=inputs, outputs=outputs)
 
 PADDING_TOOLTIP = (
     "How the prompt's tokens are laid out. reference (the default): as Black Forest Labs' and diffusers' own "

@@ -5,22 +5,20 @@ from __future__ import annotations
 
 from comfy_api.latest import io
 
-from .shared import CACHE_TOOLTIP, CATEGORY, CLIP_TOOLTIP, KEEP_LOADED_TOOLTIP, MODEL_TOOLTIP, PADDING_TOOLTIP
+from .shared import CACHE_TOOLTIP, CLIP_TOOLTIP, KEEP_LOADED_TOOLTIP, MODEL_TOOLTIP, PADDING_TOOLTIP, schema
 from ..host.menus import chosen_path, model_choices
+from ..loaders.models.node_titles import title
 
 
 class Flux2DevVAESource(io.ComfyNode):
     @classmethod
     def define_schema(cls):
-        return io.Schema(
-            node_id="Flux2DevVAESource",
-            display_name="FLUX.2 VAE source",
-            category=CATEGORY,
-            description=(
-                "The FLUX.2 VAE from any FLUX.2 pipeline folder in models/diffusers ([dev] and Klein share one VAE, "
-                "so a Klein pipeline serves [dev] too) or from an ae.safetensors in models/vae."
-            ),
-            inputs=[
+        return schema(
+            "Flux2DevVAESource",
+            "The FLUX.2 VAE, from models/vae (flux2-vae.safetensors, BFL's ae.safetensors or a diffusers vae/ folder) "
+            "or from any FLUX.2 pipeline folder in models/diffusers: [dev] and Klein share one VAE, so a Klein "
+            "pipeline serves [dev] too. Not the FLUX.1 VAE, which core's Load VAE also lists.",
+            [
                 io.Combo.Input(
                     "vae",
                     options=list(model_choices("vae")),
@@ -28,7 +26,7 @@ class Flux2DevVAESource(io.ComfyNode):
                     "from models/vae the FLUX.2 ae.safetensors or a diffusers vae/ folder. Not the FLUX.1 VAE.",
                 )
             ],
-            outputs=[io.Vae.Output(tooltip="The FLUX.2 VAE: connect it to VAE Decode (and VAE Encode for reference images).")],
+            [io.Vae.Output(tooltip="The FLUX.2 VAE: connect it to VAE Decode (and VAE Encode for reference images).")],
         )
 
     @classmethod
@@ -43,15 +41,13 @@ class Flux2DevEncoderSource(io.ComfyNode):
     def define_schema(cls):
         from ..tokenizers import PADDING_MODES
 
-        return io.Schema(
-            node_id="Flux2DevEncoderSource",
-            display_name="FLUX.2 [dev] text encoder source",
-            category=CATEGORY,
-            description=(
-                "The Mistral-Small text encoder and tokenizer of a FLUX.2 [dev] pipeline folder in models/diffusers. "
-                "Klein pipelines carry a Qwen3 encoder that cannot condition [dev] and are refused before loading."
-            ),
-            inputs=[
+        return schema(
+            "Flux2DevEncoderSource",
+            "The Mistral-Small text encoder and tokenizer inside a FLUX.2 [dev] diffusers pipeline folder in "
+            "models/diffusers (a copy of black-forest-labs/FLUX.2-dev). Pick this one when you keep the whole pipeline; "
+            f"for an encoder file or folder of its own use {title('Flux2DevEncoderLoader')}. Klein "
+            "pipelines carry a Qwen3 encoder that cannot condition [dev] and are refused before loading.",
+            [
                 io.Combo.Input(
                     "pipeline",
                     options=list(model_choices("dev pipeline")),
@@ -63,7 +59,7 @@ class Flux2DevEncoderSource(io.ComfyNode):
                 io.String.Input("cache", default="", optional=True, tooltip=CACHE_TOOLTIP),
                 io.Boolean.Input("keep_loaded", default=True, optional=True, tooltip=KEEP_LOADED_TOOLTIP),
             ],
-            outputs=[io.Clip.Output(tooltip=CLIP_TOOLTIP + " Its weights are read on the first prompt not in the cache.")],
+            [io.Clip.Output(tooltip=CLIP_TOOLTIP + " Its weights are read on the first prompt not in the cache.")],
         )
 
     @classmethod
@@ -78,26 +74,23 @@ class Flux2DevEncoderSource(io.ComfyNode):
 class Flux2DevTransformerSource(io.ComfyNode):
     @classmethod
     def define_schema(cls):
-        return io.Schema(
-            node_id="Flux2DevTransformerSource",
-            display_name="FLUX.2 transformer source",
-            category=CATEGORY,
-            description=(
-                "A FLUX.2 transformer ([dev], Klein 4B or Klein 9B: the weights say which) from a pipeline folder in "
-                "models/diffusers (diffusers transformer/, sharded or not) or a .safetensors file in "
-                "models/diffusion_models (BFL keys, bf16 or scaled fp8). Conditioning from another variant's text "
-                "encoder is refused when sampling starts."
-            ),
-            inputs=[
+        return schema(
+            "Flux2DevTransformerSource",
+            "A FLUX.2 transformer ([dev], Klein 4B or Klein 9B: the weights say which) from a .safetensors file in "
+            "models/diffusion_models (BFL keys, bf16 or scaled fp8, such as flux2_dev_fp8mixed.safetensors) or a "
+            "pipeline folder in models/diffusers (diffusers transformer/, sharded or not). For .gguf files use "
+            f"{title('Flux2DevGGUFTransformerLoader')}. Conditioning from another variant's text encoder is refused when sampling "
+            "starts.",
+            [
                 io.Combo.Input(
                     "transformer",
                     options=list(model_choices("transformer")),
                     tooltip="A FLUX.2 pipeline folder from models/diffusers, or from models/diffusion_models a FLUX.2 "
                     "transformer .safetensors (such as flux2_dev_fp8mixed.safetensors) or a diffusers transformer/ "
-                    "folder. For .gguf files use the GGUF transformer loader.",
+                    f"folder. For .gguf files use {title('Flux2DevGGUFTransformerLoader')}.",
                 )
             ],
-            outputs=[io.Model.Output(tooltip=MODEL_TOOLTIP)],
+            [io.Model.Output(tooltip=MODEL_TOOLTIP)],
         )
 
     @classmethod

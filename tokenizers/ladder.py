@@ -7,6 +7,7 @@ hash) and built tokenizers per vocabulary hash, so resolving again in the same p
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -34,6 +35,11 @@ from .vocab import (
 
 log = logging.getLogger(__name__)
 
+# What transformers logs while probing a tokenizer folder that no user can act on (the folder is as its publisher
+# made it, and the pack checks the result itself): (logger, words of the message). Dropped during the probe only.
+UNACTIONABLE_WARNINGS = (
+    ("transformers.models.auto.tokenization_auto", "but `tokenizer.json` is ByteLevel; loading `TokenizersBackend`"),
+)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", TEKKEN_FILE, "tokenizer.model")
 TRANSFORMERS_PROBES = ("AutoProcessor", "AutoTokenizer")
 # The JSON files transformers reads from a tokenizer folder (and their kind, for validate's bounds): each is
@@ -220,8 +226,24 @@ def _probe(probe: str, folder: Path) -> TekkenVocab:
     _vet_folder(folder)
     import transformers
 
-    loaded = getattr(transformers, probe).from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
+    with _unactionable_warnings_dropped():
+        loaded = getattr(transformers, probe).from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
     return vocab_from_transformers(loaded)
+
+
+@contextlib.contextmanager
+def _unactionable_warnings_dropped():
+    def keep(record: logging.LogRecord) -> bool:
+        return not any(record.name == name and words in record.getMessage() for name, words in UNACTIONABLE_WARNINGS)
+
+    loggers = [logging.getLogger(name) for name in dict.fromkeys(name for name, _ in UNACTIONABLE_WARNINGS)]
+    for logger in loggers:
+        logger.addFilter(keep)
+    try:
+        yield
+    finally:
+        for logger in loggers:
+            logger.removeFilter(keep)
 
 
 def _vet_folder(folder: Path) -> None:

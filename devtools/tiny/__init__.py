@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 from ...errors import Flux2DevError
-from .geometry import write_declaration
+from .geometry import DECLARATION, write_declaration
 
 # subfolder -> (module, writer); each writer returns manifest entries relative to its subfolder.
 # Every part but the encoders builds its weights with diffusers' own model classes.
@@ -48,3 +51,45 @@ def write_all(root: str | Path, parts: tuple[str, ...] = tuple(PARTS), manifest:
 
 def read_manifest(root: str | Path) -> list[dict]:
     return json.loads((Path(root) / MANIFEST).read_text())
+
+
+TINY_WORKFLOW_PREFIX = "Tiny models - "  # the examples' tiny form, in the user's workflows
+
+
+def write_into_comfyui(comfyui: str | Path) -> list[Path]:
+    """The tiny models in a folder of their own (example_workflows.TINY_FOLDER) inside each of that ComfyUI's
+    model folders, the declaration of their geometry in models/, and the pack's examples in their tiny form in
+    the user's workflows; the paths written. Nothing is replaced: when any of them is already there, nothing is
+    written."""
+    from ...loaders.formats.files import write_new_file
+    from ..example_workflows import EXAMPLES, TINY_FOLDER, UI_FOLDER, tiny_ui
+
+    models = Path(comfyui) / "models"
+    workflows = Path(comfyui) / "user" / "default" / "workflows"
+    folders = [models / part / TINY_FOLDER for part in PARTS]
+    declaration = models / DECLARATION
+    tiny_workflows = {
+        workflows / f"{TINY_WORKFLOW_PREFIX}{name}.json":
+            tiny_ui(json.loads((UI_FOLDER / f"{name}.json").read_text(encoding="utf-8")))
+        for name in EXAMPLES
+    }
+    present = [str(p) for p in (*folders, declaration, *tiny_workflows) if os.path.lexists(p)]
+    if present:
+        raise Flux2DevError(
+            f"Tiny models or workflows are already there ({', '.join(present)}); nothing was written, since these "
+            "tools never replace a file. Delete them first to write them again."
+        )
+    models.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".flux2dev-tiny-", dir=models))  # renamed into place part by part
+    try:
+        write_all(staging, manifest=False)
+        for part, folder in zip(PARTS, folders):
+            folder.parent.mkdir(parents=True, exist_ok=True)
+            os.rename(staging / part, folder)  # fails, rather than replaces, if a folder appeared meanwhile
+        write_new_file(declaration, (staging / DECLARATION).read_bytes())
+        workflows.mkdir(parents=True, exist_ok=True)
+        for path, doc in tiny_workflows.items():
+            write_new_file(path, (json.dumps(doc, indent=1, ensure_ascii=False) + "\n").encode())
+    finally:
+        shutil.rmtree(staging)
+    return [*folders, declaration, *tiny_workflows]

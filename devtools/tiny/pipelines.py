@@ -95,7 +95,7 @@ def write_pipeline(folder: Path, variant: Flux2Variant, vae_from: Path | None = 
     folder.mkdir(parents=True, exist_ok=True)
     index = {**MODEL_INDEX[family(variant)], "_diffusers_version": diffusers.__version__, **COMMON_INDEX}
     (folder / "model_index.json").write_text(json.dumps(index, indent=1))
-    make_transformer(variant).to(torch.bfloat16).save_pretrained(str(folder / "transformer"), max_shard_size=SHARD_SIZE)
+    make_transformer(variant).bfloat16().save_pretrained(str(folder / "transformer"), max_shard_size=SHARD_SIZE)
     if vae_from is None:
         write_vae_folder(folder / "vae")
     else:

@@ -73,7 +73,7 @@ def write_transformers(root: str | Path) -> list[dict]:
     root.mkdir(parents=True, exist_ok=True)
     entries = []
     for variant in TINY_VARIANTS:
-        model = make_transformer(variant).to(torch.bfloat16)
+        model = make_transformer(variant).bfloat16()
         bfl = {k: v.contiguous() for k, v in diffusers_to_bfl(model.state_dict()).items()}
         name = f"flux2-{variant.key}-tiny"
         save_file(bfl, str(root / f"{name}.safetensors"))

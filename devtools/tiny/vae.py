@@ -69,7 +69,7 @@ def make_vae():
 
 
 def write_vae_folder(path: Path) -> None:
-    copy.deepcopy(make_vae()).to(torch.bfloat16).save_pretrained(str(path))
+    copy.deepcopy(make_vae()).bfloat16().save_pretrained(str(path))
 
 
 def write_vaes(root: str | Path) -> list[dict]:

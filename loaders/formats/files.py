@@ -189,3 +189,25 @@ def first_look(path: str | Path) -> None:
         gguf_file.check_start(path)
     else:
         regular_file(path, "model file")
+
+
+def write_new_file(path: str | Path, data: bytes) -> bool:
+    """`data` at `path` if nothing is there, else nothing (False). The bytes go to a fresh temporary name in the
+    same folder first and are linked into place: a link never replaces what is at the name, so a file that
+    appeared meanwhile is left as it is, and a half-written file never shows under the name."""
+    import secrets
+
+    path = Path(path)
+    if os.path.lexists(path):
+        return False
+    temp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.partial")
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    try:
+        with open(fd, "wb") as f:
+            f.write(data)
+        os.link(temp, path)
+        return True
+    except FileExistsError:
+        return False
+    finally:
+        os.unlink(temp)

@@ -11,6 +11,7 @@ from ..formats import quant
 from . import variants
 from .encoder_layouts import HF_SCHEME, KeyScheme
 from .kinds import kind_from_names, other_checkpoint
+from .node_titles import title
 from .variants import MistralEncoderGeometry
 
 EMBED = "model.embed_tokens.weight"
@@ -30,10 +31,10 @@ LAYER_SHAPES: dict[str, Callable[[MistralEncoderGeometry], tuple[int, ...]]] = {
 SUFFIXES = {"weight": "weight", **quant.SPELLINGS}
 # Names other than the model's some files carry; what the pack says when such a file is picked here.
 OTHER_KINDS = {
-    "transformer": "This is a FLUX.2 diffusion transformer, not a text encoder. Load it with FLUX.2 transformer source "
-    "or Load FLUX.2 GGUF transformer, and pick a Mistral-Small text encoder (e.g. "
+    "transformer": "This is a FLUX.2 diffusion transformer, not a text encoder. Load it with "
+    f"{title('Flux2DevTransformerSource')} or {title('Flux2DevGGUFTransformerLoader')}, and pick a Mistral-Small text encoder (e.g. "
     "mistral_3_small_flux2_bf16.safetensors) here.",
-    "vae": "This is a VAE (autoencoder), not a text encoder. Load it with FLUX.2 VAE source or Load VAE, and pick a "
+    "vae": f"This is a VAE (autoencoder), not a text encoder. Load it with {title('Flux2DevVAESource')} or Load VAE, and pick a "
     "Mistral-Small text encoder (e.g. mistral_3_small_flux2_bf16.safetensors) here.",
 }
 PICK = "Pick a FLUX.2 [dev] encoder (mistral_3_small_flux2_*.safetensors or a Mistral-Small-3.x folder)"

@@ -40,6 +40,7 @@ from ..formats.files import (
     shards,
 )
 from .kinds import GGUF_ARCHITECTURES, gguf_architectures, gguf_kind
+from .node_titles import title
 from ..formats.safetensors_file import SafetensorsFiles
 from .variants import MistralEncoderGeometry
 
@@ -318,8 +319,8 @@ REFUSALS: tuple[tuple[Callable[[Checkpoint], bool], Callable[[Checkpoint], Excep
         f"{ck.path} is a folder with no {CONFIG}, {PARAMS}, {MODEL_INDEX} or .safetensors files; it holds no "
         "text encoder the pack can read.")),
     (lambda ck: ck.ext == ".gguf" and gguf_kind(ck.architecture) == "transformer", lambda ck: WrongModelError(
-        f"{os.path.basename(ck.path)} is a FLUX transformer GGUF, not a text encoder. Load it with Load FLUX.2 "
-        "GGUF transformer, and pick a Mistral-Small text encoder here.")),
+        f"{os.path.basename(ck.path)} is a FLUX transformer GGUF, not a text encoder. Load it with "
+        f"{title('Flux2DevGGUFTransformerLoader')}, and pick a Mistral-Small text encoder here.")),
     (lambda ck: ck.ext == ".gguf" and gguf_kind(ck.architecture) == "other", lambda ck: WrongModelError(
         f"{os.path.basename(ck.path)} is {GGUF_ARCHITECTURES[ck.architecture][1]} (general.architecture "
         f"{ck.architecture!r}), not the FLUX.2 [dev] text encoder. Pick a Mistral-Small text encoder here.")),

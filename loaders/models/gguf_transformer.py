@@ -17,6 +17,7 @@ from ...errors import UnknownModelError, UnsupportedFormatError, WrongModelError
 from ..formats import progress
 from ..formats.gguf_file import GGUFFile, open_gguf
 from .kinds import GGUF_ARCHITECTURES, gguf_architectures, gguf_kind
+from .node_titles import title
 from ..formats.quant import from_gguf, gguf_label
 from .transformer import BFL, LoadedTransformer, geometry_from_shapes, variant_for_geometry
 
@@ -41,7 +42,7 @@ def check_architecture(gfile: GGUFFile) -> None:
     if kind is not None:
         raise WrongModelError(
             f"{name} is {GGUF_ARCHITECTURES[arch][1]} (general.architecture {arch!r}), not a FLUX.2 transformer. "
-            "Choose a FLUX.2 transformer GGUF here; text encoders go into the pack's text encoder loader."
+            f"Choose a FLUX.2 transformer GGUF here; text encoders go into {title('Flux2DevEncoderLoader')}."
         )
     known = ", ".join(repr(a) if a else "none" for a in gguf_architectures("transformer"))
     raise UnknownModelError(

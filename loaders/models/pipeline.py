@@ -16,6 +16,7 @@ from ...errors import UnknownModelError, VariantMismatchError, WrongModelError
 from ..formats.files import ENCODER_CONFIG, MODEL_INDEX, PIPELINE_INDEX, TRANSFORMER_CONFIG, read_json
 from .transformer import geometry_from_shapes, transformer_files, variant_for_geometry
 from ..formats.safetensors_file import SafetensorsFiles
+from .node_titles import title
 from .variants import Flux2Variant, variant_by_key, variant_for_transformer
 
 # diffusers' FLUX.2 pipeline classes (0.42) and the variants each may hold.
@@ -145,6 +146,6 @@ def klein_encoder_error(name: str, class_name: str, found: Flux2Variant) -> Vari
     return VariantMismatchError(
         f"{name} is a {found.name} pipeline ({class_name}). Its {found.encoder_name} text encoder gives "
         f"{found.context_in_dim}-wide conditioning, but {dev.name} needs {dev.context_in_dim} (the {dev.encoder_name} "
-        f"encoder). Use this pipeline only for its VAE (with the FLUX.2 VAE source node: the VAE is shared); for the text encoder "
+        f"encoder). Use this pipeline only for its VAE (with {title('Flux2DevVAESource')}: the VAE is shared); for the text encoder "
         f"choose a {dev.name} pipeline folder, or a {dev.encoder_name} encoder file or folder in models/text_encoders."
     )

@@ -66,7 +66,7 @@ def test_klein_pipeline_is_refused_as_dev_encoder_before_any_weight_is_read(pipe
     assert refusal(dev_encoder_folder, klein) == (
         "FLUX.2-klein-4B is a FLUX.2 Klein 4B (tiny test model) pipeline (Flux2KleinPipeline). Its tiny Qwen3 text "
         "encoder gives 96-wide conditioning, but FLUX.2 [dev] (tiny test model) needs 192 (the tiny Mistral encoder). "
-        "Use this pipeline only for its VAE (with the FLUX.2 VAE source node: the VAE is shared); for the text encoder choose a "
+        "Use this pipeline only for its VAE (with Load FLUX.2 VAE (file or pipeline): the VAE is shared); for the text encoder choose a "
         "FLUX.2 [dev] (tiny test model) pipeline folder, or a tiny Mistral encoder file or folder in models/text_encoders."
     )
     assert dev_encoder_folder(root / "flux2-dev-tiny-pipeline") == root / "flux2-dev-tiny-pipeline"
@@ -78,7 +78,7 @@ def test_klein_refusal_on_real_dimensions(variant):
     assert str(klein_encoder_error(f"FLUX.2-klein-{size}", "Flux2KleinPipeline", variant)) == (
         f"FLUX.2-klein-{size} is a FLUX.2 Klein {size} pipeline (Flux2KleinPipeline). Its {variant.encoder_name} text "
         f"encoder gives {variant.context_in_dim}-wide conditioning, but FLUX.2 [dev] needs 15360 (the Mistral-Small 24B "
-        "encoder). Use this pipeline only for its VAE (with the FLUX.2 VAE source node: the VAE is shared); for the text encoder "
+        "encoder). Use this pipeline only for its VAE (with Load FLUX.2 VAE (file or pipeline): the VAE is shared); for the text encoder "
         "choose a FLUX.2 [dev] pipeline folder, or a Mistral-Small 24B encoder file or folder in models/text_encoders."
     )
     assert {7680: "klein-4b", 12288: "klein-9b"}[variant.context_in_dim] == variant.key

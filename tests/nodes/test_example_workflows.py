@@ -1,47 +1,53 @@
 """The example workflows (example_workflows/, the pack's templates in ComfyUI): the host lists them, each UI
-file is the graph of its API twin, and each twin runs on the tiny weights and writes an image."""
+file is the graph of its API twin and names the public files it needs with their download addresses, each
+twin runs on the tiny weights, and `tiny --comfyui` gives a ComfyUI folder the tiny models and the examples'
+tiny form, which run there as they are."""
 
 from __future__ import annotations
 
 import json
+import os
+import re
+import urllib.parse
 from pathlib import Path
 
 import pytest
 from PIL import Image
 
+from helpers import run_devtools, run_flux2dev
+
 from comfyui_flux2dev.devtools import example_workflows as examples
-from comfyui_flux2dev.devtools.headless import PACK_FOLDER
+from comfyui_flux2dev.devtools.headless import PACK_FOLDER, HeadlessComfy
 from comfyui_flux2dev.devtools.workflow_files import ui_to_api
 
 NAMES = sorted(examples.EXAMPLES)
-# The real file names the examples use, and the tiny models that stand in for them here.
-TINY_NAMES = {
-    examples.GGUF: "flux2-dev-tiny-Q4_K.gguf",
-    examples.ENCODER: "mistral_3_small_flux2_fp8.safetensors",
-    examples.VAE: "flux2-ae.safetensors",
-    examples.DEV_PIPELINE: "flux2-dev-tiny-pipeline/",
-    examples.KLEIN_PIPELINE: "flux2-klein-4b-tiny-pipeline/",
-}
-TINY_SIZES = {"width": 64, "height": 64, "steps": 2}
+README = Path(__file__).resolve().parents[2] / "README.md"
+SAVED_BEFORE = Path(__file__).resolve().parents[1] / "data" / "saved_workflows"
 
 
 def _load(folder: Path, name: str) -> dict:
     return json.loads((folder / f"{name}.json").read_text(encoding="utf-8"))
 
 
-def _tiny(graph: dict) -> dict:
-    for node in graph.values():
-        for key, value in node["inputs"].items():
-            if isinstance(value, str) and value in TINY_NAMES:
-                node["inputs"][key] = TINY_NAMES[value]
-            elif key in TINY_SIZES and isinstance(value, int):
-                node["inputs"][key] = TINY_SIZES[key]
-    return graph
+def _saved_image(server, outputs) -> Image.Image:
+    (saved,) = (images for node in outputs.values() for images in node.get("images", []))
+    return Image.open(server.output_file(saved))
 
 
 def test_the_host_lists_them_as_the_packs_templates(comfy_server):
     assert sorted(comfy_server.get("/api/workflow_templates")[PACK_FOLDER]) == NAMES
     assert sorted(p.stem for p in examples.UI_FOLDER.glob("*.json")) == NAMES
+
+
+def test_titles_differ_in_their_first_words():
+    assert len({" ".join(name.split()[:2]) for name in NAMES}) == len(NAMES)
+
+
+def test_each_template_has_a_thumbnail_of_its_own():
+    thumbnails = [examples.UI_FOLDER / f"{name}.jpg" for name in NAMES]
+    assert all(t.is_file() for t in thumbnails)
+    assert len({t.read_bytes() for t in thumbnails}) == len(NAMES)
+    assert all(Image.open(t).format == "JPEG" for t in thumbnails)
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -54,11 +60,85 @@ def test_each_ui_file_is_the_graph_of_its_api_twin(comfy_server, name):
 
 
 @pytest.mark.parametrize("name", NAMES)
+def test_each_model_file_a_template_names_has_a_download_address_the_readme_lists(name):
+    readme = README.read_text(encoding="utf-8")
+    for node in _load(examples.UI_FOLDER, name)["nodes"]:
+        files = [v for v in node["widgets_values"] if isinstance(v, str) and v.endswith((".safetensors", ".gguf"))]
+        models = node["properties"].get("models", [])
+        assert sorted(m["name"] for m in models) == sorted(files), node["type"]
+        for model in models:
+            url = urllib.parse.urlparse(model["url"])
+            assert url.scheme == "https" and url.netloc == "huggingface.co", model
+            assert url.path.rsplit("/", 1)[1] == model["name"]
+            assert model["directory"] in ("diffusion_models", "text_encoders", "vae")
+            assert model["url"] in readme and f"`{model['name']}`" in readme
+
+
+def test_the_official_size_and_steps():
+    """ComfyUI's own FLUX.2 [dev] template samples 1248x832 in 20 steps."""
+    twin = _load(examples.API_FOLDER, examples.TEXT_TO_IMAGE)
+    sizes = {(n["class_type"], k): v for n in twin.values() for k, v in n["inputs"].items() if k in ("width", "height", "steps")}
+    assert sizes == {("Flux2Scheduler", "steps"): 20, ("Flux2Scheduler", "width"): 1248, ("Flux2Scheduler", "height"): 832,
+                     ("EmptyFlux2LatentImage", "width"): 1248, ("EmptyFlux2LatentImage", "height"): 832}
+
+
+def test_the_edit_examples_pictures_are_in_the_input_folder(comfy_server):
+    """The host loads the pack, which copies the pictures the edit example names into ComfyUI's input folder."""
+    images = [n["inputs"]["image"] for n in _load(examples.API_FOLDER, "Image edit, two reference images - FLUX.2 dev").values()
+              if n["class_type"] == "LoadImage"]
+    assert images == list(examples.REFERENCES)
+    for image in images:
+        copied = comfy_server.base_dir / "input" / image
+        assert copied.read_bytes() == (examples.INPUTS_FOLDER / image).read_bytes()
+    assert set(images) <= set(comfy_server.get("/object_info/LoadImage")["LoadImage"]["input"]["required"]["image"][0])
+
+
+@pytest.mark.parametrize("name", NAMES)
 def test_each_example_runs_on_the_tiny_weights(comfy_server, name):
-    inputs = comfy_server.base_dir / "input"
-    inputs.mkdir(exist_ok=True)
-    for i, image in enumerate(examples.REFERENCES):
-        Image.new("RGB", (64, 48), (200, 60 * i, 30)).save(inputs / image)
-    outputs = comfy_server.run(_tiny(_load(examples.API_FOLDER, name)))
-    (saved,) = (images for node in outputs.values() for images in node.get("images", []))
-    assert Image.open(comfy_server.output_file(saved)).size == (64, 64)
+    graph = examples.tiny_form(_load(examples.API_FOLDER, name), folder="")
+    assert _saved_image(comfy_server, comfy_server.run(graph)).size == (256, 256)
+
+
+def test_a_workflow_saved_before_the_new_titles_runs_unchanged(comfy_server):
+    """A workflow the frontend saved with the nodes' old titles names the same node ids: it loads and runs."""
+    ui = json.loads((SAVED_BEFORE / "text to image, GGUF.json").read_text(encoding="utf-8"))
+    assert {n["title"] for n in ui["nodes"] if n["type"].startswith("Flux2Dev")} >= {"Load FLUX.2 GGUF transformer"}
+    graph = ui_to_api(ui, comfy_server.get("/object_info"))
+    assert _saved_image(comfy_server, comfy_server.run(graph)).size == (64, 64)
+
+
+@pytest.mark.server
+def test_tiny_comfyui_writes_models_and_tiny_workflows_that_run_there(tmp_path):
+    comfyui = tmp_path / "ComfyUI"
+    own = comfyui / "models" / "text_encoders" / examples.ENCODER  # a user's file named like a tiny model
+    own.parent.mkdir(parents=True)
+    own.write_bytes(b"the user's own encoder")
+    (comfyui / "main.py").write_text("")
+    out = run_devtools("tiny", "--comfyui", comfyui, env={"FLUX2DEV_TINY_MODELS": ""})
+    assert out.returncode == 0, out.stderr
+    declaration = comfyui / "models" / "flux2dev-tiny-models.json"
+    assert f"FLUX2DEV_TINY_MODELS={declaration.resolve()} python main.py" in out.stdout
+    assert "256x256, 2 steps" in out.stdout
+    assert own.read_bytes() == b"the user's own encoder"
+    tiny_gguf = comfyui / "models" / "unet" / examples.TINY_FOLDER / "flux2-dev-tiny-Q4_K.gguf"
+    known = run_flux2dev("inspect", tiny_gguf, env={"FLUX2DEV_TINY_MODELS": str(declaration)})
+    assert known.returncode == 0 and json.loads(known.stdout)["variant"] == "dev", known.stderr
+
+    everything = sorted((p, p.stat().st_mtime_ns) for p in comfyui.rglob("*") if p.is_file())
+    again = run_devtools("tiny", "--comfyui", comfyui)
+    assert again.returncode == 2 and "nothing was written" in again.stderr
+    assert sorted((p, p.stat().st_mtime_ns) for p in comfyui.rglob("*") if p.is_file()) == everything
+
+    workflows = comfyui / "user" / "default" / "workflows"
+    with HeadlessComfy(os.environ["COMFYUI_ROOT"], base_dir=comfyui, env={"FLUX2DEV_TINY_MODELS": str(declaration)}) as server:
+        listed = server.get("/api/userdata?dir=workflows")
+        object_info = server.get("/object_info")
+        for name in NAMES:
+            saved = f"Tiny models - {name}.json"
+            assert saved in listed
+            ui = json.loads((workflows / saved).read_text(encoding="utf-8"))
+            graph = ui_to_api(ui, object_info)
+            assert graph == examples.tiny_form(_load(examples.API_FOLDER, name))
+            names = [v for n in graph.values() for v in n["inputs"].values() if isinstance(v, str) and re.search(r"\.(gguf|safetensors)$|/$", v)]
+            assert names and all(v.startswith(examples.TINY_FOLDER + "/") for v in names), names
+            assert _saved_image(server, server.run(graph)).size == (256, 256)

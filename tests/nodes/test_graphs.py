@@ -92,12 +92,12 @@ ENCODER_REFUSALS = {
         "or pick a FLUX.2 [dev] encoder (mistral_3_small_flux2_*.safetensors or a Mistral-Small-3.x folder) here."
     ),
     "flux2-dev-transformer.safetensors": (
-        "This is a FLUX.2 diffusion transformer, not a text encoder. Load it with FLUX.2 transformer source or Load "
-        "FLUX.2 GGUF transformer, and pick a Mistral-Small text encoder (e.g. mistral_3_small_flux2_bf16.safetensors) "
+        "This is a FLUX.2 diffusion transformer, not a text encoder. Load it with Load FLUX.2 transformer "
+        "(safetensors or pipeline) or Load FLUX.2 transformer (GGUF), and pick a Mistral-Small text encoder (e.g. mistral_3_small_flux2_bf16.safetensors) "
         "here."
     ),
     "flux2-vae.safetensors": (
-        "This is a VAE (autoencoder), not a text encoder. Load it with FLUX.2 VAE source or Load VAE, and pick a "
+        "This is a VAE (autoencoder), not a text encoder. Load it with Load FLUX.2 VAE (file or pipeline) or Load VAE, and pick a "
         "Mistral-Small text encoder (e.g. mistral_3_small_flux2_bf16.safetensors) here."
     ),
 }

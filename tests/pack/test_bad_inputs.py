@@ -55,7 +55,7 @@ EXPECTED = {
         "dev-encoder": NOT_A_PIPELINE,
     },
     "encoder-gguf": {
-        "gguf": (WrongModelError, [r"Mistral-Small text encoder", r"not a FLUX\.2 transformer", r"text encoder loader"]),
+        "gguf": (WrongModelError, [r"Mistral-Small text encoder", r"not a FLUX\.2 transformer", r"Load FLUX\.2 text encoder \(Mistral\)"]),
         "transformer": NOT_SAFETENSORS, "vae": NOT_SAFETENSORS,
     },
     "flux1-file": {

@@ -159,18 +159,7 @@ def test_tiny_models_are_unknown_without_their_declaration(tiny_root, relative):
     assert missing.returncode == 2 and "FLUX2DEV_TINY_MODELS is '1', which is no file" in missing.stderr
 
 
-def test_the_dev_tools_write_tiny_models_into_a_comfyui_install_with_their_declaration(tmp_path):
-    comfyui = tmp_path / "ComfyUI"
-    (comfyui / "models").mkdir(parents=True)
-    (comfyui / "main.py").write_text("")
-    out = run_devtools("tiny", "--comfyui", str(comfyui), env={"FLUX2DEV_TINY_MODELS": ""})
-    assert out.returncode == 0, out.stderr
-    declaration = comfyui / "models/flux2dev-tiny-models.json"
-    assert f"FLUX2DEV_TINY_MODELS={declaration.resolve()} python main.py" in out.stdout
-    assert (comfyui / "models/text_encoders/mistral_3_small_flux2_bf16.safetensors").is_file()
-    assert (comfyui / "models/unet/flux2-dev-tiny-Q4_K.gguf").is_file()
-    assert not (comfyui / "models/manifest.json").exists()
-    known = run_flux2dev("inspect", str(comfyui / "models/unet/flux2-dev-tiny-Q4_K.gguf"), env={"FLUX2DEV_TINY_MODELS": str(declaration)})
-    assert known.returncode == 0 and json.loads(known.stdout)["variant"] == "dev", known.stderr
+def test_the_dev_tools_write_tiny_models_only_into_a_comfyui_folder(tmp_path):
+    """(The whole run into a ComfyUI folder: tests/nodes/test_example_workflows.py.)"""
     refused = run_devtools("tiny", "--comfyui", str(tmp_path))
     assert refused.returncode == 2 and "not a ComfyUI folder" in refused.stderr
