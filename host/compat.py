@@ -43,6 +43,7 @@ REQUIRED = (
     ("the models the host holds, which keep_loaded off unloads", "comfy.model_management:current_loaded_models"),
     ("unloading one held model", "comfy.model_management:LoadedModel.model_unload"),
     ("the user folder the conditioning cache lives in", "folder_paths:get_user_directory"),
+    ("the input folder the image edit example's pictures are copied into", "folder_paths:get_input_directory"),
     ("the VAE object", "comfy.sd:VAE.throw_exception_if_invalid"),
     ("the pruned FLUX.2 text encoder", "comfy.text_encoders.flux:flux2_te"),
     ("the Mistral encoder class the pack masks left padding in", "comfy.text_encoders.flux:Mistral3_24BModel.process_tokens"),
