@@ -67,6 +67,14 @@ class VariantMismatchError(Flux2DevError):
     """Parts of different FLUX.2 variants were wired together (a Klein encoder into [dev], ...)."""
 
 
+class InputError(Flux2DevError):
+    """A node input or command-line argument that cannot work as given (an edit without images, ...)."""
+
+
+class PromptTooLongError(InputError):
+    """A prompt is longer than the model reads at once (prompt upsampling's chat)."""
+
+
 class CacheError(Flux2DevError):
     """The conditioning cache folder cannot be used as given (it holds other files, or is no folder)."""
 

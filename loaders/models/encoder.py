@@ -7,11 +7,16 @@ Reading happens in two steps. `plan_encoder` looks only at headers: it finds the
 embeddings only, so layers 30+, the final norm, lm_head, the vision tower and the projector are skipped by
 name and never read. `load_encoder` then reads exactly the planned tensors. Quantized weights stay packed (see
 quant.py); the host dequantizes them per layer at run time.
+
+Prompt upsampling writes text with the same checkpoint, and needs all of its layers, the final norm and lm_head:
+`plan_language_model` plans that reading (READINGS), and refuses a checkpoint that lacks them before anything
+is read.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -22,16 +27,36 @@ from ...errors import (
     ModelNotFoundError,
     TokenizerNotFoundError,
     UnknownModelError,
+    WrongModelError,
 )
 from ..formats.validate import JSON_LIMITS
 from ..formats import progress, quant
 from . import variants
-from .encoder_identify import EMBED, LAYER_SHAPES, host_name, identify
+from .encoder_identify import EMBED, FINAL_NORM, LAYER_SHAPES, LM_HEAD, host_name, identify
 from .encoder_layouts import GGUF_METADATA, Source, find_layout, tokenizer_folders
 from ..formats.files import MODEL_FOLDER_MARKERS
 from .variants import MistralEncoderGeometry
 
 EMBEDDED_TEKKEN = "tekken_model"  # ComfyUI single files and gguf-org files carry tekken.json as a tensor
+FULL_MODEL_SOURCES = (
+    "a Hugging Face Mistral-Small-3.x folder (mistralai/Mistral-Small-3.2-24B-Instruct-2506), the text_encoder/ of a "
+    "FLUX.2 [dev] diffusers pipeline, Mistral's consolidated.safetensors, or a llama.cpp .gguf of Mistral-Small-3.x"
+)
+
+
+@dataclass(frozen=True)
+class Reading:
+    """What a plan reads of a checkpoint."""
+
+    name: str
+    layers: Callable[[MistralEncoderGeometry, int], int]  # (geometry, layers in the file) -> leading layers read
+    head: bool  # the final norm and lm_head
+
+
+# FLUX.2 conditioning reads the embeddings and the layers its hidden states come from; writing text reads the
+# whole language model.
+CONDITIONING = Reading("conditioning", lambda g, in_file: variants.layers_kept(g), head=False)
+GENERATION = Reading("text generation", lambda g, in_file: max(g.layers), head=True)
 
 
 @dataclass
@@ -69,32 +94,55 @@ class LoadedEncoder:
 
 def plan_encoder(path: str) -> EncoderPlan:
     """Everything about an encoder checkpoint that its headers tell, without reading tensor data."""
+    return _planned(path, CONDITIONING)
+
+
+def plan_language_model(path: str) -> EncoderPlan:
+    """The plan of the whole Mistral-Small language model in a checkpoint (all layers, final norm, lm_head), for
+    writing text; a checkpoint that cannot write text (ComfyUI's pruned 30-layer files, a file without lm_head)
+    is refused from its headers, naming what it lacks and which files work."""
+    return _planned(path, GENERATION)
+
+
+def _planned(path: str, reading: Reading) -> EncoderPlan:
     path = os.path.abspath(path)
     if not os.path.lexists(path):
         raise ModelNotFoundError(f"{path} does not exist. Give a text encoder file or folder that exists on this machine.")
     layout, checkpoint = find_layout(path)
     with checkpoint.closed_on_error():
-        return _plan(path, layout, checkpoint)
+        return _plan(path, layout, checkpoint, reading)
 
 
-def _plan(path: str, layout, checkpoint) -> EncoderPlan:
+def _is_read(host: str, layer: int | None, kept: int, reading: Reading) -> bool:
+    if layer is not None:
+        return layer < kept
+    return host == EMBED or (reading.head and host.startswith((FINAL_NORM, LM_HEAD + ".")))
+
+
+def _plan(path: str, layout, checkpoint, reading: Reading) -> EncoderPlan:
     source = layout.source(checkpoint)
     shapes = {k: shape for k, (_, shape) in source.entries.items()}
     geometry, layers_in_file = identify(shapes, layout.scheme)
-    kept = variants.layers_kept(geometry)
+    kept = reading.layers(geometry, layers_in_file)
+    if layers_in_file < kept:
+        raise WrongModelError(
+            f"{os.path.basename(path)} holds {layers_in_file} of Mistral-Small's {kept} layers: it is a pruned FLUX.2 "
+            f"encoder (as ComfyUI's mistral_3_small_flux2_* files), which encodes prompts but cannot do {reading.name}. "
+            f"Pick the whole model: {FULL_MODEL_SOURCES}."
+        )
 
     mapping: dict[str, str] = {}
     skips: list[str] = []
     for stored in source.entries:
         host, layer = host_name(stored, layout.scheme)
-        if not host or (layer is not None and layer >= kept):
+        if not host or not _is_read(host, layer, kept, reading):
             if stored != EMBEDDED_TEKKEN:
                 skips.append(stored)
             continue
         if host in mapping:
             raise CorruptFileError(f"{path}: both {mapping[host]} and {stored} hold {host}; the file is ambiguous.")
         mapping[host] = stored
-    _check_complete(path, geometry, kept, mapping, shapes, source)
+    _check_complete(path, geometry, kept, mapping, shapes, source, reading)
 
     formats: dict[str, int] = {}
     for host, stored in mapping.items():
@@ -134,12 +182,22 @@ def _stated_heads(path: str, layout, source, geometry: MistralEncoderGeometry) -
     return stated
 
 
-def _check_complete(path, geometry, kept, mapping, shapes, source) -> None:
+def _check_complete(path, geometry, kept, mapping, shapes, source, reading: Reading) -> None:
     missing, wrong = [], []
     need = {EMBED: (geometry.vocab, geometry.width)}
     for i in range(kept):
         for part, shape in LAYER_SHAPES.items():
             need[f"model.layers.{i}.{part}.weight"] = shape(geometry)
+    if reading.head:
+        head = {FINAL_NORM: ("the final norm", (geometry.width,)),
+                f"{LM_HEAD}.weight": ("the output head (lm_head)", (geometry.vocab, geometry.width))}
+        absent = [what for name, (what, _) in head.items() if name not in mapping]
+        if absent:
+            raise MissingWeightsError(
+                f"{os.path.basename(path)} has all {kept} layers but not {' and '.join(absent)}, which turn them into "
+                f"words, so it cannot do {reading.name}. Pick the whole model: {FULL_MODEL_SOURCES}."
+            )
+        need.update({name: shape for name, (_, shape) in head.items()})
     for host, shape in need.items():
         stored = mapping.get(host)
         if stored is None:

@@ -15,6 +15,8 @@ from .node_titles import title
 from .variants import MistralEncoderGeometry
 
 EMBED = "model.embed_tokens.weight"
+FINAL_NORM = "model.norm.weight"
+LM_HEAD = "lm_head"  # the output head's module in the host's names
 # The host's per-layer modules (MistralForCausalLM names), with the weight shape each must have.
 LAYER_SHAPES: dict[str, Callable[[MistralEncoderGeometry], tuple[int, ...]]] = {
     "self_attn.q_proj": lambda g: (g.heads * g.head_dim, g.width),
@@ -43,8 +45,12 @@ SMALLEST_MISTRAL_VOCAB = 100000  # Llama-family vocabularies (32000, 128256 is L
 
 
 def host_name(stored: str, scheme: KeyScheme) -> tuple[str | None, int | None]:
-    """(host name, layer index) of one stored tensor name, or (None, None) when FLUX.2 never uses it.
-    A host name of "" means a companion tensor that is read past on purpose (input scales, declarations)."""
+    """(host name, layer index) of one stored tensor name, or (None, None) when the pack never uses it.
+    A host name of "" means a companion tensor that is read past on purpose (input scales, declarations).
+    The final norm and the output head are named too; only text generation reads them."""
+    whole, _, suffix = stored.rpartition(".")
+    if whole in scheme.lm_head and suffix in SUFFIXES:
+        return (f"{LM_HEAD}.{SUFFIXES[suffix]}" if SUFFIXES[suffix] else ""), None
     prefix = next((p for p in scheme.prefixes if stored.startswith(p)), None)
     if prefix is None:
         return None, None
@@ -54,6 +60,8 @@ def host_name(stored: str, scheme: KeyScheme) -> tuple[str | None, int | None]:
     mapped = SUFFIXES[suffix]
     if module == scheme.embed:
         return (EMBED if mapped == "weight" else None), None
+    if module == scheme.final_norm:
+        return (FINAL_NORM if mapped == "weight" else None), None
     head, _, tail = module.partition(".")
     if head != scheme.layer_word:
         return None, None

@@ -58,6 +58,8 @@ class KeyScheme:
     embed: str
     layer_word: str
     parts: dict[str, str]  # stored module name in a layer -> the host's
+    final_norm: str  # the final norm's module, under a prefix (only text generation reads it)
+    lm_head: tuple[str, ...]  # the output head's stored module names, whole (only text generation reads it)
 
 
 HOST_PARTS = (
@@ -65,15 +67,16 @@ HOST_PARTS = (
     "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "input_layernorm", "post_attention_layernorm",
 )
 HF_SCHEME = KeyScheme(
-    ("model.language_model.", "language_model.model.", "model."), "embed_tokens", "layers", {p: p for p in HOST_PARTS}
+    ("model.language_model.", "language_model.model.", "model."), "embed_tokens", "layers", {p: p for p in HOST_PARTS},
+    "norm", ("lm_head", "language_model.lm_head"),
 )
 NATIVE_SCHEME = KeyScheme(("",), "tok_embeddings", "layers", dict(zip((
     "attention.wq", "attention.wk", "attention.wv", "attention.wo",
     "feed_forward.w1", "feed_forward.w3", "feed_forward.w2", "attention_norm", "ffn_norm",
-), HOST_PARTS)))
+), HOST_PARTS)), "norm", ("output",))
 GGUF_SCHEME = KeyScheme(("",), "token_embd", "blk", dict(zip((
     "attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down", "attn_norm", "ffn_norm",
-), HOST_PARTS)))
+), HOST_PARTS)), "output_norm", ("output",))
 
 
 # --- the path being read, looked at once -------------------------------------------------------------------
