@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from ..errors import TokenizerNotFoundError
+from .chat import CHAT_MARKERS
 from .prompt import TEMPLATE_MARKERS
 from .vocab import TekkenVocab, byte_level_string
 
@@ -20,8 +21,9 @@ REFERENCE_PATTERN = (
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
-# What every accepted tokenizer must give: each marker of the FLUX.2 template as exactly its one id.
-SELF_TEST = tuple(TEMPLATE_MARKERS.items())
+# What every accepted tokenizer must give: each marker of the FLUX.2 template and of the upsampler's chat as
+# exactly its one id.
+SELF_TEST = tuple({**TEMPLATE_MARKERS, **CHAT_MARKERS}.items())
 SELF_TEST_TEXT = "a red fox"
 
 
