@@ -34,7 +34,7 @@ NATIVE = {"model.embed_tokens": "tok_embeddings", "model.norm": "norm", "lm_head
           "self_attn.o_proj": "attention.wo", "mlp.gate_proj": "feed_forward.w1", "mlp.up_proj": "feed_forward.w3",
           "mlp.down_proj": "feed_forward.w2", "input_layernorm": "attention_norm", "post_attention_layernorm": "ffn_norm"}
 VISION = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=1, head_dim=16,
-              image_size=32, patch_size=16, num_channels=3)
+              image_size=128, patch_size=16, num_channels=3)
 
 
 @functools.lru_cache(maxsize=1)
@@ -134,14 +134,16 @@ HF_PREFIXES = {
 }
 
 
-def write_hf_mistral3(dir: str, *, layers: int = LAYERS, prefix: str = "model.language_model", shards: int = 2) -> None:
-    """A Mistral3ForConditionalGeneration folder (config.json, sharded safetensors + index), as on the hub."""
+def write_hf_mistral3(dir: str, *, layers: int = LAYERS, prefix: str = "model.language_model", shards: int = 2,
+                      model: dict[str, torch.Tensor] | None = None) -> None:
+    """A Mistral3ForConditionalGeneration folder (config.json, sharded safetensors + index), as on the hub; `model`:
+    the language model's tensors in MistralForCausalLM keys (default: the tiny model in bf16)."""
     os.makedirs(dir, exist_ok=True)
     vision_prefix, lm_head = HF_PREFIXES[prefix]
-    model = {k: v for k, v in base_model().items() if _layer(k) < layers}
+    model = {k: v for k, v in (model or base_model()).items() if _layer(k) < layers}
     tensors = {}
     for k, v in model.items():
-        tensors[lm_head if k == "lm_head.weight" else prefix + k[len("model"):]] = v
+        tensors[lm_head if k.startswith("lm_head.") else prefix + k[len("model"):]] = v
     tensors.update({vision_prefix + k: v for k, v in vision_weights().items()})
     names = sorted(tensors)
     per = -(-len(names) // shards)
@@ -236,9 +238,8 @@ def _linear_keys(model: dict[str, torch.Tensor]) -> list[str]:
     return [k for k in model if k.startswith("model.layers.") and k.split(".")[-2] in PARTS]
 
 
-def write_fp8(path: str, *, spelling: str, per_channel: bool) -> None:
-    """ComfyUI single file with fp8_e4m3fn linear weights and a scale (.weight_scale or .scale_weight)."""
-    model = {k: v for k, v in base_model().items() if _layer(k) < PRUNED and k != "lm_head.weight"}
+def _fp8(model: dict[str, torch.Tensor], spelling: str, per_channel: bool, input_scales: bool) -> dict[str, torch.Tensor]:
+    """The model with its layers' linear weights in fp8_e4m3fn and a scale (.weight_scale or .scale_weight)."""
     out = dict(model)
     input_spelling = {"weight_scale": "input_scale", "scale_weight": "scale_input"}[spelling]
     for k in _linear_keys(model):
@@ -248,7 +249,15 @@ def write_fp8(path: str, *, spelling: str, per_channel: bool) -> None:
         out[k] = (w / scale).to(torch.float8_e4m3fn)
         stem = k[: -len("weight")]
         out[stem + spelling] = scale
-        out[stem + input_spelling] = torch.ones((), dtype=torch.float32)
+        if input_scales:
+            out[stem + input_spelling] = torch.ones((), dtype=torch.float32)
+    return out
+
+
+def write_fp8(path: str, *, spelling: str, per_channel: bool) -> None:
+    """ComfyUI single file with fp8_e4m3fn linear weights and a scale (.weight_scale or .scale_weight)."""
+    model = {k: v for k, v in base_model().items() if _layer(k) < PRUNED and k != "lm_head.weight"}
+    out = _fp8(model, spelling, per_channel, input_scales=True)
     out["tekken_model"] = _tekken_tensor()
     if spelling == "scale_weight":  # ComfyUI's older scaled-fp8 files mark themselves with this empty tensor
         out["scaled_fp8"] = torch.empty(0, dtype=torch.float8_e4m3fn)
@@ -273,9 +282,17 @@ def quantize_nvfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.T
     return packed, swizzle_block_scales(block_scale), tensor_scale.to(torch.float32)
 
 
-def write_nvfp4(path: str) -> None:
-    """ComfyUI "fp4_mixed": most linear weights NVFP4, layer 0 and every down_proj kept bf16."""
-    model = {k: v for k, v in base_model().items() if _layer(k) < PRUNED and k != "lm_head.weight"}
+def write_hf_fp8(dir: str) -> None:
+    """A whole Mistral3 folder whose layers are fp8 with a scale per output channel (as the hub's FP8 checkpoints of
+    Mistral-Small: embeddings, norms, lm_head and the vision tower kept bf16)."""
+    write_hf_mistral3(dir, model=_fp8(base_model(), "weight_scale", per_channel=True, input_scales=False))
+    write_tekken(dir)
+
+
+def write_nvfp4(path: str, *, whole: bool = False) -> None:
+    """ComfyUI "fp4_mixed": most linear weights NVFP4, layer 0 and every down_proj kept bf16; whole: all 40 layers
+    with the final norm and lm_head (bf16), which text generation reads."""
+    model = {k: v for k, v in base_model().items() if whole or (_layer(k) < PRUNED and k != "lm_head.weight")}
     out = dict(model)
     for k in _linear_keys(model):
         if _layer(k) == 0 or k.endswith("down_proj.weight"):
@@ -411,6 +428,10 @@ ENCODERS = (
     TinyEncoder("mistral_3_small_flux2_fp8_channel.safetensors", "comfy-single-file", "fp8-scaled",
                 lambda path: write_fp8(path, spelling="weight_scale", per_channel=True)),
     TinyEncoder("mistral_3_small_flux2_fp4_mixed.safetensors", "comfy-single-file", "nvfp4", write_nvfp4),
+    # Whole models in packed formats: they encode as the others, and prompt upsampling reads all of them.
+    TinyEncoder("hf-mistral3-fp8", "hf-mistral3", "fp8-scaled", write_hf_fp8),
+    TinyEncoder("mistral_3_small_whole_fp4_mixed.safetensors", "comfy-single-file", "nvfp4",
+                lambda path: write_nvfp4(path, whole=True)),
     *(TinyEncoder(name, f"gguf-{spec[0]}", f"gguf-{spec[1]}", lambda path, spec=spec: write_gguf(path, *spec))
       for name, spec in GGUF_FILES.items()),
 )

@@ -9,13 +9,15 @@ import numpy as np
 import pytest
 import torch
 
+import references
+
 from comfyui_flux2dev.errors import MissingWeightsError, UnknownModelError, UnsupportedFormatError, WrongModelError
 from comfyui_flux2dev.loaders.models import encoder as enc
 from comfyui_flux2dev.devtools.tiny import encoders as tiny
 
 PROMPTS = ("a red fox in the snow", "Ein Café, 2024: [IMG] 3 cats <s>!")
 # The tiny encoders, from the table that writes them: bf16 ones (with the tiny [dev] pipeline as one more
-# layout) against transformers, packed ones against their own dequantization (REFERENCES, by format family).
+# layout) against transformers, packed ones against their own dequantization (references.WEIGHTS, by format family).
 BF16_LAYOUTS = {**{e.name: e.layout for e in tiny.ENCODERS if e.format == "bf16"}, "pipeline": "diffusers-pipeline"}
 QUANTIZED = {e.name: e.format.split("-")[0] for e in tiny.ENCODERS if e.format != "bf16"}
 
@@ -59,65 +61,12 @@ def _mistral_with(state_dict: dict) -> torch.nn.Module:
     return model
 
 
-def _dequantized_weights(path, dequantize) -> dict:
-    """The file's model.* weights in transformers' MistralModel names, each through `dequantize(weight,
-    companions by suffix)`, an implementation independent of the pack's."""
-    from safetensors.torch import load_file
+def _encoder_weights(weights: dict) -> dict:
+    """The embeddings and layers 0..29 of a file's weights (references.WEIGHTS) in MistralModel's names."""
+    def kept(key: str) -> bool:
+        return key == "model.embed_tokens.weight" or key.startswith("model.layers.") and int(key.split(".")[2]) < tiny.PRUNED
 
-    sd = load_file(path)
-    out = {}
-    for k, v in sd.items():
-        if k.startswith("model.") and k.endswith(".weight"):
-            stem = k[: -len("weight")]
-            companions = {name[len(stem):]: t for name, t in sd.items() if name.startswith(stem) and name != k}
-            out[k[len("model."):]] = dequantize(v, companions).float()
-    return out
-
-
-def _fp8_reference(path):
-    def dequantize(weight, companions):
-        scale = companions.get("weight_scale", companions.get("scale_weight"))
-        if scale is None:
-            return weight
-        return weight.float() * (scale.float().reshape(-1, 1) if scale.numel() > 1 else scale.float())
-
-    return _dequantized_weights(path, dequantize)
-
-
-def _nvfp4_reference(path):
-    from comfy_kitchen.backends.eager.quantization import dequantize_nvfp4
-
-    def dequantize(weight, companions):
-        if weight.dtype != torch.uint8:
-            return weight
-        return dequantize_nvfp4(weight, companions["weight_scale_2"], companions["weight_scale"], output_type=torch.float32)
-
-    return _dequantized_weights(path, dequantize)
-
-
-def _gguf_reference(path):
-    import gguf
-
-    hf_names = {tiny.gguf_names().get_name(k, try_suffixes=(".weight",)): k for k in tiny.base_model()}
-    reader = gguf.GGUFReader(path)
-    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
-    heads = {"self_attn.q_proj": tiny.TINY_MISTRAL.heads, "self_attn.k_proj": tiny.TINY_MISTRAL.kv_heads}
-    out = {}
-    for t in reader.tensors:
-        key = hf_names.get(t.name, "").removeprefix("model.")
-        if not (key == "embed_tokens.weight" or key.startswith("layers.") and int(key.split(".")[1]) < tiny.PRUNED):
-            continue
-        w = torch.from_numpy(np.array(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float32))
-        w = w.reshape(tuple(int(d) for d in reversed(t.shape)))
-        module = key.split(".", 2)[-1][: -len(".weight")]
-        if arch in ("llama", "mistral3") and module in heads:  # llama.cpp stores Q/K rows interleaved
-            h, rows = heads[module], w.shape[0]
-            w = w.reshape(h, rows // h // 2, 2, -1).transpose(1, 2).reshape(rows, -1)
-        out[key] = w
-    return out
-
-
-REFERENCES = {"fp8": _fp8_reference, "nvfp4": _nvfp4_reference, "gguf": _gguf_reference}
+    return {k[len("model."):]: v for k, v in weights.items() if kept(k)}
 
 
 def _host_cond(clip, prompt):
@@ -156,7 +105,7 @@ def test_quantized_layouts_match_transformers_on_dequantized_weights(comfy_host,
     from comfyui_flux2dev.host.clip import load_clip
 
     path = os.path.join(encoders, name)
-    reference = _mistral_with(REFERENCES[QUANTIZED[name]](path))
+    reference = _mistral_with(_encoder_weights(references.WEIGHTS[QUANTIZED[name]](path)))
     clip = load_clip(path, padding="reference", dtype=torch.float32)
     _check(clip, reference, clip.tokenizer.tokenizer, "reference")
 
