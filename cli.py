@@ -117,6 +117,31 @@ def _cache(args) -> None:
               + (" ..." if len(others) > 5 else ""))
 
 
+def _upsample(args) -> None:
+    from .host.upsampler import upsample
+    from .loaders.formats.validate import regular_file
+
+    images = []
+    if args.image:
+        from PIL import Image
+
+        for name in args.image:
+            with Image.open(regular_file(name, "image")) as image:
+                images.append(image.convert("RGB"))
+
+    def progress(count: int, total: int) -> None:
+        print(f"\rwriting: {count}/{total} tokens", end="", file=sys.stderr, flush=True)
+
+    result = upsample(args.path, args.prompt, images=images, mode=args.mode, seed=args.seed, temperature=args.temperature,
+                      max_new_tokens=args.max_new_tokens, cache=args.cache, on_token=None if args.json else progress)
+    if not args.json:
+        print(file=sys.stderr)
+        print(result.text)
+        return
+    print(json.dumps({"text": result.text, "system_message": result.system_message, "input_ids": result.input_ids,
+                      "output_ids": result.output_ids}))
+
+
 def _inspect(args) -> None:
     from .loaders.models.inspect import inspect_path
 
@@ -162,6 +187,25 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out")
     p.add_argument("--allow-network", action="store_true")
     p.set_defaults(run=_encode)
+
+    from .tokenizers.chat import MODES as UPSAMPLE_MODES
+
+    p = sub.add_parser("upsample", help="rewrite a prompt with the encoder's own Mistral-Small weights, as Black Forest Labs "
+                       "recommends for FLUX.2 [dev] (a whole model: all 40 layers and lm_head)")
+    p.add_argument("path", help="a whole Mistral-Small-3.x checkpoint: a Hugging Face folder, a [dev] pipeline or its "
+                   "text_encoder/, consolidated.safetensors, or a llama.cpp .gguf")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--image", action="append", help="a reference image for an edit (repeat for several; they are "
+                   "joined side by side, as the reference does)")
+    p.add_argument("--mode", choices=UPSAMPLE_MODES, default=UPSAMPLE_MODES[0], help="auto (the default): an edit when "
+                   "images are given, else text to image")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=0.15, help="0 for greedy (default 0.15, the reference's)")
+    p.add_argument("--max-new-tokens", type=int, default=512)
+    p.add_argument("--cache", help="a conditioning cache folder: a prompt upsampled before is served from it")
+    p.add_argument("--json", action="store_true", help="one object: text, system_message, input_ids (the whole chat "
+                   "prompt as fed to the model) and output_ids (what the model wrote)")
+    p.set_defaults(run=_upsample)
 
     p = sub.add_parser("cache", help="list a conditioning cache folder, and prune it")
     p.add_argument("dir")

@@ -70,12 +70,22 @@ REQUIRED = (
     ("the node API (V3): a CLIP output", "comfy_api.latest:io.Clip.Output"),
     ("the node API (V3): a MODEL output", "comfy_api.latest:io.Model.Output"),
     ("the node API (V3): a VAE output", "comfy_api.latest:io.Vae.Output"),
+    ("the node API (V3): a number input", "comfy_api.latest:io.Int.Input"),
+    ("the node API (V3): a decimal input", "comfy_api.latest:io.Float.Input"),
+    ("the node API (V3): an image input", "comfy_api.latest:io.Image.Input"),
+    ("the node API (V3): a text output", "comfy_api.latest:io.String.Output"),
+    ("the node API (V3): text shown on the node", "comfy_api.latest:ui.PreviewText"),
+    ("the device the host runs text encoders on", "comfy.model_management:text_encoder_device"),
+    ("the device the host keeps unused text encoders on", "comfy.model_management:text_encoder_offload_device"),
+    ("moving a model to its device before it runs", "comfy.model_management:load_models_gpu"),
+    ("stopping a run the user cancelled", "comfy.model_management:throw_exception_if_processing_interrupted"),
 )
 # (what, "module:attribute.path", the first release that has it): used where there, with a fallback before.
 OPTIONAL = (
     ("the patcher the host's own loaders build (its dynamic-VRAM one on NVIDIA)", "comfy.model_patcher:CoreModelPatcher", "0.33.0"),
     ("whether a patcher is the dynamic-VRAM one", "comfy.model_patcher:ModelPatcher.is_dynamic", "0.33.0"),
     ("the running release's version, part of the conditioning cache's key", "comfyui_version:__version__", "0.3.75"),
+    ("a seed's control-after-generate default", "comfy_api.latest:io.ControlAfterGenerate", "0.33.0"),
 )
 
 
@@ -120,6 +130,15 @@ def node_schema(**fields):
     from comfy_api.latest import io
 
     return call_with_known(io.Schema, **fields)
+
+
+def fixed_seed_control():
+    """A seed input's control after generate, set to keep the seed: 0.33's "fixed"; on 0.3.75, which takes a switch
+    only, the frontend's default control."""
+    from comfy_api.latest import io
+
+    control = getattr(io, "ControlAfterGenerate", None)
+    return control.fixed if control is not None else True
 
 
 def new_patcher(model, load_device, offload_device, disable_dynamic: bool = False):

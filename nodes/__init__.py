@@ -8,6 +8,7 @@ from comfy_api.latest import ComfyExtension
 from .encoder import Flux2DevEncoderLoader
 from .gguf import Flux2DevGGUFTransformerLoader
 from .sources import Flux2DevEncoderSource, Flux2DevTransformerSource, Flux2DevVAESource
+from .upsampler import Flux2DevPromptUpsampler
 
 NODES = (
     Flux2DevEncoderLoader,
@@ -15,6 +16,7 @@ NODES = (
     Flux2DevTransformerSource,
     Flux2DevEncoderSource,
     Flux2DevVAESource,
+    Flux2DevPromptUpsampler,
 )
 
 

@@ -5,12 +5,13 @@ from ..host.compat import node_schema
 from ..loaders.models.node_titles import NODES
 
 CATEGORY = "loaders/FLUX.2"  # beside the host's own loaders
+CONDITIONING_CATEGORY = "conditioning/FLUX.2"  # beside CLIP Text Encode, which the upsampler's prompt feeds
 
 
-def schema(node_id: str, description: str, inputs: list, outputs: list):
+def schema(node_id: str, description: str, inputs: list, outputs: list, category: str = CATEGORY):
     """The node's schema, with the title and search words node_titles gives it."""
     title, aliases = NODES[node_id]
-    return node_schema(node_id=node_id, display_name=title, search_aliases=list(aliases), category=CATEGORY,
+    return node_schema(node_id=node_id, display_name=title, search_aliases=list(aliases), category=category,
                        description=description, inputs=inputs, outputs=outputs)
 
 PADDING_TOOLTIP = (

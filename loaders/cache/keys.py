@@ -14,8 +14,17 @@ from ..formats.validate import Field, check_field, parse_json
 ENCODING_VERSION = 2
 
 
+class CacheKey:
+    """A cache entry's key: a dataclass of everything that decides the entry, stored as JSON beside it."""
+
+    kind: ClassVar[str]
+
+    def to_json(self) -> str:
+        return json.dumps({"kind": self.kind, **asdict(self)}, sort_keys=True)
+
+
 @dataclass(frozen=True)
-class ConditioningKey:
+class ConditioningKey(CacheKey):
     """Everything that shapes one prompt's conditioning."""
 
     weights: str  # content hash of the weights the encoder keeps (tensors_digest)
@@ -32,8 +41,33 @@ class ConditioningKey:
     encoding_version: int = ENCODING_VERSION
     kind: ClassVar[str] = "conditioning"
 
-    def to_json(self) -> str:
-        return json.dumps({"kind": self.kind, **asdict(self)}, sort_keys=True)
+
+# Raise when the pack's generation changes (chat layout, image handling, sampling, the decoder's math): old
+# upsampled prompts then miss. tests/cache/test_encoding_version.py holds the digest of the code it guards.
+GENERATION_VERSION = 1
+
+
+@dataclass(frozen=True)
+class UpsampleKey(CacheKey):
+    """Everything that decides an upsampled prompt (a greedy or seeded run is deterministic on one machine)."""
+
+    weights: str  # content hash of the whole language model's weights (and the vision tower's, for an edit)
+    layout: str
+    formats: tuple[tuple[str, int], ...]
+    vocabulary: str
+    system_message: str
+    prompt: str
+    input_ids: tuple[int, ...]  # the whole chat prompt, image tokens included
+    image: str  # digest of the reference images as the model sees them ("" for text to image)
+    seed: int
+    temperature: float
+    top_k: int
+    max_new_tokens: int
+    dtype: str
+    device: str
+    host: str
+    generation_version: int = GENERATION_VERSION
+    kind: ClassVar[str] = "upsampled prompt"
 
 
 # What `flux2dev cache` reads back from a stored key to list it; anything else in it is only compared.

@@ -52,6 +52,26 @@ _TEXT_MODEL = {
     "rope_parameters": Field((dict, NULL), required=False, fields=_ROPE),
 }
 ENCODER_CONFIG = {**_TEXT_MODEL, "text_config": Field(dict, required=False, fields=_TEXT_MODEL)}  # config.json
+# What prompt upsampling reads of a Mistral3 config.json to build its vision tower and projector (loaders/models/vision.py).
+PIXTRAL_CONFIG = {
+    "hidden_size": Field(int, lo=1, hi=1 << 16),
+    "intermediate_size": Field(int, lo=1, hi=1 << 18),
+    "num_hidden_layers": Field(int, lo=1, hi=256),
+    "num_attention_heads": Field(int, lo=1, hi=1024),
+    "head_dim": Field((int, NULL), lo=1, hi=4096, required=False),
+    "image_size": Field(int, lo=1, hi=1 << 15),
+    "patch_size": Field(int, lo=1, hi=1024),
+    "num_channels": Field(int, lo=3, hi=3, required=False),
+    "rope_theta": Field(float, lo=1, hi=1e15, required=False),
+    "hidden_act": Field(str, max_len=32, required=False),
+}
+VISION_CONFIG = {
+    "vision_config": Field(dict, fields=PIXTRAL_CONFIG),
+    "spatial_merge_size": Field(int, lo=1, hi=64, required=False),
+    "projector_hidden_act": Field(str, max_len=32, required=False),
+    "multimodal_projector_bias": Field(bool, required=False),
+    "vision_feature_layer": Field(int, lo=-1, hi=-1, required=False),
+}
 PARAMS_FIELDS = {  # Mistral's params.json
     "dim": Field(int, lo=1, hi=1 << 17, required=False),
     "n_layers": Field(int, lo=1, hi=1024, required=False),
