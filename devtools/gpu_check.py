@@ -219,21 +219,11 @@ def write_gguf_encoder(path: str, g, layers: int, qtype) -> None:
     Q8_0 embeddings, F32 norms."""
     import gguf
 
-    from .tiny.encoders import gguf_names, tekken_data
+    from .tiny.encoders import gguf_encoder_writer, gguf_names, tekken_data
     from .tiny.gguf_blocks import random_blocks, write_and_close
 
     rng = np.random.default_rng(0)
-    writer = gguf.GGUFWriter(path, "cow")
-    writer.add_block_count(layers)
-    writer.add_context_length(131072)
-    writer.add_embedding_length(g.width)
-    writer.add_feed_forward_length(g.mlp)
-    writer.add_head_count(g.heads)
-    writer.add_head_count_kv(g.kv_heads)
-    writer.add_key_length(g.head_dim)
-    writer.add_value_length(g.head_dim)
-    writer.add_rope_freq_base(g.rope_theta)
-    writer.add_layer_norm_rms_eps(g.rms_norm_eps)
+    writer = gguf_encoder_writer(path, "cow", g, layers)
     names = gguf_names()
 
     def add(key: str, shape: tuple[int, int], q) -> None:
