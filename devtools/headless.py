@@ -32,15 +32,17 @@ class HeadlessComfy:
     """ComfyUI at `comfyui_root`, serving 127.0.0.1 with only this pack among the custom nodes.
 
     `models` maps a host model folder name (text_encoders, diffusion_models, vae, diffusers ...) to the
-    folders whose entries are linked into the temporary base directory's models/<name>/."""
+    folders whose entries are linked into the temporary base directory's models/<name>/. It runs on the CPU
+    (--cpu), or with `gpu` on the GPU the host finds, with the host's own choices there (0.33: dynamic VRAM)."""
 
     def __init__(self, comfyui_root: str | os.PathLike, models: dict[str, list[str | os.PathLike]] | None = None,
-                 base_dir: str | os.PathLike | None = None, env: dict[str, str] | None = None):
+                 base_dir: str | os.PathLike | None = None, env: dict[str, str] | None = None, gpu: bool = False):
         self.comfyui_root = Path(comfyui_root)
         self._tmp = None if base_dir else tempfile.TemporaryDirectory(prefix="flux2dev-comfy-")
         self.base_dir = Path(base_dir or self._tmp.name)
         self.models = {k: [Path(f) for f in folders] for k, folders in (models or {}).items()}
         self.env = env or {}
+        self.gpu = gpu
         self.port = 0
         self.process: subprocess.Popen | None = None
         self.log_path = self.base_dir / "server.log"
@@ -70,7 +72,7 @@ class HeadlessComfy:
         self._lay_out_base_dir()
         self.port = _free_port()
         cmd = [
-            sys.executable, "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(self.port),
+            sys.executable, "main.py", *([] if self.gpu else ["--cpu"]), "--listen", "127.0.0.1", "--port", str(self.port),
             "--base-directory", str(self.base_dir), "--disable-auto-launch", "--disable-api-nodes",
             "--database-url", "sqlite:///:memory:",
             "--disable-all-custom-nodes", "--whitelist-custom-nodes", PACK_FOLDER,

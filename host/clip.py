@@ -127,6 +127,9 @@ def _build_clip(plan: EncoderPlan, tokenizer, *, padding: str, dtype: torch.dtyp
         disable_dynamic=disable_dynamic,
     )
     packed_patcher(clip.patcher)
+    logging.info("FLUX.2 [dev] CLIP ready: %s patcher, computing on %s, kept on %s when idle; its weights are read on "
+                 "the first prompt the conditioning cache lacks.", type(clip.patcher).__name__, clip.patcher.load_device,
+                 clip.patcher.offload_device)
     placeholders = [(m, name, tuple(p.shape), p.dtype) for m in clip.cond_stage_model.modules() if isinstance(m, PackedLayer)
                     for name, p in m._parameters.items() if p is not None]
     clip.flux2dev_source = EncoderSource(plan, tokenizer, padding, dtype, keep_loaded, allow_network, cache, placeholders)

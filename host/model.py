@@ -6,6 +6,7 @@ fp8, GGUF blocks) stay as stored; host/ops.py dequantizes them per layer."""
 from __future__ import annotations
 
 import functools
+import logging
 from pathlib import Path
 
 import torch
@@ -139,6 +140,8 @@ def build_model(
     # The check sees the keys after the host's own conversion: what load_model_weights will really load.
     _check_keys(model, compat.unet_keys_as_loaded(model_config, sd))
     compat.load_unet_weights(model, dict(sd), dynamic=compat.is_dynamic(patcher))
+    logging.info("FLUX.2 MODEL ready: %s patcher, computing on %s, kept on %s when idle.",
+                 type(patcher).__name__, patcher.load_device, patcher.offload_device)
     return patcher
 
 

@@ -53,7 +53,7 @@ def _scratch_buffer(shape, dtype: torch.dtype) -> torch.Tensor:
     if buffer is None or buffer.numel() < nbytes:
         _scratch.buffer = buffer = None  # the smaller one goes before the larger one is allocated
         with torch.inference_mode(False):  # a normal tensor: writable inside and outside inference mode
-            buffer = _scratch.buffer = torch.empty(nbytes, dtype=torch.uint8)
+            buffer = _scratch.buffer = torch.empty(nbytes, dtype=torch.uint8, device="cpu")
     return buffer[:nbytes].view(dtype).view(shape)
 
 
@@ -108,12 +108,18 @@ class PackedLayer:
             tensor = tensor.to(device=placeholder.device, dtype=None if packed else placeholder.dtype)
             setattr(self, name, torch.nn.Parameter(tensor, requires_grad=False))
         for c, tensor in companions.items():
-            # The GGUF type is a number, not weight memory: it stays out of the state dict the host sizes models by.
-            self.register_buffer(c, tensor.to(self.weight.device), persistent=c != quant.GGUF_TYPE)
+            if c == quant.GGUF_TYPE:
+                # A number, not weight memory, read here once: as a buffer the host would move it with the weights
+                # (to the GPU), and every forward would then wait for the GPU to read it back.
+                setattr(self, c, int(tensor))
+            else:
+                self.register_buffer(c, tensor.to(self.weight.device))
         self.companions = tuple(companions)
 
-    def _companions(self, device: torch.device) -> dict[str, torch.Tensor]:
-        return {c: getattr(self, c).to(device) for c in self.companions}
+    def _companions(self, device: torch.device) -> dict:
+        """The companions on `device` (scales move as the weight does; the GGUF type stays a number)."""
+        values = {c: getattr(self, c) for c in self.companions}
+        return {c: v if isinstance(v, int) else _to_device(v, device) for c, v in values.items()}
 
     def _dequantized(self, stored: torch.Tensor, shape, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         """A new tensor of the weight's values (the host keeps it, or a forward returns it)."""

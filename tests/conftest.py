@@ -7,10 +7,18 @@ import tempfile
 from pathlib import Path
 
 import pytest
+import torch
 
+from helpers import CUDA_MISSING, cuda_param
 from comfyui_flux2dev.loaders.cache.store import CACHE_DIR_ENV
 from comfyui_flux2dev.devtools.tiny.geometry import test_models_env
 from comfyui_flux2dev.loaders.models.variants import TEST_MODELS_ENV
+from comfyui_flux2dev.tokenizers.canonical import hf_tokenizers
+
+# The Hugging Face tokenizers library, imported before the first test: pytest puts the repository itself on sys.path
+# when it sets up the root folder as a package (it holds __init__.py) under a name that is no Python name (a
+# clone's ComfyUI-Flux2Dev), and there the pack's tokenizers/ would hide the library from the host's imports.
+hf_tokenizers()
 
 # The tests run on tiny stand-ins for the real weights; the pack knows their geometry only when told.
 _declaration = tempfile.TemporaryDirectory(prefix="flux2dev-tiny-models-")
@@ -19,6 +27,25 @@ os.environ.update(test_models_env(_declaration.name))
 # them from one run to the next, so a later run would hit where a test expects the encoder to run).
 _session_cache = tempfile.TemporaryDirectory(prefix="flux2dev-test-cache-")
 os.environ[CACHE_DIR_ENV] = _session_cache.name
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "cuda: the CUDA variant of a test that runs on every device (the `device` fixture)")
+
+
+# Tests that run a model or a packed op take the `device` fixture: they run on the CPU always and on CUDA where
+# torch sees a GPU. Without one the CUDA variants are still collected and skipped with CUDA_MISSING as the reason,
+# so every run says how many wait for a GPU; devtools/gpu-check runs them (`-m cuda`) on a GPU machine.
+@pytest.fixture(params=["cpu", cuda_param("cuda")])
+def device(request) -> torch.device:
+    """Where the test runs its model or op: the CPU, then CUDA (skipped, saying why, where torch sees no GPU)."""
+    return torch.device(request.param)
+
+
+def pytest_terminal_summary(terminalreporter):
+    waiting = [r for r in terminalreporter.stats.get("skipped", []) if CUDA_MISSING in str(r.longrepr)]
+    if waiting:
+        terminalreporter.write_line(f"{len(waiting)} skipped: {CUDA_MISSING}")
 
 
 def _comfyui_root() -> Path:
@@ -95,21 +122,31 @@ def server_extras(tiny_root, tmp_path_factory) -> dict[str, Path]:
     return {"text_encoders": wrong, "diffusion_models": reference}
 
 
-@pytest.fixture(scope="session")
-def _server_session(tiny_root, server_extras):
+def _headless(tiny_root, server_extras, gpu: bool):
     from comfyui_flux2dev.devtools import tiny
     from comfyui_flux2dev.devtools.headless import HeadlessComfy
 
     models = {folder: [tiny_root / folder] for folder in tiny.PARTS}
     for folder, extra in server_extras.items():
         models[folder].append(extra)
-    with HeadlessComfy(_comfyui_root(), models=models, env={TEST_MODELS_ENV: os.environ[TEST_MODELS_ENV]}) as server:
+    return HeadlessComfy(_comfyui_root(), models=models, env={TEST_MODELS_ENV: os.environ[TEST_MODELS_ENV]}, gpu=gpu)
+
+
+@pytest.fixture(scope="session")
+def _server_session(tiny_root, server_extras):
+    with _headless(tiny_root, server_extras, gpu=False) as server:
+        yield server
+
+
+@pytest.fixture(scope="session")
+def _gpu_server_session(tiny_root, server_extras):
+    with _headless(tiny_root, server_extras, gpu=True) as server:
         yield server
 
 
 # A test that runs ComfyUI (in process or as a server) asks for one of these, directly or through its fixtures;
 # it is marked `host` and runs once per host tree (.ci/run), the others once in all.
-HOST_FIXTURES = ("comfy_host", "comfy_server")
+HOST_FIXTURES = ("comfy_host", "comfy_server", "server_on_device")
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m selects by markers
@@ -126,13 +163,25 @@ def pytest_runtest_makereport(item, call):
     return report
 
 
-@pytest.fixture
-def comfy_server(_server_session, request):
-    """The real ComfyUI, headless on 127.0.0.1 with the pack loaded; its log is printed when a test fails."""
-    yield _server_session
+def _print_log_if_failed(server, request) -> None:
     report = getattr(request.node, "report_call", None)
     if report is not None and report.failed:
-        print("---- ComfyUI server log ----\n" + _server_session.log()[-20000:])
+        print("---- ComfyUI server log ----\n" + server.log()[-20000:])
+
+
+@pytest.fixture
+def comfy_server(_server_session, request):
+    """The real ComfyUI, headless on 127.0.0.1 with the pack loaded, on the CPU; its log is printed when a test fails."""
+    yield _server_session
+    _print_log_if_failed(_server_session, request)
+
+
+@pytest.fixture
+def server_on_device(device, request):
+    """comfy_server, or for the CUDA variant the same server run on the GPU (a second one, started when first asked for)."""
+    server = request.getfixturevalue("_server_session" if device.type == "cpu" else "_gpu_server_session")
+    yield server
+    _print_log_if_failed(server, request)
 
 
 @pytest.fixture(scope="session")

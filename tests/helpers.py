@@ -15,6 +15,7 @@ import textwrap
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from gguf import GGUFValueType as V
 
@@ -27,6 +28,16 @@ DATA = TESTS / "data"
 # silently leaving the tests.
 GGUF_FLOAT_TYPES = ("F32", "F16", "BF16")
 GGUF_QUANTIZED_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
+
+
+# --- devices ------------------------------------------------------------------------------------------------
+
+CUDA_MISSING = "the CUDA variant: torch sees no CUDA GPU here (devtools/gpu-check runs these on a GPU machine)"
+
+
+def cuda_param(value):
+    """A parameter value for CUDA: marked `cuda` (what the GPU check selects), skipped with CUDA_MISSING without a GPU."""
+    return pytest.param(value, marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason=CUDA_MISSING)])
 
 
 # --- child processes ----------------------------------------------------------------------------------------
@@ -169,6 +180,24 @@ def reference_model(path):
     geometry, layout = geometry_from_shapes({k: tuple(v.shape) for k, v in sd.items()})
     loaded = LoadedTransformer(sd, variant_for_geometry(geometry, layout), geometry, layout.name)
     return build_model(loaded, dtype=torch.float32)
+
+
+def flux2_forward(patcher, device: torch.device) -> torch.Tensor:
+    """One forward of a tiny host FLUX.2 model (patched onto `device` by the caller) on seeded inputs: the same
+    values on every device (made on the CPU, then moved)."""
+    variant = patcher.model.flux2_variant
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 128, 4, 4, generator=g)
+    context = torch.randn(1, 5, variant.context_in_dim, generator=g)
+    guidance = torch.tensor([4.0], device=device) if variant.guidance else None
+    return patcher.model.diffusion_model(x.to(device), torch.tensor([0.7], device=device), context.to(device), guidance=guidance)
+
+
+def on_device(patcher, device: torch.device):
+    """Make the host load this patcher's model on `device`, as its own Select Device nodes set it, so that a test's
+    CPU variant stays on the CPU where the host would pick a GPU."""
+    patcher.load_device = device
+    return patcher
 
 
 def tiny_lora(patcher) -> dict:

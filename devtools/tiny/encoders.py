@@ -332,11 +332,11 @@ GGUF_FILES = {
 }
 
 
-def write_gguf(path: str, arch: str, linear: str, embed: str, interleave: bool, tokenizer: bool) -> None:
+def gguf_encoder_writer(path: str, arch: str, g, layers: int):
+    """A gguf.GGUFWriter for an encoder of geometry `g` with `layers` layers, its settings written as llama.cpp
+    writes Mistral's."""
     import gguf
 
-    g = TINY_MISTRAL
-    layers = PRUNED if arch == "cow" else LAYERS
     writer = gguf.GGUFWriter(path, arch)
     writer.add_block_count(layers)
     writer.add_context_length(131072)
@@ -350,6 +350,14 @@ def write_gguf(path: str, arch: str, linear: str, embed: str, interleave: bool, 
     writer.add_rope_freq_base(g.rope_theta)
     writer.add_layer_norm_rms_eps(g.rms_norm_eps)
     writer.add_vocab_size(g.vocab)
+    return writer
+
+
+def write_gguf(path: str, arch: str, linear: str, embed: str, interleave: bool, tokenizer: bool) -> None:
+    import gguf
+
+    layers = PRUNED if arch == "cow" else LAYERS
+    writer = gguf_encoder_writer(path, arch, TINY_MISTRAL, layers)
     if tokenizer:
         tokens, types = _gguf_vocab()
         writer.add_tokenizer_model("gpt2")

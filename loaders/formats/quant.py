@@ -242,8 +242,9 @@ def dequantize(
 
 @functools.cache
 def _fp8_book(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """fp8 byte -> its float32 value: one gather, several times faster on the CPU than torch's fp8 cast."""
-    return torch.arange(256, dtype=torch.uint8).view(dtype).to(torch.float32).to(device)
+    """fp8 byte -> its float32 value: one gather, several times faster on the CPU than torch's fp8 cast. Made on
+    the CPU once per device, then moved."""
+    return torch.arange(256, dtype=torch.uint8, device="cpu").view(dtype).to(torch.float32).to(device)
 
 
 def dequantize_fp8(
@@ -287,7 +288,7 @@ def swizzle_block_scales(plain: torch.Tensor) -> torch.Tensor:
 def _e2m1_pairs(device: torch.device) -> torch.Tensor:
     """byte -> the float32 values of its two E2M1 codes (the high nibble's first: the even element) side
     by side in one float64 slot: one gather yields two neighbouring values."""
-    book, codes = torch.tensor(_E2M1, dtype=torch.float32), torch.arange(256)
+    book, codes = torch.tensor(_E2M1, dtype=torch.float32, device="cpu"), torch.arange(256, device="cpu")
     return torch.stack((book[codes >> 4], book[codes & 0x0F]), dim=1).view(torch.float64).reshape(256).to(device)
 
 

@@ -16,7 +16,7 @@ import torch
 from comfyui_flux2dev.loaders.cache.store import ConditioningCache, stat_signature, tensors_digest, weights_fingerprint
 
 from cache_keys import key_of
-from helpers import run_flux2dev
+from helpers import cuda_param, on_device, run_flux2dev
 
 PROMPT = "a red fox in the snow"
 BF16 = "text_encoders/mistral_3_small_flux2_bf16.safetensors"
@@ -85,31 +85,36 @@ def _encode(clip, prompt=PROMPT):
     return clip.encode_from_tokens(clip.tokenize(prompt), return_dict=True)["cond"]
 
 
-def _lazy(path, cache, **options):
+def _lazy(path, cache, device=torch.device("cpu"), **options):
+    """The lazy CLIP with this cache, run on `device` by the host."""
     from comfyui_flux2dev.host.clip import lazy_clip
 
-    return lazy_clip(str(path), cache=str(cache), dtype=options.pop("dtype", torch.float32), **options)
+    clip = lazy_clip(str(path), cache=str(cache), dtype=options.pop("dtype", torch.float32), **options)
+    on_device(clip.patcher, device)
+    return clip
 
 
 def _entries(cache) -> int:
     return len(ConditioningCache(cache).entries())
 
 
-def test_a_hit_is_bit_equal_to_a_fresh_encode_and_reads_no_weights(comfy_host, encoder, tmp_path):
+def test_a_hit_is_bit_equal_to_a_fresh_encode_and_reads_no_weights(comfy_host, encoder, tmp_path, device):
     from comfyui_flux2dev.host.clip import load_clip
 
-    fresh = _encode(load_clip(str(encoder), dtype=torch.float32))
+    eager = load_clip(str(encoder), dtype=torch.float32)
+    on_device(eager.patcher, device)
+    fresh = _encode(eager)
     cache = tmp_path / "cache"
-    first = _lazy(encoder, cache)
+    first = _lazy(encoder, cache, device)
     assert torch.equal(_encode(first), fresh) and _entries(cache) == 1
     copy = tmp_path / "elsewhere" / "same-weights.safetensors"  # the key does not depend on the path
     copy.parent.mkdir()
     shutil.copyfile(encoder, copy)
     for path in (encoder, copy):  # a new file is fingerprinted once (a read), then served
-        hit = _encode(_lazy(path, cache))
+        hit = _encode(_lazy(path, cache, device))
         assert hit.dtype == fresh.dtype and torch.equal(hit, fresh)
         assert _entries(cache) == 1
-    third = _lazy(copy, cache)
+    third = _lazy(copy, cache, device)
     assert torch.equal(_encode(third), fresh) and not third.flux2dev_source.loaded
 
 
@@ -143,7 +148,7 @@ def _rewrite_weights(path):
     save_file(tensors, str(path), metadata=metadata)
 
 
-@pytest.mark.parametrize("part", ["weights", "padding", "dtype", "prompt", "vocabulary"])
+@pytest.mark.parametrize("part", ["weights", "padding", "dtype", "prompt", "vocabulary", cuda_param("device")])
 def test_each_key_part_changed_alone_is_a_miss(comfy_host, tiny_root, encoder, tmp_path, part):
     cache = tmp_path / "cache"
     base = tiny_root / "text_encoders/hf-mistral3" if part == "vocabulary" else encoder
@@ -151,7 +156,9 @@ def test_each_key_part_changed_alone_is_a_miss(comfy_host, tiny_root, encoder, t
     assert _entries(cache) == 1
     assert torch.equal(_encode(_lazy(base, cache)), before) and _entries(cache) == 1  # unchanged: a hit
     path, options, prompt = base, {}, PROMPT
-    if part == "weights":
+    if part == "device":  # the same prompt encoded on the GPU: its kernels give other numbers than the CPU's
+        options = {"device": torch.device("cuda")}
+    elif part == "weights":
         _rewrite_weights(encoder)
     elif part == "padding":
         options = {"padding": "comfy"}
@@ -165,7 +172,8 @@ def test_each_key_part_changed_alone_is_a_miss(comfy_host, tiny_root, encoder, t
     changed = _encode(clip, prompt)
     assert clip.flux2dev_source.loaded, "a miss reads the weights"
     assert _entries(cache) == 2
-    if part not in ("vocabulary", "dtype"):  # (bf16 weights run in float32 either way; another vocabulary may give the same ids)
+    # (bf16 weights run in float32 either way; another vocabulary may give the same ids; another device the same numbers)
+    if part not in ("vocabulary", "dtype", "device"):
         assert not (changed.shape == before.shape and torch.equal(changed.to(before.dtype), before))
 
 

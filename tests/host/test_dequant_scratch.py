@@ -74,17 +74,26 @@ def _two_layers(fmt: str):
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_two_same_shape_layers_in_a_row(comfy_host, fmt):
+def test_two_same_shape_layers_in_a_row(comfy_host, fmt, device):
+    """On the CPU through the scratch buffer; on a GPU with the weights there, and with them kept on the CPU
+    (the host's offloading), copied over and dequantized on the GPU, never in the CPU scratch."""
+    from comfyui_flux2dev.host import ops
+
     net, weights, biases = _two_layers(fmt)
-    x = torch.randn(3, WIDTH, generator=torch.Generator().manual_seed(5))
+    x = torch.randn(3, WIDTH, generator=torch.Generator().manual_seed(5)).to(device)
+    weights, biases = [w.to(device) for w in weights], [b.to(device) for b in biases]
     expected = torch.nn.functional.linear(torch.nn.functional.linear(x, weights[0], biases[0]), weights[1], biases[1])
-    with torch.inference_mode():  # as ComfyUI runs nodes: the scratch path
-        reused = net(x)
-    assert _scratch_bytes() >= WIDTH * WIDTH * 4
-    with torch.enable_grad():  # autograd on: a new tensor per layer
-        fresh = net(x)
-    assert torch.equal(reused, fresh)
-    assert torch.equal(reused, expected)
+    for home in dict.fromkeys((device, torch.device("cpu"))):  # where the weights live
+        net.to(home)
+        ops._scratch.buffer = None  # what earlier tests left
+        with torch.inference_mode():  # as ComfyUI runs nodes: the scratch path on the CPU
+            reused = net(x)
+        assert _scratch_bytes() == (WIDTH * WIDTH * 4 if device.type == "cpu" else 0)
+        with torch.enable_grad():  # autograd on: a new tensor per layer
+            fresh = net(x)
+        assert reused.device == x.device
+        assert torch.equal(reused, fresh)
+        assert torch.equal(reused, expected)
 
 
 def test_scratch_holds_one_layer_and_returns_it_for_the_op_only(comfy_host):
@@ -115,23 +124,20 @@ def gguf_dir(tiny_part, comfy_host):
     return {(e["variant"], e["format"].removeprefix("gguf-")): root / e["path"] for e in entries}
 
 
-def _forward(patcher, grad_mode):
-    """One forward of the host model with its patches applied the host's way, under a grad mode."""
-    cpu = torch.device("cpu")
-    variant = patcher.model.flux2_variant
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(1, 128, 4, 4, generator=g)
-    context = torch.randn(1, 5, variant.context_in_dim, generator=g)
-    patcher.patch_model(device_to=cpu)
+def _forward(patcher, grad_mode, device):
+    """One forward on `device` of the host model with its patches applied the host's way, under a grad mode."""
+    from helpers import flux2_forward
+
+    patcher.patch_model(device_to=device)
     try:
         with grad_mode():
-            return patcher.model.diffusion_model(x, torch.tensor([0.7]), context, guidance=torch.tensor([4.0])).detach()
+            return flux2_forward(patcher, device).detach().cpu()
     finally:
-        patcher.unpatch_model(device_to=cpu)
+        patcher.unpatch_model(device_to=torch.device("cpu"))
 
 
 @pytest.mark.parametrize("fmt", ("Q4_0", "Q6_K"))
-def test_host_forward_scratch_equals_fresh_and_gguf_with_and_without_lora(gguf_dir, comfy_host, fmt):
+def test_host_forward_scratch_equals_fresh_and_gguf_with_and_without_lora(gguf_dir, comfy_host, fmt, device):
     from helpers import reference_model, tiny_lora
 
     from comfyui_flux2dev.host import model as host_model, ops
@@ -143,10 +149,11 @@ def test_host_forward_scratch_equals_fresh_and_gguf_with_and_without_lora(gguf_d
     patched, _ = comfy_host.load_lora_for_models(model, None, lora, 1.0, 0.0)
     patched_reference, _ = comfy_host.load_lora_for_models(reference, None, lora, 1.0, 0.0)
     for ours, theirs in ((model, reference), (patched, patched_reference)):
-        reused = _forward(ours, torch.inference_mode)
-        assert torch.equal(reused, _forward(ours, torch.enable_grad))
-        assert torch.equal(reused, _forward(ours, torch.inference_mode))  # the buffer left nothing behind
-        assert (reused - _forward(theirs, torch.no_grad)).abs().max().item() <= 1e-5
-    assert (_forward(patched, torch.no_grad) - _forward(model, torch.no_grad)).abs().max() > 1e-3  # the LoRA counts
+        reused = _forward(ours, torch.inference_mode, device)
+        assert torch.equal(reused, _forward(ours, torch.enable_grad, device))
+        assert torch.equal(reused, _forward(ours, torch.inference_mode, device))  # the buffer left nothing behind
+        assert (reused - _forward(theirs, torch.no_grad, device)).abs().max().item() <= 1e-5
+    lora_delta = _forward(patched, torch.no_grad, device) - _forward(model, torch.no_grad, device)
+    assert lora_delta.abs().max() > 1e-3  # the LoRA counts
     largest = max(m.weight_shape[0] * m.weight_shape[1] for m in model.model.modules() if getattr(m, "companions", ()))
-    assert _scratch_bytes() == largest * 4  # one layer's worth: the largest
+    assert _scratch_bytes() == (largest * 4 if device.type == "cpu" else 0)  # one layer's worth: the largest

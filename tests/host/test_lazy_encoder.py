@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from comfyui_flux2dev.loaders.cache.store import ConditioningCache
+from helpers import on_device
 
 PROMPTS = ("a red fox in the snow", "a lighthouse at night", "three cats on a sofa")
 BF16 = "text_encoders/mistral_3_small_flux2_bf16.safetensors"
@@ -32,6 +33,15 @@ def _encode(clip, prompt):
     return clip.encode_from_tokens(clip.tokenize(prompt), return_dict=True)["cond"]
 
 
+def _lazy(path, device, **options):
+    """The lazy CLIP, run on `device` by the host."""
+    from comfyui_flux2dev.host.clip import lazy_clip
+
+    clip = lazy_clip(path, dtype=torch.float32, **options)
+    on_device(clip.patcher, device)
+    return clip
+
+
 def _weights_in_memory(clip) -> int:
     """Bytes of storage behind the encoder's packed layers (placeholders hold one element each)."""
     from comfyui_flux2dev.host.ops import PackedLayer
@@ -48,12 +58,25 @@ def weights_bytes(encoder):
 
 
 @pytest.fixture(scope="module")
-def fresh(comfy_host, tiny_root):
-    """Each prompt's conditioning from an eager load without a cache."""
+def fresh_on(comfy_host, tiny_root):
+    """device -> each prompt's conditioning from an eager load without a cache, run there."""
     from comfyui_flux2dev.host.clip import load_clip
 
-    clip = load_clip(str(tiny_root / BF16), dtype=torch.float32)
-    return {p: _encode(clip, p) for p in PROMPTS}
+    made = {}
+
+    def fresh(device):
+        if device not in made:
+            clip = load_clip(str(tiny_root / BF16), dtype=torch.float32)
+            on_device(clip.patcher, device)
+            made[device] = {p: _encode(clip, p) for p in PROMPTS}
+        return made[device]
+
+    return fresh
+
+
+@pytest.fixture
+def fresh(fresh_on, device):
+    return fresh_on(device)
 
 
 def test_the_clip_reads_headers_and_tokenizer_only(comfy_host, encoder, weights_bytes, tmp_path):
@@ -73,18 +96,17 @@ def test_the_clip_reads_headers_and_tokenizer_only(comfy_host, encoder, weights_
     assert not clip.flux2dev_source.loaded
 
 
-def test_a_workflow_whose_prompts_are_all_cached_never_reads_the_weights(comfy_host, encoder, weights_bytes, fresh, tmp_path):
-    from comfyui_flux2dev.host.clip import lazy_clip
-
+def test_a_workflow_whose_prompts_are_all_cached_never_reads_the_weights(comfy_host, encoder, weights_bytes, fresh, device,
+                                                                          tmp_path):
     cache = str(tmp_path / "cache")
-    filler = lazy_clip(encoder, cache=cache, dtype=torch.float32)
+    filler = _lazy(encoder, device, cache=cache)
     reads = _read_bytes()
     for p in PROMPTS:
         assert torch.equal(_encode(filler, p), fresh[p])
     assert _read_bytes() - reads >= weights_bytes, "the fill read the weights (the counter sees reads)"
     del filler
 
-    clip = lazy_clip(encoder, cache=cache, dtype=torch.float32)
+    clip = _lazy(encoder, device, cache=cache)
     _encode(clip, PROMPTS[0])  # one-time costs of a hit
     reads, rss = _read_bytes(), _rss()
     for _ in range(3):
@@ -96,12 +118,10 @@ def test_a_workflow_whose_prompts_are_all_cached_never_reads_the_weights(comfy_h
     assert _weights_in_memory(clip) < weights_bytes / 100 and not clip.flux2dev_source.loaded
 
 
-def test_keep_loaded_off_frees_the_weights_after_each_encode(comfy_host, encoder, weights_bytes, fresh, tmp_path):
+def test_keep_loaded_off_frees_the_weights_after_each_encode(comfy_host, encoder, weights_bytes, fresh, device, tmp_path):
     import comfy.model_management
 
-    from comfyui_flux2dev.host.clip import lazy_clip
-
-    clip = lazy_clip(encoder, cache=str(tmp_path / "cache"), dtype=torch.float32, keep_loaded=False)
+    clip = _lazy(encoder, device, cache=str(tmp_path / "cache"), keep_loaded=False)
     for p in PROMPTS[:2]:  # two misses: each reads the weights again
         reads = _read_bytes()
         assert torch.equal(_encode(clip, p), fresh[p])
@@ -114,10 +134,8 @@ def test_keep_loaded_off_frees_the_weights_after_each_encode(comfy_host, encoder
     assert _read_bytes() - reads < weights_bytes / 10
 
 
-def test_keep_loaded_on_reads_the_weights_once(comfy_host, encoder, weights_bytes, fresh, tmp_path):
-    from comfyui_flux2dev.host.clip import lazy_clip
-
-    clip = lazy_clip(encoder, cache=str(tmp_path / "cache"), dtype=torch.float32)
+def test_keep_loaded_on_reads_the_weights_once(comfy_host, encoder, weights_bytes, fresh, device, tmp_path):
+    clip = _lazy(encoder, device, cache=str(tmp_path / "cache"))
     _encode(clip, PROMPTS[0])
     assert _weights_in_memory(clip) >= weights_bytes / 2
     reads = _read_bytes()
@@ -126,10 +144,9 @@ def test_keep_loaded_on_reads_the_weights_once(comfy_host, encoder, weights_byte
     assert _read_bytes() - reads < weights_bytes / 10
 
 
-def test_clones_share_the_lazy_weights_and_the_reload_factory_loads(comfy_host, encoder, weights_bytes, fresh, tmp_path):
-    from comfyui_flux2dev.host.clip import lazy_clip
-
-    clip = lazy_clip(encoder, cache=str(tmp_path / "cache"), dtype=torch.float32)
+def test_clones_share_the_lazy_weights_and_the_reload_factory_loads(comfy_host, encoder, weights_bytes, fresh, fresh_on,
+                                                                    device, tmp_path):
+    clip = _lazy(encoder, device, cache=str(tmp_path / "cache"))
     clone = clip.clone()
     assert type(clone) is type(clip) and clone.flux2dev_source is clip.flux2dev_source
     assert torch.equal(_encode(clone, PROMPTS[1]), fresh[PROMPTS[1]])
@@ -137,5 +154,5 @@ def test_clones_share_the_lazy_weights_and_the_reload_factory_loads(comfy_host, 
     factory, args = clip.patcher.cached_patcher_init
     patcher = factory(*args)
     tokens = clip.tokenize(PROMPTS[1])
-    with torch.no_grad():
-        assert torch.equal(patcher.model.encode_token_weights(tokens)[0], fresh[PROMPTS[1]])
+    with torch.no_grad():  # the factory's model, not loaded by the host, runs where its weights are read: the CPU
+        assert torch.equal(patcher.model.encode_token_weights(tokens)[0], fresh_on(torch.device("cpu"))[PROMPTS[1]])

@@ -3,6 +3,7 @@ transformers' Mistral on the same (or the independently dequantized) weights."""
 
 from __future__ import annotations
 
+import copy
 import os
 
 import numpy as np
@@ -14,6 +15,7 @@ import references
 from comfyui_flux2dev.errors import MissingWeightsError, UnknownModelError, UnsupportedFormatError, WrongModelError
 from comfyui_flux2dev.loaders.models import encoder as enc
 from comfyui_flux2dev.devtools.tiny import encoders as tiny
+from helpers import on_device
 
 PROMPTS = ("a red fox in the snow", "Ein Café, 2024: [IMG] 3 cats <s>!")
 # The tiny encoders, from the table that writes them: bf16 ones (with the tiny [dev] pipeline as one more
@@ -32,9 +34,21 @@ def encoders(tiny_root, tmp_path_factory):
     return str(folder)
 
 
+# How far the host's conditioning may be from transformers' (float32 both): on a GPU their attention and matmul
+# kernels differ more than on the CPU.
+TOLERANCE = {"cpu": 1e-5, "cuda": 1e-4}
+
+
 def _hidden(model, ids, mask):
-    out = model(input_ids=torch.tensor([ids]), attention_mask=torch.tensor([mask]), output_hidden_states=True)
-    return torch.cat([out.hidden_states[i] for i in (10, 20, 30)], dim=-1)
+    device = next(model.parameters()).device
+    out = model(input_ids=torch.tensor([ids], device=device), attention_mask=torch.tensor([mask], device=device),
+                output_hidden_states=True)
+    return torch.cat([out.hidden_states[i] for i in (10, 20, 30)], dim=-1).cpu()
+
+
+def _on(model, device):
+    """A reference model on the test's device: the model itself on the CPU, a copy elsewhere."""
+    return model if device.type == "cpu" else copy.deepcopy(model).to(device)
 
 
 @pytest.fixture(scope="session")
@@ -70,12 +84,15 @@ def _encoder_weights(weights: dict) -> dict:
 
 
 def _host_cond(clip, prompt):
-    return clip.encode_from_tokens(clip.tokenize(prompt), return_dict=True)["cond"]
+    return clip.encode_from_tokens(clip.tokenize(prompt), return_dict=True)["cond"].cpu()
 
 
-def _check(clip, reference, tokenizer, padding):
+def _check(clip, reference, tokenizer, padding, device=torch.device("cpu")):
+    """The CLIP's conditioning on `device` (the host loads it there) against the reference's, run there too."""
     from comfyui_flux2dev.tokenizers import prompt_ids
 
+    on_device(clip.patcher, device)
+    reference = _on(reference, device)
     for prompt in PROMPTS:
         ids, mask = prompt_ids(tokenizer, prompt, padding)
         assert [t[0] for t in clip.tokenize(prompt)["mistral3_24b"][0]] == ids
@@ -84,30 +101,30 @@ def _check(clip, reference, tokenizer, padding):
             want = _hidden(reference, ids, mask)
         assert got.shape == want.shape == (1, len(ids), 3 * 64)
         assert torch.isfinite(got).all()
-        assert (got - want).abs().max().item() <= 1e-5, (prompt, padding, (got - want).abs().max().item())
+        assert (got - want).abs().max().item() <= TOLERANCE[device.type], (prompt, padding, (got - want).abs().max().item())
 
 
 @pytest.mark.transformers_matrix
 @pytest.mark.parametrize("padding", ["reference", "comfy"])
 @pytest.mark.parametrize("name", sorted(BF16_LAYOUTS))
-def test_bf16_layouts_match_transformers(comfy_host, encoders, hf_reference, name, padding):
+def test_bf16_layouts_match_transformers(comfy_host, encoders, hf_reference, name, padding, device):
     from comfyui_flux2dev.host.clip import load_clip
 
     path = os.path.join(encoders, name)
     clip = load_clip(path, padding=padding, dtype=torch.float32)
     assert clip.flux2dev_encoder["layout"] == BF16_LAYOUTS[name]
-    _check(clip, hf_reference, clip.tokenizer.tokenizer, padding)
+    _check(clip, hf_reference, clip.tokenizer.tokenizer, padding, device)
 
 
 @pytest.mark.transformers_matrix
 @pytest.mark.parametrize("name", sorted(QUANTIZED))
-def test_quantized_layouts_match_transformers_on_dequantized_weights(comfy_host, encoders, name):
+def test_quantized_layouts_match_transformers_on_dequantized_weights(comfy_host, encoders, name, device):
     from comfyui_flux2dev.host.clip import load_clip
 
     path = os.path.join(encoders, name)
     reference = _mistral_with(_encoder_weights(references.WEIGHTS[QUANTIZED[name]](path)))
     clip = load_clip(path, padding="reference", dtype=torch.float32)
-    _check(clip, reference, clip.tokenizer.tokenizer, "reference")
+    _check(clip, reference, clip.tokenizer.tokenizer, "reference", device)
 
 
 def test_quantized_weights_stay_packed_in_the_host(comfy_host, encoders):
@@ -123,12 +140,13 @@ def test_quantized_weights_stay_packed_in_the_host(comfy_host, encoders):
 @pytest.mark.parametrize(
     "name", ("mistral_3_small_flux2_fp8_channel.safetensors", "mistral_3_small_flux2_fp4_mixed.safetensors", "llama-q8_0.gguf")
 )
-def test_lora_applies_to_the_dequantized_encoder_weight(comfy_host, encoders, name):
+def test_lora_applies_to_the_dequantized_encoder_weight(comfy_host, encoders, name, device):
     from comfy.model_management import load_model_gpu
 
     from comfyui_flux2dev.host.clip import load_clip
 
     clip = load_clip(os.path.join(encoders, name), dtype=torch.float32)
+    on_device(clip.patcher, device)  # the LoRA's clone below inherits it
     layer_name = "mistral3_24b.transformer.model.layers.5.self_attn.q_proj"
     layer = clip.cond_stage_model.get_submodule(layer_name)
     stored = layer.weight.detach().clone()
@@ -142,20 +160,22 @@ def test_lora_applies_to_the_dequantized_encoder_weight(comfy_host, encoders, na
     x = torch.randn(3, layer.in_features, generator=g)
     delta = x @ (up @ down).T  # alpha / rank = 1
     assert delta.abs().max() > 1e-2
+    x = x.to(device)
     with torch.no_grad():  # the host's own loading swaps the patched clone in and out
         load_model_gpu(clip.patcher)
-        plain = layer(x)
+        plain = layer(x).cpu()
         load_model_gpu(patched.patcher)
-        out = layer(x)
+        out = layer(x).cpu()
         load_model_gpu(clip.patcher)
-        again = layer(x)
-    assert (out - plain - delta).abs().max().item() <= 1e-5
+        again = layer(x).cpu()
+    assert (out - plain - delta).abs().max().item() <= TOLERANCE[device.type]
     assert torch.equal(again, plain)
     # the stored weight stays packed and untouched
-    assert layer.weight.dtype == stored.dtype and torch.equal(layer.weight.view(torch.uint8), stored.view(torch.uint8))
+    assert layer.weight.device.type == device.type
+    assert layer.weight.dtype == stored.dtype and torch.equal(layer.weight.cpu().view(torch.uint8), stored.view(torch.uint8))
 
 
-def test_nvfp4_dequant_is_exact_against_comfy_kitchen():
+def test_nvfp4_dequant_is_exact_against_comfy_kitchen(device):
     from comfy_kitchen.backends.eager.quantization import dequantize_nvfp4
     from comfy_kitchen.float_utils import to_blocked
 
@@ -165,8 +185,10 @@ def test_nvfp4_dequant_is_exact_against_comfy_kitchen():
     packed, scales, scale2 = tiny.quantize_nvfp4(w)
     plain = quant.unswizzle_block_scales(scales, 200, 6)
     assert torch.equal(to_blocked(plain, flatten=False).view(torch.uint8), scales.view(torch.uint8))
-    ours = quant.dequantize_nvfp4(packed, scales, scale2, torch.float32)
-    theirs = dequantize_nvfp4(packed, scale2, scales, output_type=torch.float32)
+    ours = quant.dequantize_nvfp4(packed.to(device), scales.to(device), scale2.to(device), torch.float32)
+    theirs = dequantize_nvfp4(packed, scale2, scales, output_type=torch.float32)  # comfy_kitchen's, on the CPU
+    assert ours.device.type == device.type
+    ours = ours.cpu()
     assert torch.equal(ours, theirs)
     assert (ours - w).abs().max() < 0.5 * w.abs().max()  # and it is the weight, roughly
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import reference_model, tiny_lora
+from helpers import flux2_forward, reference_model, tiny_lora
 
 from comfyui_flux2dev.errors import UnknownModelError, VariantMismatchError, WrongModelError
 from comfyui_flux2dev.loaders.models.variants import variant_by_key
@@ -33,42 +33,39 @@ def load(ops, path, **kwargs):
     return ops.load_gguf_model(path, dtype=torch.float32, **kwargs)
 
 
-def forward(patcher):
-    variant = patcher.model.flux2_variant
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(1, 128, 4, 4, generator=g)
-    context = torch.randn(1, 5, variant.context_in_dim, generator=g)
-    guidance = torch.tensor([4.0]) if variant.guidance else None
+def forward(patcher, device=CPU):
+    """One forward on `device`, the output on the CPU. A model the host has not loaded there runs as in its
+    low-VRAM mode: each layer's weight is copied to the input's device for the op."""
     with torch.no_grad():
-        return patcher.model.diffusion_model(x, torch.tensor([0.7]), context, guidance=guidance)
+        return flux2_forward(patcher, device).cpu()
 
 
-def run(patcher, lowvram=False, unload_after_load=False):
-    """One forward with the patcher's patches applied the host's way: a full load, a low-VRAM load, or a
-    full load the host then moves to low-VRAM mode to free memory."""
-    patcher.patch_model(device_to=CPU, lowvram_model_memory=1 if lowvram else 0)
+def run(patcher, device=CPU, lowvram=False, unload_after_load=False):
+    """One forward on `device` with the patcher's patches applied the host's way: a full load, a low-VRAM load
+    (weights left on the CPU), or a full load the host then moves to low-VRAM mode to free memory."""
+    patcher.patch_model(device_to=device, lowvram_model_memory=1 if lowvram else 0)
     try:
         if unload_after_load:
             assert patcher.partially_unload(CPU, memory_to_free=patcher.model_size()) > 0
-        return forward(patcher)
+        return forward(patcher, device)
     finally:
         patcher.unpatch_model(device_to=CPU)
 
 
 @pytest.mark.parametrize("fmt", DEV_FILES)
-def test_gguf_matches_dequantized_model(gguf_dir, ops, fmt):
+def test_gguf_matches_dequantized_model(gguf_dir, ops, fmt, device):
     path = gguf_dir[1][("dev", fmt)]
-    out = run(load(ops, path))
-    expected = run(reference_model(path))
+    out = run(load(ops, path), device)
+    expected = run(reference_model(path), device)
     assert torch.isfinite(expected).all() and expected.abs().max() > 0
     assert (out - expected).abs().max().item() <= 1e-5
 
 
-def test_klein_gguf_detected_and_matches(gguf_dir, ops):
+def test_klein_gguf_detected_and_matches(gguf_dir, ops, device):
     path = gguf_dir[1][("klein-4b", "Q8_0")]
     model = load(ops, path)
     assert model.model.flux2_variant == variant_by_key("klein-4b", tiny=True)
-    assert (run(model) - run(reference_model(path))).abs().max().item() <= 1e-5
+    assert (run(model, device) - run(reference_model(path), device)).abs().max().item() <= 1e-5
 
 
 def test_header_parsed_once_per_load(gguf_dir, ops):
@@ -90,27 +87,27 @@ def with_lora(gguf_dir, ops, comfy_host, fmt):
 
 
 @pytest.mark.parametrize("fmt", ("Q4_0", "Q6_K"))
-def test_lora_matches_lora_on_dequantized_model(gguf_dir, ops, comfy_host, fmt):
+def test_lora_matches_lora_on_dequantized_model(gguf_dir, ops, comfy_host, fmt, device):
     model, reference, patched, patched_reference = with_lora(gguf_dir, ops, comfy_host, fmt)
     assert len(patched.patches) == 3
-    expected = run(patched_reference)
-    assert (expected - run(reference)).abs().max() > 1e-3  # the LoRA changes the output
-    assert (run(patched) - expected).abs().max().item() <= 1e-5
+    expected = run(patched_reference, device)
+    assert (expected - run(reference, device)).abs().max() > 1e-3  # the LoRA changes the output
+    assert (run(patched, device) - expected).abs().max().item() <= 1e-5
     # The host's low-VRAM paths patch through weight functions instead; same result.
-    assert (run(patched, lowvram=True) - expected).abs().max().item() <= 1e-5
-    assert (run(patched, unload_after_load=True) - expected).abs().max().item() <= 1e-5
+    assert (run(patched, device, lowvram=True) - expected).abs().max().item() <= 1e-5
+    assert (run(patched, device, unload_after_load=True) - expected).abs().max().item() <= 1e-5
     # The unpatched model is untouched by its patched clone.
-    assert (run(model) - run(reference)).abs().max().item() <= 1e-5
+    assert (run(model, device) - run(reference, device)).abs().max().item() <= 1e-5
 
 
-def test_per_load_settings_do_not_leak(gguf_dir, ops, comfy_host):
+def test_per_load_settings_do_not_leak(gguf_dir, ops, comfy_host, device):
     path = gguf_dir[1][("dev", "Q8_0")]
-    expected = run(reference_model(path))
+    expected = run(reference_model(path), device)
     half = load(ops, path, dequant_dtype=torch.float16, patch_dtype=torch.float16)
-    half_out = run(half)
+    half_out = run(half, device)
     plain = load(ops, path)
-    assert (run(plain) - expected).abs().max().item() <= 1e-5
-    assert torch.equal(run(half), half_out)
+    assert (run(plain, device) - expected).abs().max().item() <= 1e-5
+    assert torch.equal(run(half, device), half_out)
     assert (half_out - expected).abs().max().item() > 1e-5  # float16 dequantization rounds
     half_layer = half.model.diffusion_model.img_in
     plain_layer = plain.model.diffusion_model.img_in
@@ -119,9 +116,9 @@ def test_per_load_settings_do_not_leak(gguf_dir, ops, comfy_host):
     lora = tiny_lora(plain)
     patched_half, _ = comfy_host.load_lora_for_models(half, None, lora, 1.0, 0.0)
     patched_plain, _ = comfy_host.load_lora_for_models(plain, None, lora, 1.0, 0.0)
-    plain_lora = run(patched_plain)
-    assert (run(patched_half) - plain_lora).abs().max().item() > 1e-5
-    assert torch.equal(run(patched_plain), plain_lora)
+    plain_lora = run(patched_plain, device)
+    assert (run(patched_half, device) - plain_lora).abs().max().item() > 1e-5
+    assert torch.equal(run(patched_plain, device), plain_lora)
 
 
 def test_memory_accounting_sees_packed_sizes(gguf_dir, ops):
@@ -227,7 +224,7 @@ def test_node_lists_and_loads_gguf_files(gguf_dir, ops, comfy_host):
         folder_paths.folder_names_and_paths["diffusion_models"][0].remove(root)
 
 
-def test_conv_and_embedding_weights_stay_packed(comfy_host):
+def test_conv_and_embedding_weights_stay_packed(comfy_host, device):
     """FLUX.2 has Linear layers only; the ops' Conv and Embedding layers are checked on their own."""
     import gguf
 
@@ -248,17 +245,21 @@ def test_conv_and_embedding_weights_stay_packed(comfy_host):
     sd["conv.bias"] = bias
     net.load_state_dict(sd)
     assert net.conv.weight.dtype == net.emb.weight.dtype == torch.uint8
-    x = torch.randn(1, 4, 5, 40)
-    assert torch.equal(net.conv(x), torch.nn.functional.conv2d(x, values["conv.weight"], bias))
-    ids = torch.tensor([[1, 7, 3]])
+    net.to(device)
+    values = {k: v.to(device) for k, v in values.items()}
+    x = torch.randn(1, 4, 5, 40).to(device)
+    assert torch.equal(net.conv(x), torch.nn.functional.conv2d(x, values["conv.weight"], bias.to(device)))
+    ids = torch.tensor([[1, 7, 3]], device=device)
     assert torch.equal(net.emb(ids, out_dtype=torch.float32), torch.nn.functional.embedding(ids, values["emb.weight"]))
 
 
-def test_patched_weight_comes_back_dequantized_when_the_host_asks_for_it(gguf_dir, ops, comfy_host):
+def test_patched_weight_comes_back_dequantized_when_the_host_asks_for_it(gguf_dir, ops, comfy_host, device):
     """Newer hosts ask patch_weight_to_device(..., return_weight=True) for the real values (to save a model)."""
     _, reference, patched, patched_reference = with_lora(gguf_dir, ops, comfy_host, "Q4_0")
     key = "diffusion_model.double_blocks.0.img_attn.qkv.weight"
-    got = patched.patch_weight_to_device(key, CPU, return_weight=True)
+    got = patched.patch_weight_to_device(key, device, return_weight=True)
+    assert got.device.type == device.type
+    got = got.cpu()
     patched_reference.patch_model(device_to=CPU)
     try:
         want = _attr(patched_reference.model, key)
@@ -268,19 +269,20 @@ def test_patched_weight_comes_back_dequantized_when_the_host_asks_for_it(gguf_di
     assert not torch.equal(want, _attr(reference.model, key))  # the LoRA is in it
 
 
-def test_patches_handed_over_as_lowvram_functions_apply_after_dequantization(gguf_dir, ops, comfy_host):
-    """Newer hosts' dynamic patcher sets "weight_lowvram_function" on layers instead of weight_function."""
+def test_patches_handed_over_as_lowvram_functions_apply_after_dequantization(gguf_dir, ops, comfy_host, device):
+    """Newer hosts' dynamic patcher sets "weight_lowvram_function" on layers instead of weight_function, and leaves
+    the weights where they are (here the CPU) for the ops to copy to the input's device."""
     import comfy.model_patcher
 
     _, _, patched, patched_reference = with_lora(gguf_dir, ops, comfy_host, "Q6_K")
-    expected = run(patched_reference)
+    expected = run(patched_reference, device)
     layers = []
     for key in patched.patches:
         layer = _attr(patched.model, key.rpartition(".")[0])
         layer.weight_lowvram_function = comfy.model_patcher.LowVramPatch(key, patched.patches)
         layers.append(layer)
     try:
-        assert (forward(patched) - expected).abs().max().item() <= 1e-5
+        assert (forward(patched, device) - expected).abs().max().item() <= 1e-5
     finally:
         for layer in layers:
             del layer.weight_lowvram_function

@@ -44,19 +44,28 @@ def inputs(variant, seed=1):
     return x, torch.tensor([0.6]), context, torch.tensor([4.0]) if variant.guidance else None
 
 
+def inputs_on(device, variant):
+    return [None if t is None else t.to(device) for t in inputs(variant)]
+
+
 @torch.no_grad()
-def reference_output(ref, variant):
-    x, t, context, guidance = inputs(variant)
+def reference_output(ref, variant, device):
+    x, t, context, guidance = inputs_on(device, variant)
     img_ids, txt_ids = positions(4, 6, context.shape[1])
-    out = ref(hidden_states=x.flatten(2).transpose(1, 2), encoder_hidden_states=context, timestep=t,
-              img_ids=img_ids, txt_ids=txt_ids, guidance=guidance).sample
-    return out.transpose(1, 2).reshape(x.shape)
+    out = ref.to(device)(hidden_states=x.flatten(2).transpose(1, 2), encoder_hidden_states=context, timestep=t,
+                         img_ids=img_ids.to(device), txt_ids=txt_ids.to(device), guidance=guidance).sample
+    return out.transpose(1, 2).reshape(x.shape).cpu()
 
 
 @torch.no_grad()
-def host_output(patcher, variant):
-    x, t, context, guidance = inputs(variant)
-    return patcher.model.diffusion_model(x, t, context, guidance=guidance)
+def host_output(patcher, variant, device):
+    """The host model's output with the host's own load onto `device`, on the CPU."""
+    patcher.patch_model(device_to=device)
+    x, t, context, guidance = inputs_on(device, variant)
+    try:
+        return patcher.model.diffusion_model(x, t, context, guidance=guidance).cpu()
+    finally:
+        patcher.unpatch_model(device_to=torch.device("cpu"))
 
 
 def bfl_to_diffusers(bfl):
@@ -117,7 +126,7 @@ def test_fp8_files_hold_the_bf16_model_quantized(tiny):
 
 @pytest.mark.parametrize("layout", ["BFL", "diffusers"])
 @pytest.mark.parametrize("variant", TINY_VARIANTS, ids=lambda v: v.key)
-def test_model_matches_diffusers(comfy_host, tiny, variant, layout):
+def test_model_matches_diffusers(comfy_host, tiny, variant, layout, device):
     from comfyui_flux2dev.host.model import load_model
 
     root, _ = tiny
@@ -125,14 +134,14 @@ def test_model_matches_diffusers(comfy_host, tiny, variant, layout):
     (folder,) = entries_of(tiny, variant=variant.key, layout="diffusers")
     patcher = load_model(root / entry["path"], dtype=torch.float32)
     assert patcher.model.diffusion_model.params.num_heads == variant.num_heads
-    expected = reference_output(diffusers_reference(root / folder["path"]), variant)
-    got = host_output(patcher, variant)
+    expected = reference_output(diffusers_reference(root / folder["path"]), variant, device)
+    got = host_output(patcher, variant, device)
     assert expected.abs().max() > 0.1  # a real output, not a degenerate one
     assert (got - expected).abs().max() <= 1e-4
 
 
 @pytest.mark.parametrize("spelling", list(FP8_SPELLINGS))
-def test_fp8_model_matches_diffusers_on_dequantized_weights(comfy_host, tiny, spelling):
+def test_fp8_model_matches_diffusers_on_dequantized_weights(comfy_host, tiny, spelling, device):
     from diffusers import Flux2Transformer2DModel
 
     from comfyui_flux2dev.host.model import load_model
@@ -146,7 +155,7 @@ def test_fp8_model_matches_diffusers_on_dequantized_weights(comfy_host, tiny, sp
     patcher = load_model(root / entry["path"], dtype=torch.float32)
     layer = patcher.model.diffusion_model.single_blocks[0].linear1
     assert layer.weight.dtype == torch.float8_e4m3fn  # stays fp8 in memory
-    got, expected = host_output(patcher, variant), reference_output(ref.eval(), variant)
+    got, expected = host_output(patcher, variant, device), reference_output(ref.eval(), variant, device)
     assert (got - expected).abs().max() <= 1e-4
 
 

@@ -45,8 +45,9 @@ def test_the_tiny_factory_writes_every_encoder_of_its_table(tiny_manifest):
 
 
 @pytest.mark.parametrize("layout", ENCODER_LAYOUTS)
-def test_official_graph_writes_an_image_with_each_encoder_layout(comfy_server, layout):
-    image = image_of(comfy_server, comfy_server.run(official_dev_graph(gguf_model(), encoder(layout), vae(), seed=1)))
+def test_official_graph_writes_an_image_with_each_encoder_layout(server_on_device, layout):
+    server = server_on_device
+    image = image_of(server, server.run(official_dev_graph(gguf_model(), encoder(layout), vae(), seed=1)))
     assert image.shape == (64, 64, 3) and image.dtype == np.uint8
     assert image.std() > 0  # a decoded latent, not a blank canvas
 
