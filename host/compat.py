@@ -46,6 +46,8 @@ REQUIRED = (
     ("the input folder the image edit example's pictures are copied into", "folder_paths:get_input_directory"),
     ("the VAE object", "comfy.sd:VAE.throw_exception_if_invalid"),
     ("the pruned FLUX.2 text encoder", "comfy.text_encoders.flux:flux2_te"),
+    ("reading LoRAs into a model's patches, in every format the host takes", "comfy.sd:load_lora_for_models"),
+    ("the host's LoRA arithmetic, applied to a weight", "comfy.lora:calculate_weight"),
     ("the Mistral encoder class the pack masks left padding in", "comfy.text_encoders.flux:Mistral3_24BModel.process_tokens"),
     ("the Mistral layers the pack runs pads through", "comfy.text_encoders.llama:Mistral3Small24B"),
     ("the host's own FLUX.2 tokenizer, whose prompt syntax comfy padding follows", "comfy.text_encoders.flux:Flux2Tokenizer.tokenize_with_weights"),
@@ -165,6 +167,12 @@ def load_unet_weights(model, state_dict: dict, dynamic: bool) -> None:
     """Load a transformer's weights the host's way (its key conversion included). 0.33's dynamic patcher wants
     them assigned, not copied, as the host's own loader does (0.3.75's load_model_weights takes no `assign`)."""
     call_with_known(model.load_model_weights, sd=state_dict, unet_prefix="", assign=dynamic)
+
+
+def unet_keys_renamed(model_config, keys) -> dict[str, str]:
+    """file key -> the key the host loads it under, one by one through its own conversion (0.33 renames FLUX
+    RMSNorm scales to weights; 0.3.75 keeps every key)."""
+    return {key: next(iter(model_config.process_unet_state_dict({key: None}))) for key in keys}
 
 
 def unet_keys_as_loaded(model_config, state_dict: dict) -> set[str]:
