@@ -56,9 +56,10 @@ def fp8_scale(dense: torch.Tensor) -> torch.Tensor:
     return torch.where(peak > 0, peak / FP8_MAX, torch.ones((), dtype=torch.float32))
 
 
-def fp8_cast(dense: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """float32 values / scale, clamped to fp8's range (the division may land a hair above 448), as fp8."""
-    return (dense.to(torch.float32) / scale).clamp_(-FP8_MAX, FP8_MAX).to(FP8)
+def fp8_cast(dense: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = FP8) -> torch.Tensor:
+    """float32 values / scale, clamped to the fp8 type's range (the division may land a hair above it), as fp8."""
+    top = float(torch.finfo(dtype).max)
+    return (dense.to(torch.float32) / scale).clamp_(-top, top).to(dtype)
 
 
 def _write_fp8(file, name: str, dense: torch.Tensor, scale: torch.Tensor) -> None:
