@@ -7,6 +7,10 @@ import tempfile
 from pathlib import Path
 
 import pytest
+# The Hugging Face library, before pytest imports the repository's own __init__.py (the pack's folder is a package)
+# and so puts the repository first on sys.path, where the pack's tokenizers/ would hide the library of that name
+# from a test file run alone.
+import tokenizers  # noqa: F401
 
 from comfyui_flux2dev.loaders.cache.store import CACHE_DIR_ENV
 from comfyui_flux2dev.devtools.tiny.geometry import test_models_env
