@@ -33,20 +33,39 @@ class NotQuantizable(ValueError):
 
 # Rows are quantized a chunk at a time in float32 scratch buffers made once per call and reused by every chunk:
 # each op writes into a buffer that is already there, so no op pays for fresh memory (a new 4 MiB tensor per op
-# costs more in page faults than the arithmetic). Chunks stay small enough to be cache-resident.
+# costs more in page faults than the arithmetic), and chunks stay cache-resident. Every step is chosen for the
+# fewest passes over a chunk: the blocks' maximum and minimum serve the checks and every scale, truncation is a
+# cast to an integer type (float to int8 and int16 are vectorised; float to uint8 is not, so codes go through
+# int8), and Q8_0's rounding is an identity of integers (below).
 CHUNK_VALUES = 1 << 18
 
 
 class _Scratch:
-    """Float32 and byte buffers of one chunk, reused by every chunk of a call."""
+    """Float32 and integer buffers of one chunk, reused by every chunk of a call."""
 
     def __init__(self, values: int, block_size: int):
-        self.x, self.v, self.a, self.f = (torch.empty(values) for _ in range(4))
-        self.codes = torch.empty(values, dtype=torch.uint8)
+        self.x, self.v = torch.empty(values), torch.empty(values)
+        self.wide, self.narrow = torch.empty(values, dtype=torch.int16), torch.empty(values, dtype=torch.int16)
+        self.codes = torch.empty(values, dtype=torch.int8)
         self.block_size = block_size
 
     def blocks(self, buffer: torch.Tensor, n: int) -> torch.Tensor:
         return buffer[: n * self.block_size].view(n, self.block_size)
+
+
+def _range(b: torch.Tensor, limited: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each block's maximum and minimum ([n, 1]), the chunk refused first if it holds values the type cannot:
+    not finite (NaN spreads into the maximum), or beyond a float16 field where the type has one (`limited`)."""
+    high, low = b.amax(dim=1, keepdim=True), b.amin(dim=1, keepdim=True)
+    _check(max(high.max().item(), -low.min().item()), limited)
+    return high, low
+
+
+def _check(peak: float, limited: bool) -> None:
+    if not math.isfinite(peak):
+        raise NotQuantizable("it holds NaN or infinite values")
+    if limited and peak > _F16_MAX:
+        raise NotQuantizable(f"it holds values up to {peak:g}, beyond float16's {_F16_MAX:g}")
 
 
 def _half_bytes(x: torch.Tensor) -> torch.Tensor:
@@ -69,11 +88,10 @@ def _zero_codes(q: torch.Tensor, overflowed: torch.Tensor | None) -> torch.Tenso
     return q
 
 
-def _signed_max(b: torch.Tensor) -> torch.Tensor:
+def _signed_max(b: torch.Tensor, high: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
     """Per block, the value of largest magnitude with its sign, [n, 1]; on a tie of magnitudes the first one
     (numpy's argmax), whose sign matters where +m and -m (or +0 and -0) are both in the block. argmax over
     short rows is slow in torch, so it runs on the tied blocks alone."""
-    high, low = b.amax(dim=1, keepdim=True), b.amin(dim=1, keepdim=True)
     signed = torch.where(high >= -low, high, low)
     tied = (high == -low).view(-1).nonzero().view(-1)
     if tied.numel():
@@ -83,13 +101,14 @@ def _signed_max(b: torch.Tensor) -> torch.Tensor:
 
 
 def _codes(s: _Scratch, values: torch.Tensor, scale: torch.Tensor, offset: float, top: int) -> torch.Tensor:
-    """np.trunc(values * (1 / scale) + offset).astype(uint8).clip(0, top): the cast to uint8 truncates, and
-    clamping first changes nothing the clip would not (every value below 0 or above `top` ends there)."""
+    """np.trunc(values * (1 / scale) + offset).astype(uint8).clip(0, top), as uint8 [n, block size]: the cast
+    truncates, and clamping first changes nothing the clip would not (every value below 0 or above `top` ends
+    there)."""
     inverse, overflowed = _inverse(scale)
     v = torch.mul(values, inverse, out=s.blocks(s.v, values.shape[0])).add_(offset).clamp_(0, top)
     q = s.codes[: v.numel()].view(v.shape)
     q.copy_(v)
-    return _zero_codes(q, overflowed)
+    return _zero_codes(q, overflowed).view(torch.uint8)
 
 
 _LOW_NIBBLES = 0x0F0F0F0F0F0F0F0F
@@ -116,61 +135,70 @@ def _fifth_bits(q: torch.Tensor) -> torch.Tensor:
 
 
 def _q8_0(b: torch.Tensor, s: _Scratch) -> list[torch.Tensor]:
-    n = b.shape[0]
-    v, a, f = s.blocks(s.v, n), s.blocks(s.a, n), s.blocks(s.f, n)
-    d = torch.abs(b, out=a).amax(dim=1, keepdim=True).div_(127)
+    high, low = _range(b, limited=True)
+    d = torch.maximum(high, -low).add_(0.0).div_(127)  # |x|'s maximum, as the reference's: a zero is +0
     inverse, overflowed = _inverse(d)
-    torch.mul(b, inverse, out=v)
-    # gguf-py's np_roundf: sign(v) * (floor(|v|) + floor(2 * (|v| - floor(|v|))))
-    torch.abs(v, out=a)
-    torch.floor(a, out=f)
-    a.sub_(f).mul_(2).floor_().add_(f).copysign_(v)
-    q = s.codes[: a.numel()].view(a.shape).view(torch.int8)
-    q.copy_(a)
+    n = b.shape[0]
+    v = torch.mul(b, inverse, out=s.blocks(s.v, n))
+    # gguf-py's np_roundf, sign(v) * (floor(|v|) + floor(2 * (|v| - floor(|v|)))), is trunc(2v) - trunc(v): 2v is
+    # exact, and floor(2a) = 2 floor(a) + floor(2 (a - floor(a))). Both truncations are casts (|2v| <= 254).
+    twice, once = s.blocks(s.wide, n), s.blocks(s.narrow, n)
+    twice.copy_(torch.mul(v, 2, out=s.blocks(s.x, n)))  # b is no longer read: x may hold it
+    once.copy_(v)
+    q = s.codes[: v.numel()].view(v.shape)
+    q.copy_(twice.sub_(once))
     return [_half_bytes(d), _zero_codes(q, overflowed).view(torch.uint8)]
 
 
 def _q4_0(b: torch.Tensor, s: _Scratch) -> list[torch.Tensor]:
-    d = _signed_max(b).div_(-8)
-    q = _codes(s, b, d, 8.5, 15)
-    return [_half_bytes(d), _nibbles(q, masked=False)]
+    d = _signed_max(b, *_range(b, limited=True)).div_(-8)
+    return [_half_bytes(d), _nibbles(_codes(s, b, d, 8.5, 15), masked=False)]
 
 
 def _q5_0(b: torch.Tensor, s: _Scratch) -> list[torch.Tensor]:
-    d = _signed_max(b).div_(-16)
+    d = _signed_max(b, *_range(b, limited=True)).div_(-16)
     q = _codes(s, b, d, 16.5, 31)
     return [_half_bytes(d), _fifth_bits(q), _nibbles(q, masked=True)]
 
 
-def _min_max(b: torch.Tensor, s: _Scratch, levels: int, top: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _min_max(b: torch.Tensor, s: _Scratch, levels: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(d, min, codes): Q4_1 and Q5_1's scale over `levels` steps up from the block's minimum. A zero minimum or
     maximum is +0: where a block holds both +0 and -0, numpy's vectorised min and max return either, by lane
     order; the sign of a zero changes no decoded value."""
-    low, high = b.amin(dim=1, keepdim=True).add_(0.0), b.amax(dim=1, keepdim=True).add_(0.0)
+    high, low = _range(b, limited=True)
+    high, low = high.add_(0.0), low.add_(0.0)
     d = (high - low).div_(levels)
-    return d, low, _codes(s, torch.sub(b, low, out=s.blocks(s.a, b.shape[0])), d, 0.5, top)
+    shifted = torch.sub(b, low, out=s.blocks(s.x, b.shape[0]))  # in place where x holds b
+    return d, low, _codes(s, shifted, d, 0.5, levels)
 
 
 def _q4_1(b: torch.Tensor, s: _Scratch) -> list[torch.Tensor]:
-    d, low, q = _min_max(b, s, 15, 15)
+    d, low, q = _min_max(b, s, 15)
     return [_half_bytes(d), _half_bytes(low), _nibbles(q, masked=False)]
 
 
 def _q5_1(b: torch.Tensor, s: _Scratch) -> list[torch.Tensor]:
-    d, low, q = _min_max(b, s, 31, 31)
+    d, low, q = _min_max(b, s, 31)
     return [_half_bytes(d), _half_bytes(low), _fifth_bits(q), _nibbles(q, masked=True)]
 
 
+def _whole(b: torch.Tensor, limited: bool) -> None:
+    _check(max(b.amax().item(), -b.amin().item()), limited)
+
+
 def _bf16(b: torch.Tensor, s: _Scratch) -> list[torch.Tensor]:
-    # torch rounds finite values to nearest even exactly as ggml_compute_fp32_to_bf16 (NaN are refused before)
+    # torch rounds finite values to nearest even exactly as ggml_compute_fp32_to_bf16 (NaN are refused first)
+    _whole(b, limited=False)
     return [b.to(torch.bfloat16).view(torch.uint8)]
 
 
 def _f16(b: torch.Tensor, s: _Scratch) -> list[torch.Tensor]:
+    _whole(b, limited=True)
     return [b.half().view(torch.uint8)]
 
 
 def _f32(b: torch.Tensor, s: _Scratch) -> list[torch.Tensor]:
+    _whole(b, limited=False)
     return [b.view(torch.uint8)]
 
 
@@ -206,17 +234,6 @@ def fits(qtype, shape) -> bool:
     return shape[-1] % GGML_QUANT_SIZES[Q(qtype)][0] == 0 if shape else False
 
 
-def _check(chunk: torch.Tensor, qtype: Q) -> None:
-    high, low = chunk.amax().item(), chunk.amin().item()  # NaN propagates into both
-    peak = max(high, -low)
-    if not math.isfinite(peak):
-        raise NotQuantizable("it holds NaN or infinite values")
-    # float16 fields: the values (F16), or the scales and minimums of the quantized types, which are at most
-    # the values' magnitude
-    if qtype not in (Q.F32, Q.BF16) and peak > _F16_MAX:
-        raise NotQuantizable(f"it holds values up to {peak:g}, beyond float16's {_F16_MAX:g}")
-
-
 def quantize(values: torch.Tensor, qtype, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """The GGUF bytes of `values` (a float tensor on the CPU, any float dtype, last dimension the rows) in
     `qtype`: uint8 [rows, row bytes], written into `out` where given. Raises NotQuantizable for values the
@@ -237,9 +254,11 @@ def quantize(values: torch.Tensor, qtype, *, out: torch.Tensor | None = None) ->
     with few_threads(torch.device("cpu")):
         for start in range(0, rows.shape[0], step):
             part = rows[start : start + step]
-            chunk = scratch.x[: part.numel()].view(part.shape)
-            chunk.copy_(part)
-            _check(chunk, qtype)
+            if part.dtype == torch.float32 and part.is_contiguous():
+                chunk = part
+            else:
+                chunk = scratch.x[: part.numel()].view(part.shape)
+                chunk.copy_(part)
             blocks = chunk.view(-1, block_size)
             target = out[start : start + step].view(-1, type_size)
             torch.cat(kernel(blocks, scratch), dim=1, out=target)
