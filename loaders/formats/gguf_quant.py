@@ -215,8 +215,6 @@ _KERNELS = {
     Q.Q4_0: _q4_0,
 }
 WRITE_TYPES = tuple(_KERNELS)
-# The blocks of every float type are single values; their row length is unconstrained.
-FLOAT_TYPES = (Q.F32, Q.F16, Q.BF16)
 
 
 def write_types() -> str:
