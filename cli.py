@@ -149,6 +149,124 @@ def _inspect(args) -> None:
     print(json.dumps(report, indent=None if args.json else 1, default=str))
 
 
+def _progress(what: str):
+    """A progress listener printing "what: done/total" on one line of stderr."""
+    from .loaders.formats import progress
+
+    def show(done: int, total: int) -> None:
+        print(f"\r{what}: {done}/{total}", end="\n" if done == total else "", file=sys.stderr, flush=True)
+
+    return progress.listening(show)
+
+
+def _convert_encoder(args) -> None:
+    from .loaders.convert.encoder import convert_encoder
+
+    with _progress("writing the encoder, weights"):
+        done = convert_encoder(args.path, args.out, dtype=args.dtype, force=args.force)
+    print(f"wrote {done['path']}: {done['tensors']} tensors ({done['fp8_layers']} fp8 layers), "
+          f"{done['bytes'] / 2**20:.1f} MiB, from a {done['layout']} encoder")
+
+
+class _Lora(argparse.Action):
+    """--lora FILE appends (FILE, 1.0); --strength S sets the strength of the --lora before it."""
+
+    def __call__(self, parser, namespace, value, option_string=None):
+        loras = getattr(namespace, "loras", None) or []
+        if option_string == "--lora":
+            loras.append((value, 1.0))
+        elif not loras:
+            raise argparse.ArgumentError(self, "sets the strength of the --lora before it; give --lora FILE first")
+        else:
+            try:
+                loras[-1] = (loras[-1][0], float(value))
+            except ValueError:
+                raise argparse.ArgumentError(self, f"{value!r} is not a number") from None
+        namespace.loras = loras
+
+
+def _convert_transformer(args) -> None:
+    from .loaders.convert.transformer import convert_transformer
+
+    patch = None
+    if args.loras:
+        from .host.lora_bake import lora_patch
+
+        patch = lora_patch(args.loras)
+    with _progress("writing the transformer, tensors"):
+        done = convert_transformer(args.path, args.out, qtype=args.type, force=args.force, patch=patch)
+    types = ", ".join(f"{n} {t}" for t, n in done["types"].items())
+    baked = f", {len(args.loras)} LoRA(s) baked in" if args.loras else ""
+    print(f"wrote {done['path']}: {done['tensors']} tensors ({types}){baked}, {done['bytes'] / 2**20:.1f} MiB, "
+          f"from a {done['layout']} FLUX.2 {done['variant']} transformer")
+
+
+def _compare(args) -> None:
+    from .loaders.convert.identity import compare_weights, weights_at
+    from .loaders.formats.files import first_look
+
+    first_look(args.other)
+    a, b = weights_at(args.path), weights_at(args.other)
+    prompts = _read_prompts(args) if args.prompts else None
+    if a.kind in ("encoder", "transformer"):  # the figures run the models: the host is needed, so it is found first
+        from .host import ensure_comfy
+
+        ensure_comfy()
+    with _progress("comparing weights"):
+        identity = compare_weights(a, b)
+    report = {"kind": a.kind, "a": {"path": a.path, **a.description, "digest": a.digest},
+              "b": {"path": b.path, **b.description, "digest": b.digest}, "identity": identity}
+    if a.kind == "encoder":
+        from .host.parity import PROMPTS, encoder_parity
+
+        with _progress("encoding the prompts"):
+            report["parity"] = encoder_parity(a.path, b.path, prompts or list(PROMPTS))
+    elif a.kind == "transformer":
+        from .host.parity import transformer_parity
+
+        with _progress("running the transformers"):
+            report["parity"] = transformer_parity(a.path, b.path)
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(_compare_text(report))
+
+
+def _compare_text(report: dict) -> str:
+    lines = []
+    for side in ("a", "b"):
+        r = report[side]
+        details = ", ".join(f"{k} {v}" for k, v in r.items() if k not in ("path", "digest"))
+        lines.append(f"{side.upper()}: {r['path']} ({report['kind']}, {details}); weights digest {r['digest'][:16]}")
+    identity = report["identity"]
+    lines.append("identity: " + ", ".join(f"{n} {v}" for v, n in identity["counts"].items()))
+    lines.append(f"  {identity['summary']}")
+    differ = [t for t in identity["tensors"] if t["verdict"] not in ("identical", "equal after dequantization",
+                                                                    "B is a cast of A", "A is a cast of B")]
+    for t in differ[:10]:
+        extra = f" (max abs {t['max_abs']:.3g}, rel L2 {t['rel_l2']:.3g})" if "max_abs" in t else ""
+        lines.append(f"  {t['verdict']}: {t['name']}{extra}")
+    if len(differ) > 10:
+        lines.append(f"  ... and {len(differ) - 10} more (--json lists every tensor)")
+    parity = report.get("parity")
+    if parity:
+        lines.append(f"{parity['what']}:")
+        first = "prompt" if "prompt" in parity["rows"][0] else "timestep"
+        lines.append(f"  {first:<42} {'cosine':>12} {'rel L2':>10} {'max abs':>10}")
+        for r in parity["rows"]:
+            label = r[first] if first == "timestep" else json.dumps(r[first], ensure_ascii=False)
+            label = str(label)[:40] + ("..." if len(str(label)) > 40 else "")
+            if "cosine" in r:
+                lines.append(f"  {label:<42} {r['cosine']:>12.8f} {r['rel_l2']:>10.3g} {r['max_abs']:>10.3g}")
+            else:
+                lines.append(f"  {label:<42} token counts differ: {r['shapes']}")
+        worst = parity["worst"]
+        if worst is not None:
+            label = worst[first] if first == "timestep" else json.dumps(worst[first], ensure_ascii=False)
+            lines.append(f"  worst: {label} (cosine {worst['cosine']:.8f})")
+    return "\n".join(lines)
+
+
 class UsageError(Flux2DevError):
     """A command line that cannot work as given."""
 
@@ -220,7 +338,37 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=_inspect)
 
+    _convert_commands(sub)
     return parser
+
+
+def _convert_commands(sub) -> None:
+    from .loaders.convert.transformer import TYPES
+
+    convert = sub.add_parser("convert", help="write an encoder or a transformer in another form")
+    kinds = convert.add_subparsers(dest="kind", required=True)
+    p = kinds.add_parser("encoder", help="a text encoder as ComfyUI's single file (bf16 or scaled fp8)")
+    p.add_argument("path", help="the encoder: any layout the encoder loader reads")
+    p.add_argument("out", help="the .safetensors file to write")
+    p.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16")
+    p.add_argument("--force", action="store_true", help="replace what is at OUT (never written through a link)")
+    p.set_defaults(run=_convert_encoder, command="convert encoder")
+    p = kinds.add_parser("transformer", help="a transformer as GGUF, optionally with LoRAs baked in")
+    p.add_argument("path", help="the transformer: a BFL file (bf16 or scaled fp8), a diffusers transformer folder or a pipeline")
+    p.add_argument("out", help="the .gguf file to write")
+    p.add_argument("--type", choices=tuple(TYPES), required=True, help="the type of the weights (the README lists what stays unquantized)")
+    p.add_argument("--lora", action=_Lora, dest="loras", metavar="FILE",
+                   help="a LoRA (.safetensors, any format ComfyUI's LoRA loader takes) baked in; repeat for more (needs ComfyUI)")
+    p.add_argument("--strength", action=_Lora, dest="loras", metavar="S", help="the strength of the --lora before it (default 1)")
+    p.add_argument("--force", action="store_true", help="replace what is at OUT (never written through a link)")
+    p.set_defaults(run=_convert_transformer, command="convert transformer", loras=[])
+
+    p = sub.add_parser("compare", help="what two encoders, transformers or VAEs are to each other, tensor by tensor and by output")
+    p.add_argument("path", help="A")
+    p.add_argument("other", help="B")
+    p.add_argument("--prompts", help="encoders: a .jsonl file, one JSON string a line (default: a few built in)")
+    p.add_argument("--json", action="store_true")
+    p.set_defaults(run=_compare)
 
 
 def run(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> int:

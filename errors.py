@@ -85,3 +85,8 @@ class HostError(Flux2DevError):
 
 class GraphError(HostError):
     """The server refused a graph or a node failed while running it; the message is the host's own text."""
+
+
+class OutputError(Flux2DevError):
+    """A file the pack writes cannot be written as asked (something is at its name, its folder is read-only or
+    full); nothing is left under its name."""

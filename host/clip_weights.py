@@ -11,6 +11,7 @@ import torch
 from ..errors import HostError
 from ..loaders.cache.store import ConditioningCache, stat_signature, weights_fingerprint
 from ..loaders.models.encoder import EncoderPlan, plan_encoder, read_weights
+from . import compat
 
 
 @dataclass(eq=False)
@@ -36,8 +37,6 @@ def plan_signature(plan: EncoderPlan) -> str:
 
 def load_weights(clip) -> None:
     """Read the CLIP's weights if it does not hold them (fingerprinting them for the cache on the way)."""
-    from . import compat
-
     src = clip.flux2dev_source
     if src.loaded:
         return
@@ -62,16 +61,10 @@ def load_weights(clip) -> None:
 
 def release_weights(clip) -> None:
     """Unload the CLIP from the host and give its weights' memory back; the next miss reads them again."""
-    import comfy.model_management
-
     src = clip.flux2dev_source
     if not src.loaded:
         return
-    loaded_models = comfy.model_management.current_loaded_models
-    for i in range(len(loaded_models) - 1, -1, -1):
-        patcher = loaded_models[i].model
-        if patcher is not None and patcher.model is clip.cond_stage_model:
-            loaded_models.pop(i).model_unload()
+    compat.unload_held(clip.cond_stage_model)
     device = clip.patcher.offload_device
     for layer, name, shape, dtype in src.placeholders:
         setattr(layer, name, torch.nn.Parameter(torch.empty(1, dtype=dtype, device=device).expand(shape), requires_grad=False))

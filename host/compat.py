@@ -46,6 +46,10 @@ REQUIRED = (
     ("the input folder the image edit example's pictures are copied into", "folder_paths:get_input_directory"),
     ("the VAE object", "comfy.sd:VAE.throw_exception_if_invalid"),
     ("the pruned FLUX.2 text encoder", "comfy.text_encoders.flux:flux2_te"),
+    ("reading LoRAs into a model's patches, in every format the host takes", "comfy.sd:load_lora_for_models"),
+    ("the host's LoRA arithmetic, applied to a weight", "comfy.lora:calculate_weight"),
+    ("loading a model onto the device the host computes on", "comfy.model_management:load_models_gpu"),
+    ("a model's weight dtype", "comfy.model_base:BaseModel.get_dtype"),
     ("the Mistral encoder class the pack masks left padding in", "comfy.text_encoders.flux:Mistral3_24BModel.process_tokens"),
     ("the Mistral layers the pack runs pads through", "comfy.text_encoders.llama:Mistral3Small24B"),
     ("the host's own FLUX.2 tokenizer, whose prompt syntax comfy padding follows", "comfy.text_encoders.flux:Flux2Tokenizer.tokenize_with_weights"),
@@ -86,6 +90,7 @@ OPTIONAL = (
     ("whether a patcher is the dynamic-VRAM one", "comfy.model_patcher:ModelPatcher.is_dynamic", "0.33.0"),
     ("the running release's version, part of the conditioning cache's key", "comfyui_version:__version__", "0.3.75"),
     ("a seed's control-after-generate default", "comfy_api.latest:io.ControlAfterGenerate", "0.33.0"),
+    ("the dtype a model computes in", "comfy.model_base:BaseModel.get_dtype_inference", "0.33.0"),
 )
 
 
@@ -184,6 +189,33 @@ def load_unet_weights(model, state_dict: dict, dynamic: bool) -> None:
     """Load a transformer's weights the host's way (its key conversion included). 0.33's dynamic patcher wants
     them assigned, not copied, as the host's own loader does (0.3.75's load_model_weights takes no `assign`)."""
     call_with_known(model.load_model_weights, sd=state_dict, unet_prefix="", assign=dynamic)
+
+
+def inference_dtype(model):
+    """The dtype a host model computes in: 0.33's get_dtype_inference; before it, the manual-cast dtype where
+    the model has one, else its weights' (what 0.3.75's apply_model casts its inputs to)."""
+    found = getattr(model, "get_dtype_inference", None)
+    if found is not None:
+        return found()
+    return model.manual_cast_dtype or model.get_dtype()
+
+
+def unload_held(model) -> None:
+    """Unload whatever the host holds of `model` (a patcher's model: a CLIP's cond_stage_model, a MODEL's
+    model), so that its memory can go."""
+    import comfy.model_management
+
+    loaded_models = comfy.model_management.current_loaded_models
+    for i in range(len(loaded_models) - 1, -1, -1):
+        patcher = loaded_models[i].model
+        if patcher is not None and patcher.model is model:
+            loaded_models.pop(i).model_unload()
+
+
+def unet_keys_renamed(model_config, keys) -> dict[str, str]:
+    """file key -> the key the host loads it under, one by one through its own conversion (0.33 renames FLUX
+    RMSNorm scales to weights; 0.3.75 keeps every key)."""
+    return {key: next(iter(model_config.process_unet_state_dict({key: None}))) for key in keys}
 
 
 def unet_keys_as_loaded(model_config, state_dict: dict) -> set[str]:

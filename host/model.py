@@ -95,11 +95,13 @@ def build_model(
     dequant_dtype: torch.dtype | None = None,
     patch_dtype: torch.dtype = torch.float32,
     disable_dynamic: bool = False,
+    device: torch.device | None = None,
 ):
     """A host MODEL (ModelPatcher) from a loaded transformer. Packed weights (scaled fp8, GGUF blocks: a
     weight with companions beside it) stay as stored and are dequantized per layer by the pack's ops, with
     dequant_dtype and patch_dtype as their settings (host/ops.py); float models get the host's own ops. The
-    patcher is the class the host's own loaders would use now (disable_dynamic: the plain one)."""
+    patcher is the class the host's own loaders would use now (disable_dynamic: the plain one). With `device`
+    "meta" (and meta tensors in the state dict) the model is its structure alone, in no memory."""
     _, flux2_config = flux2_classes()
     import comfy.model_detection
     import comfy.model_management
@@ -131,15 +133,15 @@ def build_model(
     packed = any(quant.is_companion(k) for k in sd)
     model_config.custom_operations = packed_operations(dequant_dtype, patch_dtype) if packed else None
 
-    model = model_config.get_model(sd, "")
+    model = model_config.get_model(sd, "", device=device)
     patcher = compat.new_patcher(model, load_device, offload_device, disable_dynamic)
     if packed:
         packed_patcher(patcher)
-    if not comfy.model_management.is_device_cpu(offload_device):
+    if device is None and not comfy.model_management.is_device_cpu(offload_device):
         model.to(offload_device)
     # The check sees the keys after the host's own conversion: what load_model_weights will really load.
     _check_keys(model, compat.unet_keys_as_loaded(model_config, sd))
-    compat.load_unet_weights(model, dict(sd), dynamic=compat.is_dynamic(patcher))
+    compat.load_unet_weights(model, dict(sd), dynamic=compat.is_dynamic(patcher) or device is not None)
     logging.info("FLUX.2 MODEL ready: %s patcher, computing on %s, kept on %s when idle.",
                  type(patcher).__name__, patcher.load_device, patcher.offload_device)
     return patcher

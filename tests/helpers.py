@@ -221,6 +221,38 @@ def tiny_lora(patcher) -> dict:
     return lora
 
 
+# --- folders that cannot be written -------------------------------------------------------------------------
+
+
+def restricted(script: str, folder: Path, how: str, env: dict, room: int = 0) -> subprocess.CompletedProcess:
+    """Run `script` (python) with `folder` made read-only ("read-only") or full ("full": `room` bytes left) for
+    it alone: a mount namespace of its own where unprivileged ones exist, else (not root) the folder's
+    permissions. Outside the namespace the folder is as it was."""
+    import shlex
+    import shutil
+
+    import pytest
+
+    python = f"{shlex.quote(sys.executable)} -P -c {shlex.quote(script)}"
+    if how == "read-only":
+        setup = f"mount --bind {folder} {folder} && mount -o remount,bind,ro {folder}"
+    else:  # a tmpfs of just the folder's size and `room`, holding a copy of it
+        used = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) + (64 << 10)
+        setup = (f"cp -a {folder} {folder}.copy && mount -t tmpfs -o size={used + room} tmpfs {folder} && cp -a {folder}.copy/. {folder}"
+                 f" && head -c {64 << 10} /dev/zero > {folder}/.filler 2>/dev/null; true")
+    if shutil.which("unshare") and subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "true"],
+                                                  capture_output=True).returncode == 0:
+        return subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", f"{setup} && {python}"],
+                              capture_output=True, text=True, env=env, timeout=600)
+    if os.geteuid() == 0 or how == "full":
+        pytest.skip("no mount namespace to make a folder read-only or full in (unshare --user --mount failed)")
+    folder.chmod(0o555)
+    try:
+        return subprocess.run([sys.executable, "-P", "-c", script], capture_output=True, text=True, env=env, timeout=600)
+    finally:
+        folder.chmod(0o755)
+
+
 # --- files ------------------------------------------------------------------------------------------------
 
 

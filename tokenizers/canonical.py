@@ -90,6 +90,7 @@ class Flux2Tokenizer:
     """The canonical tokenizer: `encode` gives the reference ids, without BOS, special strings split out."""
 
     def __init__(self, vocab: TekkenVocab):
+        self.vocab = vocab  # what a converted encoder embeds as its tokenizer
         self.backend = build_backend(vocab)
         self.num_special_tokens = len(vocab.specials)
         self.vocab_size = len(vocab.specials) + len(vocab.ranks)

@@ -8,6 +8,7 @@ hash) and built tokenizers per vocabulary hash, so resolving again in the same p
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import logging
 import os
@@ -20,7 +21,7 @@ from typing import Any
 
 from ..errors import CorruptFileError, Flux2DevError, TokenizerNotFoundError
 from ..loaders.formats.files import TEKKEN_FILE, TOKENIZER_FOLDER
-from ..loaders.formats.validate import read_json_file
+from ..loaders.formats.validate import checked, read_json_file
 from .canonical import Flux2Tokenizer, self_test
 from .vocab import (
     TekkenVocab,
@@ -301,6 +302,20 @@ def bundled_tekken_path() -> Path:
     import mistral_common
 
     return Path(mistral_common.__file__).parent.joinpath(*BUNDLED_TEKKEN)
+
+
+@functools.cache
+def tekken_pattern() -> str:
+    """mistral-common's Tekken split pattern, as its bundled vocabulary states it (a tekken.json the pack writes
+    states it too; the FLUX.2 reference path splits with the pattern of canonical.py instead)."""
+    from .vocab import TEKKEN_CONFIG_FIELDS, TEKKEN_FIELDS
+
+    path = bundled_tekken_path()
+    doc = checked(read_json_file(path, "vocabulary"), TEKKEN_FIELDS, str(path))
+    pattern = checked(doc["config"], TEKKEN_CONFIG_FIELDS, f"{path} config").get("pattern")
+    if not pattern:
+        raise CorruptFileError(f"{path} states no split pattern; reinstall mistral-common.")
+    return pattern
 
 
 def _bundled(req: _Request) -> list[_Candidate]:

@@ -177,6 +177,31 @@ def tekken_vocab(doc: Any, where: str) -> TekkenVocab:
     return TekkenVocab(_fill_specials(names, n_special, where), tuple(ranks))
 
 
+WRITTEN_VERSION = "v7"  # the version of the tekken.json the pack writes: one that lists its special tokens
+
+
+def tekken_json(vocab: TekkenVocab, pattern: str) -> bytes:
+    """`vocab` as a tekken.json document listing its special tokens (what ComfyUI's single files embed as
+    tekken_model, and what its own FLUX.2 tokenizer needs), with mistral-common's split `pattern`: compact, and
+    the same bytes for the same vocabulary."""
+    import json
+
+    def text(token: bytes) -> str | None:
+        try:
+            return token.decode("utf-8")
+        except UnicodeDecodeError:
+            return None
+
+    n_special = len(vocab.specials)
+    doc = {
+        "config": {"pattern": pattern, "num_vocab_tokens": len(vocab.ranks), "default_vocab_size": n_special + len(vocab.ranks),
+                   "default_num_special_tokens": n_special, "version": WRITTEN_VERSION},
+        "vocab": [{"rank": r, "token_bytes": base64.b64encode(t).decode(), "token_str": text(t)} for r, t in enumerate(vocab.ranks)],
+        "special_tokens": [{"rank": i, "token_str": s, "is_control": True} for i, s in enumerate(vocab.specials)],
+    }
+    return json.dumps(doc, ensure_ascii=False, separators=(",", ":")).encode()
+
+
 def _refuse_entry(entry: Any, i: int, where: str) -> None:
     """The pack's error for a vocab entry that the fast check refused, naming the field."""
     name = f"{where} vocab[{i}]"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .convert_scenarios import format_conversion, format_quantize
 from .encode_scenarios import format_conditioning_cache
 
 
@@ -136,5 +137,9 @@ def format_report(results: dict) -> str:
         f"{r['python_s'] * 1e3:.0f} ms ({r['refuse_s'] / r['python_s']:.1f}x)",
         f"reference ids of a {p['chars'] / 1e6:.0f}-million-character prompt: {p['pack_s'] * 1e3:.1f} ms; tokenizing "
         f"the whole of its first {p['whole_head_chars'] / 1e6:.0f} million characters: {p['whole_head_s'] * 1e3:.0f} ms",
+        "",
+        "GGUF quantization of float32 weights (pack: gguf_quant.quantize into a new tensor; gguf: gguf.quants.quantize)",
+        format_quantize(results["quantize"]),
+        format_conversion(results["conversion"]),
     ]
     return "\n".join(lines)

@@ -27,6 +27,7 @@ from ..tiny.gguf_blocks import random_blocks, write_and_close
 from ...tokenizers.ladder import bundled_tekken_path
 from ...tokenizers.vocab import byte_level_string
 from ..tiny.geometry import test_models_env
+from .convert_scenarios import bench_conversion, bench_quantize
 from .encode_scenarios import bench_conditioning_cache
 from .meters import Measured, best, competing_load, evict, machine, timings
 
@@ -462,6 +463,8 @@ def run_all(quick: bool) -> dict:
         "conditioning_cache": bench_conditioning_cache(quick),
         "refusal": bench_refusal(quick),
         "long_prompt": bench_long_prompt(quick),
+        "quantize": bench_quantize(quick),
+        "conversion": bench_conversion(quick),
     }
 
 

@@ -97,14 +97,31 @@ def _tensor_bytes(t):
     return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
 
 
+class ContentDigest:
+    """sha256 over tensors' names, dtypes, shapes and bytes, fed one tensor at a time in name order (a name out of
+    order is refused: the digest would not be tensors_digest's)."""
+
+    def __init__(self):
+        self._h = hashlib.sha256()
+        self._last: str | None = None
+
+    def add(self, name: str, t) -> None:
+        if self._last is not None and name <= self._last:
+            raise ValueError(f"tensor {name!r} comes after {self._last!r}; feed tensors in name order")
+        self._last = name
+        self._h.update(json.dumps([name, str(t.dtype), list(t.shape)]).encode())
+        self._h.update(_tensor_bytes(t))
+
+    def hexdigest(self) -> str:
+        return self._h.hexdigest()
+
+
 def tensors_digest(tensors: dict) -> str:
     """sha256 over the tensors' names, dtypes, shapes and bytes, in name order."""
-    h = hashlib.sha256()
+    digest = ContentDigest()
     for name in sorted(tensors):
-        t = tensors[name]
-        h.update(json.dumps([name, str(t.dtype), list(t.shape)]).encode())
-        h.update(_tensor_bytes(t))
-    return h.hexdigest()
+        digest.add(name, tensors[name])
+    return digest.hexdigest()
 
 
 def _secret() -> bytes | None:

@@ -8,8 +8,12 @@ here and are named by the loaders as the wrong model."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import os
+from collections.abc import Iterator
 from pathlib import Path
+from typing import BinaryIO
 
 from ...errors import CorruptFileError, MissingWeightsError, UnsupportedFormatError
 from .validate import (
@@ -211,23 +215,41 @@ def first_look(path: str | Path) -> None:
         regular_file(path, "model file")
 
 
-def write_new_file(path: str | Path, data: bytes) -> bool:
-    """`data` at `path` if nothing is there, else nothing (False). The bytes go to a fresh temporary name in the
-    same folder first and are linked into place: a link never replaces what is at the name, so a file that
-    appeared meanwhile is left as it is, and a half-written file never shows under the name."""
+@contextlib.contextmanager
+def new_file(path: str | Path, *, replace: bool = False) -> Iterator[BinaryIO]:
+    """A file to write `path` through: a fresh temporary file in the same folder, created exclusively (never
+    through a link), which becomes `path` only when the block ends without an error, after its bytes reached
+    the disk. It is linked into place, and a link never replaces what is at the name: FileExistsError when
+    something is there (checked first too, before any byte is written). With `replace`, it is renamed into
+    place instead, which replaces a file or a link at the name and never writes through the link. When the
+    block fails (a full disk, an interrupt), the temporary file is removed and nothing shows under `path`."""
     import secrets
 
     path = Path(path)
-    if os.path.lexists(path):
-        return False
+    if not replace and os.path.lexists(path):
+        raise FileExistsError(errno.EEXIST, "something is already there", str(path))
     temp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.partial")
-    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0), 0o644)
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_BINARY", 0), 0o644)
     try:
         with open(fd, "wb") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        if replace:
+            os.replace(temp, path)
+        else:
+            os.link(temp, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temp)
+
+
+def write_new_file(path: str | Path, data: bytes) -> bool:
+    """`data` at `path` if nothing is there, else nothing (False): through new_file, so a file that appeared
+    meanwhile is left as it is, and a half-written file never shows under the name."""
+    try:
+        with new_file(path) as f:
             f.write(data)
-        os.link(temp, path)
-        return True
     except FileExistsError:
         return False
-    finally:
-        os.unlink(temp)
+    return True

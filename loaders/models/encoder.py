@@ -227,15 +227,29 @@ def undo_rotary_permute(weight: torch.Tensor, heads: int) -> torch.Tensor:
     return weight.reshape(heads, rows // heads // 2, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
 
 
+def planned_weights(plan: EncoderPlan) -> list[str]:
+    """The host names of the planned weights (their packing companions come with them)."""
+    return [host for host in plan.mapping if not quant.is_companion(host)]
+
+
+def read_weight(plan: EncoderPlan, host: str) -> dict[str, torch.Tensor]:
+    """One planned weight in the host's names, with the companions of its packing, its rows in HF order."""
+    entries = plan.source.state_entries(host, plan.mapping[host])
+    layer = host[: -len("weight")]
+    for companion in quant.COMPANIONS:
+        if layer + companion in plan.mapping:
+            entries.update(plan.source.state_entries(layer + companion, plan.mapping[layer + companion]))
+    module = host.split(".")[3] + "." + host.split(".")[4] if host.startswith("model.layers.") else ""
+    if module in plan.unpermute_heads:
+        entries[host] = undo_rotary_permute(entries[host], plan.unpermute_heads[module])
+    return entries
+
+
 def read_weights(plan: EncoderPlan) -> dict[str, torch.Tensor]:
     """Exactly the planned tensors, in the host's names (packed ones with their companions)."""
     state_dict = {}
-    for host, stored in progress.tracked(plan.mapping.items()):
-        entries = plan.source.state_entries(host, stored)
-        module = host.split(".")[3] + "." + host.split(".")[4] if host.startswith("model.layers.") else ""
-        if module in plan.unpermute_heads and host.endswith(".weight"):
-            entries[host] = undo_rotary_permute(entries[host], plan.unpermute_heads[module])
-        state_dict.update(entries)
+    for host in progress.tracked(planned_weights(plan)):
+        state_dict.update(read_weight(plan, host))
     return state_dict
 
 

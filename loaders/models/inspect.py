@@ -78,7 +78,7 @@ def _encoder(path: Path) -> dict:
     return inspect_encoder(str(path))
 
 
-def _kind(path: Path) -> str:
+def model_kind(path: Path) -> str:
     """The describer's key: the kind of model at `path`, GGUF transformers apart."""
     if path.is_dir() and is_pipeline(path):
         return "pipeline"
@@ -107,4 +107,4 @@ def inspect_path(path) -> dict:
     path = Path(path)
     if not os.path.lexists(path):  # a symlink loop is there, and gets the reader's own error
         raise ModelNotFoundError(f"{path} does not exist. Give a model file or folder that exists on this machine.")
-    return DESCRIBERS[_kind(path)](path)
+    return DESCRIBERS[model_kind(path)](path)

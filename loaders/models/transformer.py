@@ -23,7 +23,7 @@ from ...errors import (
 )
 from ..formats import progress, quant
 from ..formats.files import part_files
-from ..formats.safetensors_file import DTYPES, SafetensorsFiles
+from ..formats.safetensors_file import DTYPES, SafetensorsFiles, torch_dtype
 from .variants import Flux2Variant, known_variants, variant_for_conditioning, variant_for_transformer
 
 # BFL key <- diffusers keys (several are concatenated along the output dim), and whether the two halves of
@@ -218,14 +218,25 @@ def _diffusers_plan(shapes: Mapping[str, tuple[int, ...]], geometry: Transformer
     return plan
 
 
-def _diffusers_to_bfl(shapes: Mapping[str, tuple[int, ...]], read: Callable[[str], torch.Tensor], geometry: TransformerGeometry) -> dict:
+def _diffusers_readers(shapes: Mapping[str, tuple[int, ...]], read: Callable[[str], torch.Tensor],
+                       geometry: TransformerGeometry) -> dict[str, tuple[tuple[int, ...], Callable[[], dict]]]:
+    """BFL key -> (its shape, a reader of it) for a diffusers state dict: the parts concatenated, the halves
+    swapped where the table says."""
+
+    def reader(bfl_key: str, names: list[str], swap_halves: bool) -> Callable[[], dict]:
+        def read_one() -> dict[str, torch.Tensor]:
+            tensor = torch.cat([read(s) for s in names]) if len(names) > 1 else read(names[0])
+            if swap_halves:
+                first, second = tensor.chunk(2)
+                tensor = torch.cat((second, first))
+            return {bfl_key: tensor}
+
+        return read_one
+
     out = {}
-    for bfl_key, names, swap_halves in progress.tracked(_diffusers_plan(shapes, geometry)):
-        tensor = torch.cat([read(s) for s in names]) if len(names) > 1 else read(names[0])
-        if swap_halves:
-            first, second = tensor.chunk(2)
-            tensor = torch.cat((second, first))
-        out[bfl_key] = tensor
+    for bfl_key, names, swap_halves in _diffusers_plan(shapes, geometry):
+        shape = (sum(shapes[s][0] for s in names), *shapes[names[0]][1:])
+        out[bfl_key] = (shape, reader(bfl_key, names, swap_halves))
     return out
 
 
@@ -235,7 +246,10 @@ def diffusers_to_bfl(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.
     geometry, layout = geometry_from_shapes(shapes)
     if layout is not DIFFUSERS:
         raise UnknownModelError("diffusers_to_bfl was given a state dict that is not in diffusers keys.")
-    return _diffusers_to_bfl(shapes, state_dict.__getitem__, geometry)
+    out = {}
+    for _, read in _diffusers_readers(shapes, state_dict.__getitem__, geometry).values():
+        out.update(read())
+    return out
 
 
 def _refuse_leftovers(leftover: set[str], layout: str) -> None:
@@ -247,9 +261,10 @@ def _refuse_leftovers(leftover: set[str], layout: str) -> None:
         )
 
 
-def _bfl_state_dict(files: SafetensorsFiles) -> dict[str, torch.Tensor]:
-    """Read a BFL file, packed weights as stored with their companions under the host's suffixes (the
-    spellings of loaders/quant.py); a packed format the pack does not read is refused before any read."""
+def _bfl_readers(files: SafetensorsFiles) -> dict[str, tuple[tuple[int, ...], Callable[[], dict]]]:
+    """BFL key -> (its shape, a reader of it) for a BFL file, every check made on the headers first: a packed
+    format the pack does not read, a packed weight without its scale, an integer weight. A reader gives the
+    tensor as stored, packed ones with their companions under the host's suffixes (loaders/quant.py)."""
     packed = {}
     for name, label in quant.labels(files).items():
         found = quant.packed_format(label)
@@ -260,30 +275,44 @@ def _bfl_state_dict(files: SafetensorsFiles) -> dict[str, torch.Tensor]:
         raise UnsupportedFormatError(
             f"The transformer holds {other[0]} weights; the pack reads {READS}. Use one of those."
         )
-    out = {}
-    for name in progress.tracked(files.infos):
+    companions: dict[str, dict[str, str]] = {}  # layer -> host suffix -> stored name
+    tensors = []
+    for name in files.infos:
         if name in FP8_MARKERS:
             continue
         layer, _, suffix = name.rpartition(".")
         if suffix in quant.SPELLINGS:
             if quant.SPELLINGS[suffix] is not None:
-                out[f"{layer}.{quant.SPELLINGS[suffix]}"] = files.read(name).to(torch.float32)
+                companions.setdefault(layer, {})[quant.SPELLINGS[suffix]] = name
             continue
-        out[name] = files.read(name)
+        tensors.append(name)
     for f in READ_FORMATS:
-        lacking = [k for k, g in packed.items() if g is f and any(f"{k.rpartition('.')[0]}.{c}" not in out for c in f.companions)]
+        lacking = [k for k, g in packed.items() if g is f and any(c not in companions.get(k.rpartition(".")[0], {}) for c in f.companions)]
         if lacking:
             spellings = " or ".join(f".{s}" for s, host in f.spellings.items() if host in f.companions)
             raise UnsupportedFormatError(
                 f"{len(lacking)} {f.label} weight(s) have no scale beside them (e.g. {lacking[0]}); the pack reads "
                 f"them with {spellings} only, since unscaled weights from an unknown writer may be off by a factor."
             )
-    odd = [k for k, t in out.items() if not t.is_floating_point()]
+    stored = {name: torch_dtype(files.infos[name].dtype) for name in [*tensors, *(n for c in companions.values() for n in c.values())]}
+    odd = [name for name, dtype in stored.items() if dtype is not None and not dtype.is_floating_point]
     if odd:
         raise UnsupportedFormatError(
-            f"The transformer holds integer tensors (e.g. {odd[0]}, {out[odd[0]].dtype}); the pack reads {READS}."
+            f"The transformer holds integer tensors (e.g. {odd[0]}, {stored[odd[0]]}); the pack reads {READS}."
         )
-    return out
+
+    def reader(name: str) -> Callable[[], dict]:
+        def read_one() -> dict[str, torch.Tensor]:
+            layer = name.rpartition(".")[0]
+            out = {name: files.read(name)}
+            if name.endswith(".weight"):
+                for host, stored_name in companions.get(layer, {}).items():
+                    out[f"{layer}.{host}"] = files.read(stored_name).to(torch.float32)
+            return out
+
+        return read_one
+
+    return {name: (files.infos[name].shape, reader(name)) for name in tensors}
 
 
 def transformer_files(path: str | Path) -> list[Path]:
@@ -303,8 +332,19 @@ def identify_transformer(path: str | Path) -> tuple[Flux2Variant, TransformerGeo
     return variant_for_geometry(geometry, layout), geometry, layout
 
 
-def load_transformer(path: str | Path) -> LoadedTransformer:
-    """Read a FLUX.2 transformer into BFL keys, after its headers named a known variant."""
+@dataclass
+class TransformerPlan:
+    """A transformer on disk, from its headers alone: every check a load makes is made here, before any weight
+    is read; then each tensor is read on its own (`tensors[key][1]()`), in BFL keys."""
+
+    variant: Flux2Variant
+    geometry: TransformerGeometry
+    layout: KeyLayout
+    tensors: dict[str, tuple[tuple[int, ...], Callable[[], dict]]]  # BFL key -> (shape, reader of it and its companions)
+
+
+def plan_transformer(path: str | Path) -> TransformerPlan:
+    """A FLUX.2 transformer's plan, after its headers named a known variant."""
     files = SafetensorsFiles([str(p) for p in transformer_files(path)])
     shapes = {name: info.shape for name, info in files.infos.items()}
     geometry, layout = geometry_from_shapes(shapes)
@@ -316,10 +356,19 @@ def load_transformer(path: str | Path) -> LoadedTransformer:
                 f"{', '.join(DTYPES[d][0] for d in FLOAT_DTYPES)}, and "
                 f"{', '.join(f.label for f in READ_FORMATS)} as a BFL single file."
             )
-        state_dict = _diffusers_to_bfl(shapes, files.read, geometry)
+        tensors = _diffusers_readers(shapes, files.read, geometry)
     else:
-        state_dict = _bfl_state_dict(files)
-    return LoadedTransformer(state_dict, variant, geometry, layout.name)
+        tensors = _bfl_readers(files)
+    return TransformerPlan(variant, geometry, layout, tensors)
+
+
+def load_transformer(path: str | Path) -> LoadedTransformer:
+    """Read a FLUX.2 transformer into BFL keys, after its headers named a known variant."""
+    plan = plan_transformer(path)
+    state_dict = {}
+    for _, read in progress.tracked(plan.tensors.values()):
+        state_dict.update(read())
+    return LoadedTransformer(state_dict, plan.variant, plan.geometry, plan.layout.name)
 
 
 def _encoder_phrase(variant: Flux2Variant) -> str:

@@ -10,7 +10,6 @@ import hashlib
 import json
 import logging
 import os
-import shlex
 import shutil
 import signal
 import subprocess
@@ -22,7 +21,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from helpers import DATA, run_flux2dev, run_python, time_bound
+from helpers import DATA, restricted, run_flux2dev, run_python, time_bound
 from cache_keys import key_of
 from comfyui_flux2dev.errors import CacheError, CorruptFileError
 from comfyui_flux2dev.loaders.cache import store as cc
@@ -313,29 +312,6 @@ def test_a_killed_writers_temporary_file_counts_toward_the_limit_until_the_next_
 
 # --- read-only and full caches serve hits ---------------------------------------------------------------------
 
-def _restricted(script: str, folder: Path, how: str, env: dict) -> subprocess.CompletedProcess:
-    """Run `script` (python) with `folder` made read-only ("read-only") or full ("full") for it alone: a
-    mount namespace of its own where unprivileged ones exist, else (not root) the folder's permissions."""
-    python = f"{shlex.quote(sys.executable)} -P -c {shlex.quote(script)}"
-    if how == "read-only":
-        setup = f"mount --bind {folder} {folder} && mount -o remount,bind,ro {folder}"
-    else:  # a tmpfs of just the cache's size, holding a copy of it
-        used = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) + (64 << 10)
-        setup = (f"cp -a {folder} {folder}.copy && mount -t tmpfs -o size={used} tmpfs {folder} && cp -a {folder}.copy/. {folder}"
-                 f" && head -c {used} /dev/zero > {folder}/.filler 2>/dev/null; true")
-    if shutil.which("unshare") and subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "true"],
-                                                  capture_output=True).returncode == 0:
-        return subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", f"{setup} && {python}"],
-                              capture_output=True, text=True, env=env, timeout=600)
-    if os.geteuid() == 0 or how == "full":
-        pytest.skip("no mount namespace to make a folder read-only or full in (unshare --user --mount failed)")
-    folder.chmod(0o555)
-    try:
-        return subprocess.run([sys.executable, "-P", "-c", script], capture_output=True, text=True, env=env, timeout=600)
-    finally:
-        folder.chmod(0o755)
-
-
 READER = """
 import json, logging, sys, torch
 logging.basicConfig(level=logging.WARNING, stream=sys.stderr)
@@ -367,7 +343,7 @@ def test_a_read_only_or_full_cache_serves_hits_and_skips_stores_with_one_warning
         shutil.copyfile(encoder, reader)
     before = _snapshot(cache)
     script = READER.replace("ENCODER", repr(str(reader))).replace("CACHE", repr(str(cache)))
-    done = _restricted(script, cache, how, dict(os.environ))
+    done = restricted(script, cache, how, dict(os.environ))
     assert done.returncode == 0, done.stderr[-4000:]
     out = json.loads(done.stdout.splitlines()[-1])
     assert out["a red fox"] == [[fox.sum().item(), not same_file]], "the cached prompt is served"

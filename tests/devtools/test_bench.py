@@ -25,7 +25,7 @@ def _positive(x) -> bool:
 
 def test_documented_keys(results):
     assert set(results) == {"machine", "dequant", "forward_dequant", "contention", "header", "tokenizer", "encoder_load", "load",
-                            "conditioning_cache", "refusal", "long_prompt"}
+                            "conditioning_cache", "refusal", "long_prompt", "quantize", "conversion"}
     assert {"cpu_count", "torch_threads", "torch_version", "platform", "date"} <= set(results["machine"])
     assert {"first_s", "second_s", "rung"} <= set(results["tokenizer"])
     assert {"file_bytes", "peak_rss_bytes", "seconds", "header_parses", "synthetic_read"} <= set(results["load"])
@@ -104,12 +104,23 @@ def test_gguf_loads_parse_each_header_once(results):
     assert synthetic["largest_dequantized_bytes"] == 2 * 3072 * 3072
 
 
+def test_quantize_rows_are_exact_for_every_written_type_and_conversions_are_measured(results):
+    assert [r["type"] for r in results["quantize"]] == ["F16", "BF16", "Q8_0", "Q5_1", "Q5_0", "Q4_1", "Q4_0"]
+    assert all(r["exact"] and _positive(r["pack_s"]) and _positive(r["reference_s"]) for r in results["quantize"])
+    rows = results["conversion"]["rows"]
+    assert [r["dtype"] for r in rows] == ["bf16", "fp8"]
+    for r in rows:
+        assert _positive(r["largest_bytes"]) and r["largest_bytes"] < r["file_bytes"] and _positive(r["seconds"])
+        assert r["peak_rss_bytes"] >= 0 and r["read_bytes"] >= 0
+
+
 def test_header_and_report(results):
     h = results["header"]
     assert _positive(h["pack_s"]) and _positive(h["reference_s"])
     report = bench.format_report(results)
     for line in ("Dequantization", "geometric mean", "inside a CPU forward pass", "busy processes", "lowest ratio",
                  "tokenizer", "encoder load", "GGUF transformer load", "synthetic GGUF", "conditioning cache (encoder 64 wide",
-                 "  bf16 (", "hit / warm", "keep_loaded off leaves"):
+                 "  bf16 (", "hit / warm", "keep_loaded off leaves", "GGUF quantization of float32 weights",
+                 "encoder conversion (width 64", "x the largest tensor"):
         assert line in report
     assert "NO" not in report.split()

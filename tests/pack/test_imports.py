@@ -96,6 +96,7 @@ LAYERS = (
     ("tokenizers",),
     ("loaders.models",),
     ("loaders.cache",),
+    ("loaders.convert",),  # writing files: above the models it reads and the content digest of the cache
     ("loaders",),  # the package's own __init__
     ("host",),  # the one layer that touches ComfyUI
     ("nodes", "cli", ""),  # the UI and the command line, and the package root (its entry point)

@@ -1,0 +1,113 @@
+"""Writing files in `flux2dev bench`: the pack's GGUF quantizers against gguf-py's numpy quantizer, which they
+replace, on the same FLUX.2-shaped weights (values per second and bit equality), and a conversion's peak RSS
+against the largest tensor it holds.
+
+The conversion row converts a random encoder in ComfyUI's single-file form (quick: the tiny test geometry; full:
+the benchmark geometry, the real width of FLUX.2 [dev]'s Mistral-Small with 3 layers, whose largest tensor is
+the 131072 x 5120 embedding) to bf16 and to fp8, each in a fresh child process after evicting the source from the
+page cache; the transformer conversion streams the same way (loaders/convert/tensor_files.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+import torch
+
+from ..tiny.geometry import BENCH_MISTRAL, TINY_MISTRAL, test_models_env
+from .encode_scenarios import write_encoder
+from .meters import Measured, best, evict
+
+# [out, in] of a FLUX.2 [dev] weight (the double blocks' MLP out: 3072 x 12288 would be Klein's; 6144 x 18432 is
+# [dev]'s single-block output); quick: one small one.
+_QUANT_SHAPES = {True: (512, 2048), False: (6144, 18432)}
+_ENCODERS = {True: TINY_MISTRAL, False: BENCH_MISTRAL}
+
+
+def bench_quantize(quick: bool) -> list[dict]:
+    """Per type the pack writes (F32 aside, a copy): values per second of the pack's quantizer and of gguf-py's
+    numpy one on the same float32 weights of a FLUX.2 shape, and whether their bytes are equal."""
+    import gguf
+
+    from ...loaders.formats.gguf_quant import WRITE_TYPES, quantize
+
+    shape = _QUANT_SHAPES[quick]
+    repeats, reference_repeats = (3, 1) if quick else (5, 2)
+    values = (np.random.default_rng(0).standard_normal(shape) * 0.02).astype(np.float32)
+    tensor = torch.from_numpy(values)
+    rows = []
+    for qtype in WRITE_TYPES:
+        if qtype == gguf.GGMLQuantizationType.F32:
+            continue
+        pack_s = best(lambda: quantize(tensor, qtype), repeats)
+        reference_s = best(lambda: gguf.quants.quantize(values, qtype), reference_repeats)
+        exact = np.array_equal(quantize(tensor, qtype).numpy().reshape(-1), gguf.quants.quantize(values, qtype).view(np.uint8).reshape(-1))
+        rows.append({"type": qtype.name, "shape": list(shape), "pack_s": pack_s, "reference_s": reference_s,
+                     "values": values.size, "exact": bool(exact)})
+    return rows
+
+
+def _child_convert(src: str, out: str, dtype: str) -> dict:
+    from ...loaders.convert.encoder import convert_encoder
+    from ...loaders.formats.safetensors_file import read_header
+
+    infos, _ = read_header(src)
+    evict([src])
+    with Measured() as m:
+        convert_encoder(src, out, dtype=dtype)
+    return {"dtype": dtype, "file_bytes": os.path.getsize(src), "out_bytes": os.path.getsize(out),
+            "largest_bytes": max(i.nbytes for i in infos.values()), "peak_rss_bytes": m.peak_rss_bytes,
+            "read_bytes": m.read_bytes, "seconds": m.seconds}
+
+
+def _in_child(src: str, out: str, dtype: str) -> dict:
+    code = ("import json; from comfyui_flux2dev.devtools.bench import convert_scenarios as s; "
+            f"print(json.dumps(s._child_convert({src!r}, {out!r}, {dtype!r})))")
+    done = subprocess.run([sys.executable, "-P", "-c", code], env={**os.environ, **test_models_env()}, capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"bench child (conversion of {src}) failed:\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def bench_conversion(quick: bool) -> dict:
+    """{"geometry": {...}, "rows": [per output dtype: file, output and largest tensor bytes, peak RSS, reads, s]}."""
+    g = _ENCODERS[quick]
+    layers = g.layers[0]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        src = os.path.join(tmp, "encoder.safetensors")
+        write_encoder(src, g, layers, "bf16")
+        for dtype in ("bf16", "fp8"):
+            out = os.path.join(tmp, f"out-{dtype}.safetensors")
+            rows.append(_in_child(src, out, dtype))
+            os.remove(out)
+    return {"geometry": {"width": g.width, "mlp": g.mlp, "vocab": g.vocab, "layers": layers}, "rows": rows}
+
+
+def format_quantize(rows: list[dict]) -> str:
+    lines = [f"{'type':<6} {'shape':>12} {'pack Mval/s':>12} {'gguf Mval/s':>12} {'ratio':>7}  exact"]
+    for r in rows:
+        shape = "x".join(map(str, r["shape"]))
+        lines.append(f"{r['type']:<6} {shape:>12} {r['values'] / r['pack_s'] / 1e6:>12.1f} "
+                     f"{r['values'] / r['reference_s'] / 1e6:>12.1f} {r['reference_s'] / r['pack_s']:>6.1f}x  "
+                     f"{'yes' if r['exact'] else 'NO'}")
+    ratios = [r["reference_s"] / r["pack_s"] for r in rows]
+    lines.append(f"lowest ratio {min(ratios):.1f}x, geometric mean {float(np.exp(np.mean(np.log(ratios)))):.1f}x")
+    return "\n".join(lines)
+
+
+def format_conversion(result: dict) -> str:
+    g = result["geometry"]
+    lines = [f"encoder conversion (width {g['width']}, MLP {g['mlp']}, vocabulary {g['vocab']}, {g['layers']} layers; "
+             "source evicted from the page cache):"]
+    for r in result["rows"]:
+        lines.append(f"  to {r['dtype']}: file {r['file_bytes'] / 2**20:.0f} MiB -> {r['out_bytes'] / 2**20:.0f} MiB, "
+                     f"largest tensor {r['largest_bytes'] / 2**20:.0f} MiB, peak RSS {r['peak_rss_bytes'] / 2**20:.0f} MiB "
+                     f"({r['peak_rss_bytes'] / r['largest_bytes']:.2f} x the largest tensor, "
+                     f"{r['peak_rss_bytes'] / r['file_bytes']:.2f} x the file), read {r['read_bytes'] / 2**20:.0f} MiB, "
+                     f"{r['seconds']:.1f} s")
+    return "\n".join(lines)

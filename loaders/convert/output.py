@@ -1,0 +1,46 @@
+"""The file a conversion writes: checked before any weight is read, written through a fresh temporary file in
+its folder, and published under its name only once complete (formats.files.new_file). Something already at the
+name stays as it is unless the user asks for it to be replaced, and then it is replaced, never written through
+(a link there is replaced by the new file; what it pointed to is untouched)."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import BinaryIO
+
+from ...errors import OutputError
+from ..formats.files import new_file
+
+FORCE_HINT = "give another name, or add --force to replace it"
+
+
+def check_output(path: str | os.PathLike, *, force: bool, suffix: str) -> Path:
+    """`path` as a conversion's output: named with `suffix`, in a folder that exists, and with nothing at the
+    name unless `force` (and then not a folder)."""
+    path = Path(path)
+    if path.suffix.lower() != suffix:
+        raise OutputError(f"{path}: the output of this conversion is a {suffix} file; name it so (e.g. {path.stem}{suffix}).")
+    if not path.parent.is_dir():
+        raise OutputError(f"{path}: its folder {path.parent} does not exist; create it first.")
+    if path.is_dir() and not path.is_symlink():
+        raise OutputError(f"{path} is a folder; give the name of the file to write.")
+    if os.path.lexists(path) and not force:
+        raise OutputError(f"{path} already exists and was left as it is; {FORCE_HINT}.")
+    return path
+
+
+@contextlib.contextmanager
+def output_file(path: Path, *, force: bool) -> Iterator[BinaryIO]:
+    """A file object writing `path` (checked by check_output). An OSError inside the block is the output's (the
+    pack's readers turn their own into its errors): it ends as OutputError, and nothing is left under the name."""
+    try:
+        with new_file(path, replace=force) as f:
+            yield f
+    except FileExistsError:
+        raise OutputError(f"{path} appeared while the conversion ran and was left as it is; {FORCE_HINT}.") from None
+    except OSError as e:
+        raise OutputError(f"{path} could not be written ({e.strerror or e}); nothing was written under its name, and "
+                          "the partial file was removed.") from None

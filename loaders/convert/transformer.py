@@ -1,0 +1,146 @@
+"""`flux2dev convert transformer`: a FLUX.2 transformer (BFL single file in bf16 or scaled fp8, diffusers
+`transformer/` folder, pipeline) written as a GGUF file that this pack and ComfyUI-GGUF load, optionally with
+LoRAs baked in.
+
+Each tensor is read on its own (loaders/models/transformer.py plans and checks the whole file first, as a load
+does), its packed weights dequantized exactly in float32, a LoRA applied in float32 where one is given, and
+written in the type the table below gives it: the asked --type for the weights that take it, the rest in
+higher precision. What stays unquantized, and why (UNQUANTIZED, first rule that applies):
+
+- 1-D tensors and tensors of at most 1024 values (FLUX.2's RMSNorm scales; it has no biases): F32. llama.cpp
+  quantizes matrices only, and ComfyUI-GGUF's convert.py keeps these in F32.
+- img_in, txt_in, time_in, guidance_in, final_layer: BF16 (F16 with --type F16). The FLUX filter of
+  ComfyUI-GGUF's llama.cpp patch keeps these (the embedders and the output layer) unquantized: they touch
+  every token at the model's entry and exit, where an error is not averaged out by later blocks.
+- double_stream_modulation_img, double_stream_modulation_txt, single_stream_modulation: BF16 (F16 with
+  --type F16). FLUX.2's shared modulation replaces FLUX.1's per-block one; it scales and gates every block's
+  activations, and runs once per step on one vector, so keeping it precise costs memory (1.1 GB in BF16 for
+  [dev] instead of 0.3 GB at 4 bits) and no speed.
+- a matrix whose rows do not hold whole blocks of the type: BF16 (no FLUX.2 tensor is one).
+
+The metadata is what FLUX.2 GGUFs in the wild carry: general.architecture "flux", general.quantization_version
+2 and general.file_type (llama.cpp's number for the --type); tensors keep their BFL names.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from gguf import GGML_QUANT_VERSION, GGUFValueType, LlamaFileType
+from gguf import GGMLQuantizationType as Q
+
+from ...errors import CorruptFileError, UnsupportedFormatError
+from ..formats import progress, quant
+from ..formats.gguf_quant import NotQuantizable, fits, quantize, quantized_nbytes
+from ..models.transformer import TransformerPlan, plan_transformer
+from .output import check_output, output_file
+from .tensor_files import gguf_file
+
+ARCHITECTURE = "flux"  # what FLUX GGUF files (city96's conversions and FLUX.2's among them) state
+# --type -> (GGUF type of the weights that take it, llama.cpp's file type number)
+TYPES = {
+    "Q8_0": (Q.Q8_0, LlamaFileType.MOSTLY_Q8_0),
+    "Q5_1": (Q.Q5_1, LlamaFileType.MOSTLY_Q5_1),
+    "Q5_0": (Q.Q5_0, LlamaFileType.MOSTLY_Q5_0),
+    "Q4_1": (Q.Q4_1, LlamaFileType.MOSTLY_Q4_1),
+    "Q4_0": (Q.Q4_0, LlamaFileType.MOSTLY_Q4_0),
+    "BF16": (Q.BF16, LlamaFileType.MOSTLY_BF16),
+    "F16": (Q.F16, LlamaFileType.MOSTLY_F16),
+}
+SMALL = 1024  # values: a tensor this small stays F32 (ComfyUI-GGUF's QUANTIZATION_THRESHOLD)
+VECTOR = Q.F32
+
+
+@dataclass(frozen=True)
+class Keep:
+    """A rule of the unquantized list: tensors it applies to are stored in `qtype` (None: the higher-precision
+    float type of the file, BF16 or F16)."""
+
+    why: str
+    applies: Callable[[str, tuple[int, ...], Q], bool]
+    qtype: Q | None
+
+
+UNQUANTIZED = (
+    Keep("a vector or a tensor of at most 1024 values (norm scales)",
+         lambda key, shape, qtype: len(shape) < 2 or math.prod(shape) <= SMALL, VECTOR),
+    Keep("an embedder or the final layer (ComfyUI-GGUF's FLUX filter)",
+         lambda key, shape, qtype: key.startswith(("img_in.", "txt_in.", "time_in.", "guidance_in.", "final_layer.")), None),
+    Keep("FLUX.2's shared modulation",
+         lambda key, shape, qtype: key.startswith(("double_stream_modulation_img.", "double_stream_modulation_txt.",
+                                                   "single_stream_modulation.")), None),
+    Keep("rows that do not hold whole blocks of the type", lambda key, shape, qtype: not fits(qtype, shape), None),
+)
+
+
+def tensor_type(key: str, shape: tuple[int, ...], qtype: Q) -> tuple[Q, str | None]:
+    """The GGUF type of tensor `key` in a file of `qtype`, and the rule that kept it unquantized (None when it
+    takes `qtype`)."""
+    kept_float = Q.F16 if qtype == Q.F16 else Q.BF16
+    for rule in UNQUANTIZED:
+        if rule.applies(key, shape, qtype):
+            return (kept_float if rule.qtype is None else rule.qtype), rule.why
+    return qtype, None
+
+
+_ROW_VALUES = 1 << 24  # values quantized and written at a time, so no full-size output is held
+
+
+def convert_transformer(src: str, out: str, *, qtype: str, force: bool = False,
+                        patch: Callable[[TransformerPlan], Callable[[str, torch.Tensor], torch.Tensor]] | None = None) -> dict:
+    """Write the transformer at `src` to `out` (a .gguf file) with its weights in `qtype` (a TYPES name) and
+    the rest as UNQUANTIZED says; returns what was written. `patch(plan)`, where given, makes the function that
+    bakes LoRAs into each dense float32 weight (host/lora_bake.py). Nothing is written when the source is
+    refused or `out` is taken (unless `force`)."""
+    if qtype not in TYPES:
+        raise UnsupportedFormatError(f"GGUF transformers are written as {', '.join(TYPES)}, not {qtype!r}.")
+    target = check_output(out, force=force, suffix=".gguf")
+    plan = plan_transformer(src)
+    apply = patch(plan) if patch is not None else None
+    weights_type, file_type = TYPES[qtype]
+    types = {key: tensor_type(key, shape, weights_type)[0] for key, (shape, _) in sorted(plan.tensors.items())}
+    layout = {key: (types[key], plan.tensors[key][0], quantized_nbytes(types[key], plan.tensors[key][0])) for key in types}
+    metadata = [
+        ("general.architecture", GGUFValueType.STRING, ARCHITECTURE),
+        ("general.quantization_version", GGUFValueType.UINT32, GGML_QUANT_VERSION),
+        ("general.file_type", GGUFValueType.UINT32, int(file_type)),
+    ]
+    with output_file(target, force=force) as f:
+        file = gguf_file(f, metadata, layout)
+        for key in progress.tracked(list(types)):
+            shape, read = plan.tensors[key]
+            entries = read()
+            weight = entries.pop(key)
+            companions = {k.rpartition(".")[2]: v for k, v in entries.items()}
+            values = quant.dequantize(weight, companions, torch.float32, shape) if companions or apply else weight
+            if apply is not None:
+                values = apply(key, values)
+            del weight, entries
+            _write(file, key, values, types[key])
+            del values
+        file.finish()
+    counts: dict[str, int] = {}
+    for t in types.values():
+        counts[t.name] = counts.get(t.name, 0) + 1
+    return {"path": str(target), "layout": plan.layout.name, "variant": plan.variant.key, "type": qtype,
+            "tensors": len(types), "types": counts, "bytes": os.path.getsize(target)}
+
+
+def _write(file, key: str, values: torch.Tensor, qtype: Q) -> None:
+    """Quantize `values` in chunks of rows, each written at its place."""
+    rows = values.reshape(-1, values.shape[-1] if values.dim() else 1)
+    step = max(1, _ROW_VALUES // rows.shape[1])
+    row_bytes = quantized_nbytes(qtype, (rows.shape[1],))
+    for start in range(0, rows.shape[0], step):
+        try:
+            packed = quantize(rows[start : start + step], qtype)
+        except NotQuantizable as e:
+            raise CorruptFileError(
+                f"The transformer's {key} cannot be written as {qtype.name}: {e}. A weight like that is damaged "
+                "(or a LoRA baked into it diverged); check the source, or write BF16 where the values are only large."
+            ) from None
+        file.write(key, packed, at=start * row_bytes)

@@ -1,0 +1,186 @@
+"""`convert transformer` from every tiny transformer layout to every --type: read back by gguf-py's own reader,
+each tensor's bytes are gguf-py's quantizer on the source's dense weights (read without the pack) in the type
+the unquantized list gives it, the metadata is a FLUX GGUF's, the pack loads the file, and a LoRA baked in is the
+dense weight plus the LoRA's product, computed here by hand, then quantized."""
+
+from __future__ import annotations
+
+import math
+import sys
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from comfyui_flux2dev.errors import CorruptFileError, WrongModelError
+from comfyui_flux2dev.loaders.convert.transformer import TYPES, convert_transformer
+from helpers import TESTS
+
+sys.path.append(str(TESTS / "models"))
+from test_transformer import dequantized  # noqa: E402  (the fp8 files dequantized without the pack)
+
+# source -> (path under the tiny root, the file whose tensors are its dense weights, fp8 spelling or None)
+SOURCES = {
+    "bfl": ("diffusion_models/flux2-dev-tiny.safetensors", "diffusion_models/flux2-dev-tiny.safetensors", None),
+    "diffusers": ("diffusion_models/flux2-dev-tiny-diffusers", "diffusion_models/flux2-dev-tiny.safetensors", None),
+    "pipeline": ("diffusers/flux2-dev-tiny-pipeline", "diffusion_models/flux2-dev-tiny.safetensors", None),
+    "fp8-scale_weight": ("diffusion_models/flux2-dev-tiny-fp8-scale_weight.safetensors", None, "scale_weight"),
+    "fp8-weight_scale": ("diffusion_models/flux2-dev-tiny-fp8-weight_scale.safetensors", None, "weight_scale"),
+    "klein-4b": ("diffusion_models/flux2-klein-4b-tiny.safetensors", "diffusion_models/flux2-klein-4b-tiny.safetensors", None),
+}
+# What the README says stays unquantized: FLUX's embedders and final layer, FLUX.2's shared modulation (kept in
+# the file's 16-bit float type), and vectors and tiny tensors (F32).
+KEPT = ("img_in.", "txt_in.", "time_in.", "guidance_in.", "final_layer.", "double_stream_modulation_img.",
+        "double_stream_modulation_txt.", "single_stream_modulation.")
+FILE_TYPES = {"Q8_0": 7, "Q5_1": 9, "Q5_0": 8, "Q4_1": 3, "Q4_0": 2, "BF16": 32, "F16": 1}  # llama.cpp's numbers
+
+
+def expected_type(key: str, shape: tuple[int, ...], qtype: str) -> Q:
+    if len(shape) < 2 or math.prod(shape) <= 1024:
+        return Q.F32
+    if key.startswith(KEPT):
+        return Q.F16 if qtype == "F16" else Q.BF16
+    return Q[qtype]
+
+
+@pytest.fixture(scope="module")
+def dense(tiny_root) -> dict[str, dict[str, np.ndarray]]:
+    from safetensors.torch import load_file
+
+    out = {}
+    for name, (path, plain, spelling) in SOURCES.items():
+        weights = dequantized(tiny_root / path, spelling) if spelling else {k: v.float() for k, v in load_file(str(tiny_root / plain)).items()}
+        out[name] = {k: v.numpy() for k, v in weights.items()}
+    return out
+
+
+@pytest.fixture(scope="module")
+def converted(tiny_root, tmp_path_factory) -> dict[tuple[str, str], str]:
+    out = tmp_path_factory.mktemp("converted-transformers")
+    done = {}
+    for name, (path, _, _) in SOURCES.items():
+        for qtype in TYPES:
+            target = out / f"{name}-{qtype}.gguf"
+            convert_transformer(str(tiny_root / path), str(target), qtype=qtype)
+            done[(name, qtype)] = str(target)
+    return done
+
+
+def _tensors(path: str) -> dict[str, tuple[Q, np.ndarray]]:
+    reader = gguf.GGUFReader(path)
+    return {t.name: (Q(t.tensor_type), np.asarray(t.data).view(np.uint8).reshape(-1)) for t in reader.tensors}
+
+
+def test_the_written_types_are_the_ones_listed():
+    assert list(TYPES) == list(FILE_TYPES)
+
+
+@pytest.mark.parametrize("name", SOURCES)
+def test_each_tensor_is_gguf_pys_quantization_of_the_dense_weight(dense, converted, name):
+    for qtype in TYPES:
+        found = _tensors(converted[(name, qtype)])
+        assert found.keys() == dense[name].keys(), qtype
+        for key, values in dense[name].items():
+            want_type = expected_type(key, values.shape, qtype)
+            got_type, got = found[key]
+            assert got_type == want_type, (qtype, key)
+            want = gguf.quants.quantize(values, want_type).view(np.uint8).reshape(-1)
+            assert np.array_equal(got, want), (qtype, key)
+
+
+def test_metadata_is_a_flux_ggufs_and_the_pack_loads_every_file(converted):
+    from comfyui_flux2dev.loaders.models.gguf_transformer import load_gguf_transformer
+
+    for (name, qtype), path in converted.items():
+        fields = gguf.GGUFReader(path).fields
+        metadata = {k: fields[k].contents() for k in fields if not k.startswith("GGUF.")}
+        assert metadata == {"general.architecture": "flux", "general.quantization_version": 2,
+                            "general.file_type": FILE_TYPES[qtype]}, (name, qtype)
+        loaded = load_gguf_transformer(path)
+        assert loaded.variant.key == ("klein-4b" if name == "klein-4b" else "dev"), (name, qtype)
+
+
+def test_every_layout_of_one_model_gives_the_same_bytes_and_so_does_a_second_run(tiny_root, converted, tmp_path):
+    for qtype in ("Q4_1", "BF16"):
+        first = open(converted[("bfl", qtype)], "rb").read()
+        for name in ("diffusers", "pipeline"):
+            assert open(converted[(name, qtype)], "rb").read() == first, (name, qtype)
+    again = tmp_path / "again.gguf"
+    convert_transformer(str(tiny_root / SOURCES["fp8-weight_scale"][0]), str(again), qtype="Q5_0")
+    assert again.read_bytes() == open(converted[("fp8-weight_scale", "Q5_0")], "rb").read()
+
+
+def test_a_weight_that_is_not_finite_is_refused_naming_it(tiny_root, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(str(tiny_root / SOURCES["bfl"][0]))
+    weights["single_blocks.1.linear2.weight"][3, 5] = float("nan")
+    save_file(weights, str(tmp_path / "nan.safetensors"))
+    with pytest.raises(CorruptFileError, match=r"single_blocks\.1\.linear2\.weight cannot be written as Q8_0: it holds NaN"):
+        convert_transformer(str(tmp_path / "nan.safetensors"), str(tmp_path / "out.gguf"), qtype="Q8_0")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["nan.safetensors"]
+
+
+# --- LoRAs, through the host's own LoRA loader ------------------------------------------------------------------
+
+HIDDEN = 256  # the tiny [dev]'s width
+
+
+def _lora_pair(prefix: str, up: str, down: str, out_features: int, in_features: int, seed: int, rank: int = 4, alpha=None):
+    g = torch.Generator().manual_seed(seed)
+    pair = {f"{prefix}.{up}.weight": torch.randn(out_features, rank, generator=g) * 0.2,
+            f"{prefix}.{down}.weight": torch.randn(rank, in_features, generator=g) * 0.2}
+    if alpha is not None:
+        pair[f"{prefix}.alpha"] = torch.tensor(float(alpha))
+    return pair
+
+
+def test_a_baked_lora_is_the_dense_weight_plus_its_product_then_quantized(comfy_host, tiny_root, dense, converted, tmp_path):
+    """Two LoRAs in the formats the host reads for FLUX.2: generic BFL names and kohya's lora_unet_ names (with
+    alpha), and diffusers' transformer.* names whose q, k and v land in slices of the fused qkv weight."""
+    from safetensors.torch import save_file
+
+    from comfyui_flux2dev.host.lora_bake import lora_patch
+
+    first = {**_lora_pair("diffusion_model.double_blocks.0.img_attn.qkv", "lora_up", "lora_down", 3 * HIDDEN, HIDDEN, 1, alpha=2),
+             **_lora_pair("lora_unet_single_blocks_1_linear2", "lora_up", "lora_down", HIDDEN, HIDDEN + 3 * HIDDEN, 2, alpha=8)}
+    second = _lora_pair("transformer.transformer_blocks.1.attn.to_k", "lora_A", "lora_B", HIDDEN, HIDDEN, 3, rank=2)
+    second = {k.replace("lora_A", "X").replace("lora_B", "lora_A").replace("X", "lora_B"): v for k, v in second.items()}
+    save_file(first, str(tmp_path / "first.safetensors"))
+    save_file(second, str(tmp_path / "second.safetensors"))
+    out = tmp_path / "baked.gguf"
+    convert_transformer(str(tiny_root / SOURCES["bfl"][0]), str(out), qtype="Q8_0",
+                        patch=lora_patch([(str(tmp_path / "first.safetensors"), 0.7), (str(tmp_path / "second.safetensors"), -1.5)]))
+
+    want = {k: torch.from_numpy(v.copy()) for k, v in dense["bfl"].items()}
+    up, down = first["diffusion_model.double_blocks.0.img_attn.qkv.lora_up.weight"], first["diffusion_model.double_blocks.0.img_attn.qkv.lora_down.weight"]
+    want["double_blocks.0.img_attn.qkv.weight"] += (0.7 * (2 / 4)) * (up @ down)
+    up, down = first["lora_unet_single_blocks_1_linear2.lora_up.weight"], first["lora_unet_single_blocks_1_linear2.lora_down.weight"]
+    want["single_blocks.1.linear2.weight"] += (0.7 * (8 / 4)) * (up @ down)
+    up, down = second["transformer.transformer_blocks.1.attn.to_k.lora_B.weight"], second["transformer.transformer_blocks.1.attn.to_k.lora_A.weight"]
+    want["double_blocks.1.img_attn.qkv.weight"][HIDDEN : 2 * HIDDEN] += -1.5 * (up @ down)
+
+    found = _tensors(str(out))
+    plain = _tensors(converted[("bfl", "Q8_0")])
+    patched = {"double_blocks.0.img_attn.qkv.weight", "single_blocks.1.linear2.weight", "double_blocks.1.img_attn.qkv.weight"}
+    for key, values in want.items():
+        qtype, got = found[key]
+        if key in patched:
+            assert np.array_equal(got, gguf.quants.quantize(values.numpy(), qtype).view(np.uint8).reshape(-1)), key
+            assert not np.array_equal(got, plain[key][1]), key
+        else:
+            assert np.array_equal(got, plain[key][1]), key
+
+
+def test_a_lora_of_another_model_is_refused(comfy_host, tiny_root, tmp_path):
+    from safetensors.torch import save_file
+
+    from comfyui_flux2dev.host.lora_bake import lora_patch
+
+    save_file(_lora_pair("lora_unet_input_blocks_1_1_proj_in", "lora_up", "lora_down", 320, 320, 4), str(tmp_path / "sdxl.safetensors"))
+    with pytest.raises(WrongModelError, match="patches no weight of this FLUX.2 \\[dev\\]"):
+        convert_transformer(str(tiny_root / SOURCES["bfl"][0]), str(tmp_path / "out.gguf"), qtype="Q4_0",
+                            patch=lora_patch([(str(tmp_path / "sdxl.safetensors"), 1.0)]))
+    assert not (tmp_path / "out.gguf").exists()

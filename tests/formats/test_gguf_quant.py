@@ -1,0 +1,122 @@
+"""The torch quantizer against gguf-py's numpy reference (gguf.quants.quantize): the same bytes for every type the
+pack writes, on random weights of several sizes and on the blocks where the arithmetic has its edges (ties of
+magnitude, signed zeros, exact halves, constant and all-zero blocks, values near float16's limits)."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType as Q
+
+from comfyui_flux2dev.errors import UnsupportedFormatError
+from comfyui_flux2dev.loaders.formats import gguf_quant
+from comfyui_flux2dev.loaders.formats.gguf_quant import NotQuantizable, WRITE_TYPES, quantize
+
+# The types the pack writes, as the README lists them (the table must not grow or shrink silently).
+LISTED = ("F32", "F16", "BF16", "Q8_0", "Q5_1", "Q5_0", "Q4_1", "Q4_0")
+
+
+def test_the_writer_table_holds_the_listed_types():
+    assert [q.name for q in WRITE_TYPES] == list(LISTED)
+    with pytest.raises(UnsupportedFormatError, match="not Q4_K"):
+        quantize(torch.zeros(1, 256), Q.Q4_K)
+
+
+SIGNED_ZEROS = np.zeros(32, dtype=np.float32)
+SIGNED_ZEROS[::3] = -0.0
+MIN_MAX_TYPES = (Q.Q4_1, Q.Q5_1)
+
+
+def _edge_blocks(qtype) -> np.ndarray:
+    """Blocks of 32 where the reference's arithmetic has its edges."""
+    rows = []
+    rows.append(np.zeros(32))  # all zero: d is 0, the inverse is 0
+    if qtype not in MIN_MAX_TYPES:  # +0 and -0: the first of the largest magnitude gives d its sign
+        rows.append(SIGNED_ZEROS)
+        rows.append(-SIGNED_ZEROS)
+    tie = np.linspace(-0.5, 0.5, 32)  # +m and -m: the first one wins
+    rows.append(tie)
+    rows.append(tie[::-1].copy())
+    rows.append(np.full(32, 0.25))  # constant: Q4_1's d is 0
+    halves = np.arange(32) - 15.5  # Q8_0 with amax 127 scales by 1: every value is a tie of round-half-away
+    halves[0] = 127.0
+    rows.append(halves)
+    rows.append(-halves)
+    just_below = np.full(32, np.float32(0.5) - np.float32(2**-25))  # a sum with 0.5 would round up to 1
+    just_below[0] = 127.0
+    rows.append(just_below)
+    big = np.linspace(-60000, 65504, 32)  # float16's largest finite value
+    rows.append(big)
+    tiny = np.full(32, 1e-42)  # float32 subnormals: d's inverse overflows, and d is 0 in float16
+    tiny[5] = -3e-41
+    rows.append(tiny)
+    rows.append(np.full(32, 1e-40))
+    return np.array(rows, dtype=np.float32)
+
+
+def _cases(qtype):
+    rng = np.random.default_rng(7)
+    yield "normal", (rng.standard_normal((64, 4096)) * 0.02).astype(np.float32)
+    yield "wide-range", (rng.standard_normal((3, 5, 256)) * np.exp(rng.uniform(-20, 8, (3, 5, 1)))).astype(np.float32)
+    # bfloat16 weights (what most sources are): few mantissa bits, so ties of magnitude are common
+    yield "bf16-valued", torch.from_numpy(rng.standard_normal((257, 96)).astype(np.float32)).bfloat16().float().numpy()
+    yield "edges", _edge_blocks(qtype)
+    yield "many-chunks", rng.standard_normal((gguf_quant.CHUNK_VALUES // 512 * 3 + 7, 512)).astype(np.float32)
+
+
+@pytest.mark.parametrize("qtype", WRITE_TYPES, ids=lambda q: q.name)
+def test_bytes_equal_the_reference(qtype):
+    for name, values in _cases(qtype):
+        want = gguf.quants.quantize(values, qtype)
+        got = quantize(torch.from_numpy(values), qtype).numpy()
+        want = want.view(np.uint8).reshape(got.shape)
+        bad = np.flatnonzero((got != want).any(axis=1))
+        assert bad.size == 0, f"{name}: {bad.size} rows differ, first {bad[0]}: {got[bad[0]][:40]} != {want[bad[0]][:40]}"
+
+
+@pytest.mark.parametrize("qtype", MIN_MAX_TYPES, ids=lambda q: q.name)
+def test_a_zero_minimum_or_maximum_is_written_positive(qtype):
+    """numpy's vectorised min and max give a block of +0 and -0 either sign, by lane order; the pack writes +0
+    (the decoded values are 0 either way), and the codes are the reference's."""
+    for values in (SIGNED_ZEROS, -SIGNED_ZEROS, np.full(32, -0.0, dtype=np.float32)):
+        want = gguf.quants.quantize(values[None], qtype).view(np.uint8)[0]
+        got = quantize(torch.from_numpy(values[None].copy()), qtype).numpy()[0]
+        assert list(got[:4]) == [0, 0, 0, 0] and np.array_equal(got[4:], want[4:])
+
+
+@pytest.mark.parametrize("qtype", WRITE_TYPES, ids=lambda q: q.name)
+def test_low_precision_input_and_an_out_buffer(qtype):
+    """bfloat16 values are widened exactly; `out` receives the same bytes as a new tensor."""
+    values = torch.randn(40, 128).bfloat16()
+    want = gguf.quants.quantize(values.float().numpy(), qtype).view(np.uint8)
+    out = torch.full((40, gguf_quant.row_bytes(qtype, 128)), 0xAB, dtype=torch.uint8)
+    assert quantize(values, qtype, out=out) is out
+    assert np.array_equal(out.numpy(), want.reshape(out.shape))
+
+
+@pytest.mark.parametrize("qtype", WRITE_TYPES, ids=lambda q: q.name)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_values_that_are_not_finite_are_refused(qtype, bad):
+    values = torch.zeros(2, 64)
+    values[1, 7] = bad
+    with pytest.raises(NotQuantizable, match="NaN or infinite"):
+        quantize(values, qtype)
+
+
+@pytest.mark.parametrize("qtype", WRITE_TYPES, ids=lambda q: q.name)
+def test_values_beyond_float16_are_refused_where_a_float16_field_holds_them(qtype):
+    values = torch.zeros(1, 64)
+    values[0, 3] = -70000.0
+    if qtype in (Q.F32, Q.BF16):
+        quantize(values, qtype)
+        return
+    with pytest.raises(NotQuantizable, match="beyond float16"):
+        quantize(values, qtype)
+
+
+def test_rows_that_hold_no_whole_block_are_refused():
+    with pytest.raises(ValueError, match="whole Q8_0 blocks of 32"):
+        quantize(torch.zeros(2, 48), Q.Q8_0)
+    assert not gguf_quant.fits(Q.Q4_0, (5, 48)) and gguf_quant.fits(Q.Q4_0, (5, 64)) and gguf_quant.fits(Q.F16, (3,))
