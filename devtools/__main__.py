@@ -68,7 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=_tiny)
 
     p = sub.add_parser("bench", help="dequantization (alone, in a CPU forward pass, under load), GGUF header, tokenizer, "
-                       "load, conditioning cache, refusal and long-prompt figures, GGUF quantization and a conversion's memory")
+                       "load, conditioning cache, refusal and long-prompt figures, GGUF quantization, a conversion's memory, and prompt "
+                       "upsampling beside transformers' generate")
     p.add_argument("--quick", action="store_true", help="small sizes, for CI")
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=_bench)

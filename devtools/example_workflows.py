@@ -21,6 +21,7 @@ API_FOLDER = PACK_ROOT / "tests" / "data" / "example_workflows"
 TINY_FOLDER = "flux2dev-tiny"  # where `tiny --comfyui` puts the tiny models, in each of ComfyUI's model folders
 
 GGUF = "flux2-dev-Q4_K_M.gguf"
+UPSAMPLER = "Mistral-Small-3.2-24B-Instruct-2506-Q4_K_M.gguf"  # the whole model (the encoder files are pruned)
 ENCODER = "mistral_3_small_flux2_fp8.safetensors"
 VAE = "flux2-vae.safetensors"
 DEV_PIPELINE = "FLUX.2-dev/"
@@ -34,6 +35,8 @@ MODELS = {
               "mistral_3_small_flux2_fp8.safetensors", "mistral_3_small_flux2_fp8.safetensors"),
     VAE: ("vae", "https://huggingface.co/Comfy-Org/flux2-dev/resolve/main/split_files/vae/flux2-vae.safetensors",
           "flux2-ae.safetensors"),
+    UPSAMPLER: ("text_encoders", "https://huggingface.co/unsloth/Mistral-Small-3.2-24B-Instruct-2506-GGUF/resolve/main/"
+                "Mistral-Small-3.2-24B-Instruct-2506-Q4_K_M.gguf", "mistral3-q4_k.gguf"),
 }
 # Pipeline folders are repositories, not one file to download: name -> (repository, tiny pipeline in its place).
 PIPELINES = {
@@ -47,9 +50,12 @@ CACHE = "flux2dev-shared-cache"
 PROMPT = "A red fox sitting in fresh snow at dawn, soft light, shallow depth of field"
 EDIT_PROMPT = ("The wooden cabin from the first image, its walls painted in the red and white stripes of the second "
                "image, in a snowy forest at dawn")
-# The official FLUX.2 [dev] workflow's size and steps (ComfyUI's image_flux2 template), and the tiny form's.
+SHORT_PROMPT = "a red fox in the snow"  # what the upsampler example rewrites
+# The official FLUX.2 [dev] workflow's size and steps (ComfyUI's image_flux2 template), and the tiny form's; the
+# upsampler writes at most the reference's 512 tokens, 16 in the tiny form.
 SIZES = {"width": 1248, "height": 832, "steps": 20}
-TINY_SIZES = {"width": 256, "height": 256, "steps": 2}
+UPSAMPLED_TOKENS = {"max_new_tokens": 512}
+TINY_SIZES = {"width": 256, "height": 256, "steps": 2, "max_new_tokens": 16}
 
 
 def gguf_loader() -> dict:
@@ -81,6 +87,14 @@ def _edit() -> dict:
     return graph
 
 
+def _upsampled() -> dict:
+    graph = _dev(gguf_loader(), encoder_loader(), vae_source(), "flux2-dev-upsampled")
+    graph["upsampler"] = node("Flux2DevPromptUpsampler", model=UPSAMPLER, prompt=SHORT_PROMPT, mode="auto", seed=0,
+                              temperature=0.15, **UPSAMPLED_TOKENS, keep_loaded=False, cache="")
+    graph["text"]["inputs"]["text"] = ["upsampler", 0]
+    return graph
+
+
 # name -> the graph; the name is the template's title in ComfyUI's Templates browser, which shows its first
 # words only, so they say what differs.
 EXAMPLES = {
@@ -97,11 +111,13 @@ EXAMPLES = {
     # path on a shared drive serves several ComfyUI instances), and the encoder's memory is freed after use.
     "Conditioning cache, encoder freed - FLUX.2 dev": lambda: _dev(
         gguf_loader(), encoder_loader(cache=CACHE, keep_loaded=False), vae_source(), "flux2-dev-cached"),
+    # The short prompt rewritten by the whole Mistral-Small model (its GGUF), then encoded as usual.
+    "Prompt upsampling, text to image - FLUX.2 dev": _upsampled,
 }
 TEXT_TO_IMAGE = next(iter(EXAMPLES))
 
 
-SIZED = ("Flux2Scheduler", "EmptyFlux2LatentImage")  # the nodes that hold SIZES
+SIZED = ("Flux2Scheduler", "EmptyFlux2LatentImage", "Flux2DevPromptUpsampler")  # the nodes that hold SIZES
 
 
 def _tiny_names(folder: str) -> dict[str, str]:
@@ -119,7 +135,7 @@ def tiny_form(graph: dict, folder: str = TINY_FOLDER + "/") -> dict:
 def tiny_ui(ui: dict, folder: str = TINY_FOLDER + "/") -> dict:
     """An example's UI file in the tiny form of tiny_form; its nodes list no downloads (there are none)."""
     names = _tiny_names(folder)
-    small = {SIZES[k]: TINY_SIZES[k] for k in SIZES}
+    small = {v: TINY_SIZES[k] for k, v in (SIZES | UPSAMPLED_TOKENS).items()}
     nodes = []
     for n in ui["nodes"]:
         values = [names.get(v, v) if isinstance(v, str) else small.get(v, v) if n["type"] in SIZED else v

@@ -147,11 +147,19 @@ class HeadlessComfy:
     def run_watched(self, graph: dict, timeout: float = 600.0) -> tuple[dict, list[dict]]:
         """Run a graph as the web UI does, listening on the server's websocket: its outputs, and every message
         the server sent about it (progress, executing, ...) in order."""
+        prompt_id, messages = self.watch(graph, timeout)
+        return self.wait(prompt_id, timeout), messages
+
+    def watch(self, graph: dict, timeout: float = 600.0, on_message=None) -> tuple[str, list[dict]]:
+        """Queue a graph as the web UI does and listen on the server's websocket until it ends (done, failed or
+        interrupted): its prompt id and every message the server sent, in order. on_message(message) sees each
+        as it comes (it may call interrupt())."""
         import asyncio
 
         import aiohttp
 
         client_id = uuid.uuid4().hex
+        ends = ("execution_error", "execution_interrupted")
 
         async def watch() -> tuple[str, list[dict]]:
             async with aiohttp.ClientSession() as session:
@@ -162,15 +170,23 @@ class HeadlessComfy:
                         if message.type != aiohttp.WSMsgType.TEXT:
                             continue
                         messages.append(json.loads(message.data))
+                        if on_message is not None:
+                            await asyncio.to_thread(on_message, messages[-1])
                         kind, data = messages[-1]["type"], messages[-1].get("data") or {}
                         if data.get("prompt_id") == prompt_id and (
-                            kind == "execution_error" or (kind == "executing" and data.get("node") is None)
+                            kind in ends or (kind == "executing" and data.get("node") is None)
                         ):
                             return prompt_id, messages
                     return prompt_id, messages
 
-        prompt_id, messages = asyncio.run(asyncio.wait_for(watch(), timeout))
-        return self.wait(prompt_id, timeout), messages
+        return asyncio.run(asyncio.wait_for(watch(), timeout))
+
+    def interrupt(self) -> None:
+        """Stop the graph that runs now, as the UI's cancel button does."""
+        req = urllib.request.Request(f"http://127.0.0.1:{self.port}/interrupt", data=b"{}",
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=30):
+            pass
 
     def output_file(self, saved: dict) -> Path:
         """Where a file an output node reported (SaveImage's images, SaveLatent's latents) lies on disk."""

@@ -73,8 +73,9 @@ def api_to_ui(graph: dict, object_info: dict, downloads: dict[str, tuple[str, st
         node_links = {link[4]: link for link in links if link[3] == ids[key]}
         inputs, widgets = [], []
         for name, spec in _inputs(schema):
-            if name in node_links:
-                inputs.append({"name": name, "type": spec[0], "link": node_links[name][0]})
+            if name in node_links:  # a widget fed by a link shows as its input socket
+                widget = {"widget": {"name": name}} if _is_widget(spec) else {}
+                inputs.append({"name": name, "type": spec[0], **widget, "link": node_links[name][0]})
             elif _is_widget(spec):
                 widgets += [node["inputs"][name], *_extras(spec)]
         outs = [

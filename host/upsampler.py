@@ -45,7 +45,7 @@ class Upsampled:
 
 @dataclass(eq=False)
 class LoadedLanguageModel:
-    source: tuple  # (path, what is read, its files' stat signature, dtype): the same load again is this one
+    source: tuple  # (path, what is read, its files' stat signature, dtype, device): the same load again is this one
     patcher: object
     fingerprint: str | None = None
 
@@ -73,9 +73,10 @@ def _reads(plan: EncoderPlan, vision: VisionPlan | None) -> str:
 
 def upsample(path: str, prompt: str, *, images: list = (), mode: str = "auto", seed: int = 0, temperature: float = 0.15,
              max_new_tokens: int = 512, cache: str | None = None, keep_loaded: bool = False, dtype: torch.dtype | None = None,
-             on_token: Callable[[int, int], None] | None = None) -> Upsampled:
+             device: torch.device | None = None, on_token: Callable[[int, int], None] | None = None) -> Upsampled:
     """The prompt rewritten by the Mistral-Small-3.x checkpoint at `path` (a whole model: all layers and lm_head);
-    with images (PIL) an edit instruction about them. cache: a conditioning cache folder (None: no cache).
+    with images (PIL) an edit instruction about them. cache: a conditioning cache folder (None: no cache). device:
+    where it computes (default: the host's text-encoder device).
     on_token(count, max_new_tokens) follows generation, beside the running node's progress bar."""
     if mode not in MODES:
         raise InputError(f"mode is {mode!r}; it is one of {', '.join(MODES)}.")
@@ -96,10 +97,10 @@ def upsample(path: str, prompt: str, *, images: list = (), mode: str = "auto", s
     ensure_comfy()
     import comfy.model_management
 
-    device = comfy.model_management.text_encoder_device()
+    device = torch.device(device) if device is not None else comfy.model_management.text_encoder_device()
     sampling = Sampling(temperature=float(temperature), seed=int(seed))
     store = ConditioningCache(cache) if cache else None
-    source = (plan.path, _reads(plan, vision), stat_signature(plan.path, plan.source.files), str(dtype))
+    source = (plan.path, _reads(plan, vision), stat_signature(plan.path, plan.source.files), str(dtype), str(device))
     held = _held if _held is not None and _held.source == source else None
     signature = hashlib.sha256(json.dumps(source[1:3]).encode()).hexdigest()
     fingerprint = (held.fingerprint if held else None) or (store.known_fingerprint(signature) if store else None)
@@ -120,7 +121,7 @@ def upsample(path: str, prompt: str, *, images: list = (), mode: str = "auto", s
             return Upsampled(bytes(hit[TEXT_KEY].tolist()).decode(), system, input_ids, hit[IDS_KEY].tolist(), True)
 
     started = time.monotonic()
-    loaded = held or _load(plan, vision, dtype, source, store, signature)
+    loaded = held or _load(plan, vision, dtype, device, source, store, signature)
     try:
         output_ids = _run(loaded.patcher, input_ids, prepared, max_new_tokens, sampling, on_token)
     finally:
@@ -144,7 +145,7 @@ def node_upsample(path: str, prompt: str, *, images: list, cache: str = "", **se
     return upsample(path, prompt, images=frames, cache=cache_folder(cache), **settings).text
 
 
-def _load(plan: EncoderPlan, vision: VisionPlan | None, dtype: torch.dtype, source: tuple,
+def _load(plan: EncoderPlan, vision: VisionPlan | None, dtype: torch.dtype, device: torch.device, source: tuple,
           store: ConditioningCache | None, signature: str) -> LoadedLanguageModel:
     """Read the weights into the language model (and the vision tower) under the host's patcher."""
     import comfy.model_management
@@ -164,10 +165,9 @@ def _load(plan: EncoderPlan, vision: VisionPlan | None, dtype: torch.dtype, sour
     if missing:
         raise HostError(f"The language model lacks weights the plan should have read ({', '.join(missing[:5])}); this is "
                         "a bug of the pack. Report it with the file's name.")
-    del weights
     if vision is not None:
         model.vision = VisionEncoder(vision, vision_weights, dtype).to(offload)
-    patcher = compat.new_patcher(model, comfy.model_management.text_encoder_device(), offload, disable_dynamic=True)
+    patcher = compat.new_patcher(model, device, offload, disable_dynamic=True)
     return LoadedLanguageModel(source, packed_patcher(patcher), fingerprint)
 
 

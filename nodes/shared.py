@@ -8,11 +8,12 @@ CATEGORY = "loaders/FLUX.2"  # beside the host's own loaders
 CONDITIONING_CATEGORY = "conditioning/FLUX.2"  # beside CLIP Text Encode, which the upsampler's prompt feeds
 
 
-def schema(node_id: str, description: str, inputs: list, outputs: list, category: str = CATEGORY):
+def schema(node_id: str, description: str, inputs: list, outputs: list, category: str = CATEGORY,
+           is_output_node: bool = False):
     """The node's schema, with the title and search words node_titles gives it."""
     title, aliases = NODES[node_id]
     return node_schema(node_id=node_id, display_name=title, search_aliases=list(aliases), category=category,
-                       description=description, inputs=inputs, outputs=outputs)
+                       description=description, inputs=inputs, outputs=outputs, is_output_node=is_output_node)
 
 PADDING_TOOLTIP = (
     "How the prompt's tokens are laid out. reference (the default): as Black Forest Labs' and diffusers' own "

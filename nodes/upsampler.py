@@ -58,6 +58,7 @@ class Flux2DevPromptUpsampler(io.ComfyNode):
             ],
             [io.String.Output(tooltip="The rewritten prompt: connect it to CLIP Text Encode's text input.")],
             category=CONDITIONING_CATEGORY,
+            is_output_node=True,  # it shows the rewritten prompt, and runs on its own for that
         )
 
     @classmethod

@@ -36,9 +36,9 @@ def _dim(g: MistralEncoderGeometry, name: str) -> int:
     return {"heads": g.heads * g.head_dim, "kv_heads": g.kv_heads * g.head_dim}.get(name) or getattr(g, name)
 
 
-def write_encoder(path: str, g: MistralEncoderGeometry, layers: int, fmt: str) -> None:
+def write_encoder(path: str, g: MistralEncoderGeometry, layers: int, fmt: str, whole: bool = False) -> None:
     """A random encoder in ComfyUI's single-file form (model.* keys, tekken_model): bf16, or fp8 linear
-    weights with a per-tensor weight_scale."""
+    weights with a per-tensor weight_scale; whole: with the final norm and lm_head (bf16), which writing text reads."""
     from safetensors.torch import save_file
 
     from ..tiny.encoders import tekken_data
@@ -59,6 +59,9 @@ def write_encoder(path: str, g: MistralEncoderGeometry, layers: int, fmt: str) -
             del w
         for norm in ("input_layernorm", "post_attention_layernorm"):
             out[prefix + norm + ".weight"] = torch.ones(g.width, dtype=torch.bfloat16)
+    if whole:
+        out["model.norm.weight"] = torch.ones(g.width, dtype=torch.bfloat16)
+        out["lm_head.weight"] = (torch.randn(g.vocab, g.width, generator=gen) / g.width ** 0.5).to(torch.bfloat16)
     out["tekken_model"] = torch.frombuffer(bytearray(tekken_data()), dtype=torch.uint8)
     save_file(out, path)
 

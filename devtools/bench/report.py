@@ -6,6 +6,7 @@ import numpy as np
 
 from .convert_scenarios import format_conversion, format_quantize
 from .encode_scenarios import format_conditioning_cache
+from .upsample_scenarios import format_upsampling
 
 
 def _geomean(values: list[float]) -> float:
@@ -141,5 +142,7 @@ def format_report(results: dict) -> str:
         "GGUF quantization of float32 weights (pack: gguf_quant.quantize into a new tensor; gguf: gguf.quants.quantize)",
         format_quantize(results["quantize"]),
         format_conversion(results["conversion"]),
+        "",
+        format_upsampling(results["upsampling"]),
     ]
     return "\n".join(lines)

@@ -29,6 +29,7 @@ from ...tokenizers.vocab import byte_level_string
 from ..tiny.geometry import test_models_env
 from .convert_scenarios import bench_conversion, bench_quantize
 from .encode_scenarios import bench_conditioning_cache
+from .upsample_scenarios import bench_upsampling
 from .meters import Measured, best, competing_load, evict, machine, timings
 
 # Values per benchmarked tensor. The full size (32 MiB of fp16) is still below most FLUX.2 weights
@@ -465,6 +466,7 @@ def run_all(quick: bool) -> dict:
         "long_prompt": bench_long_prompt(quick),
         "quantize": bench_quantize(quick),
         "conversion": bench_conversion(quick),
+        "upsampling": bench_upsampling(quick),
     }
 
 

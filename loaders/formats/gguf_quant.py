@@ -14,7 +14,6 @@ NaN scales or infinities that load and then spoil every image."""
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch

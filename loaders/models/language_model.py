@@ -120,6 +120,7 @@ class MistralLM(torch.nn.Module):
                  device=None, dtype: torch.dtype = torch.float32):
         super().__init__()
         self.geometry, self.dtype = geometry, dtype
+        self.host_operations = operations is not torch.nn  # comfy.ops style: Embedding takes out_dtype
         self.model = Decoder(geometry, layers, operations, device, dtype)
         self.lm_head = operations.Linear(geometry.width, geometry.vocab, bias=False, device=device, dtype=dtype)
         d = geometry.head_dim
@@ -128,6 +129,8 @@ class MistralLM(torch.nn.Module):
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """The input embeddings of token ids [1, n]."""
+        if self.host_operations:  # the host's embedding casts only the rows it gathers, not the whole table
+            return self.model.embed_tokens(ids, out_dtype=self.dtype)
         return self.model.embed_tokens(ids).to(self.dtype)
 
     def new_cache(self, length: int, device) -> KVCache:

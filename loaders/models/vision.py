@@ -24,7 +24,7 @@ from ...tokenizers.chat import ImageGrid
 from ..formats import quant
 from ..formats.files import PIXTRAL_CONFIG, VISION_CONFIG
 from ..formats.validate import checked
-from .encoder import FULL_MODEL_SOURCES, EncoderPlan
+from .encoder import EncoderPlan
 
 PARTS = ("vision_tower.", "multi_modal_projector.")  # transformers' module names in Mistral3's model
 STORED_PREFIXES = ("model.", "")  # where a Mistral3 checkpoint stores them (transformers >= 4.52, older)

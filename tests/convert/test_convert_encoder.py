@@ -9,8 +9,6 @@ import functools
 import json
 import sys
 
-import gguf
-import numpy as np
 import pytest
 import torch
 
@@ -20,7 +18,8 @@ from helpers import TESTS
 
 # The encoder tests' references, independent of the pack's dequantizers, serve here too (shared, not copied).
 sys.path.append(str(TESTS / "models"))
-from test_encoder import QUANTIZED, REFERENCES  # noqa: E402
+import references  # noqa: E402
+from test_encoder import QUANTIZED  # noqa: E402
 
 # Every tiny encoder layout, the tiny [dev] pipeline as one more; fp8 conversions of one source per family.
 SOURCES = {e.name: f"text_encoders/{e.name}" for e in tiny.ENCODERS} | {"pipeline": "diffusers/flux2-dev-tiny-pipeline"}
@@ -47,44 +46,17 @@ def _read(key: str) -> bool:
     return key == "model.embed_tokens.weight" or key.startswith("model.layers.") and int(key.split(".")[2]) < tiny.PRUNED
 
 
-def _gguf_reference(path: str) -> dict[str, torch.Tensor]:
-    """A GGUF encoder's weights through gguf-py's numpy dequantizer (the raw blocks as the pack's reader, checked
-    against gguf-py's own in tests/formats, hands them out: gguf-py's reader takes seconds over the vocabulary),
-    llama.cpp's interleaved Q/K rows put back in HF order by the test itself."""
-    from comfyui_flux2dev.loaders.formats.gguf_file import open_gguf
-
-    names = tiny.gguf_names()
-    hf_names = {names.get_name(k, try_suffixes=(".weight",)): k for k in tiny.base_model()}
-    heads = {"self_attn.q_proj": tiny.TINY_MISTRAL.heads, "self_attn.k_proj": tiny.TINY_MISTRAL.kv_heads}
-    out = {}
-    with open_gguf(path) as g:
-        for name, t in g.tensors.items():
-            key = hf_names.get(name, "")
-            if not _read(key):
-                continue
-            raw = t.data.numpy().reshape(-1, gguf.GGML_QUANT_SIZES[t.qtype][1])
-            w = torch.from_numpy(gguf.quants.dequantize(raw, t.qtype).astype(np.float32).reshape(t.shape))
-            module = ".".join(key.split(".")[3:5])
-            if g.architecture != "cow" and module in heads:
-                h, rows = heads[module], w.shape[0]
-                w = w.reshape(h, rows // h // 2, 2, -1).transpose(1, 2).reshape(rows, -1)
-            out[key] = w
-    return out
-
-
 @functools.cache
 def _dense(path: str, family: str | None) -> dict[str, torch.Tensor]:
     if family is None:
         return {k: v.float() for k, v in tiny.base_model().items() if _read(k)}
-    if family == "gguf":
-        return _gguf_reference(path)
-    return {"model." + k: v for k, v in REFERENCES[family](path).items() if _read("model." + k)}
+    return {k: v for k, v in references.WEIGHTS[family](path).items() if _read(k)}
 
 
 def _reference(tiny_root, name: str) -> dict[str, torch.Tensor]:
     """The source's dense weights in the host's names (float32), made without the pack's dequantizers: the tiny
-    model's own weights for bf16 layouts, the independent dequantizations of tests/models/test_encoder.py for
-    fp8 and NVFP4, gguf-py's for GGUF."""
+    model's own weights for bf16 layouts, the independent dequantizations of tests/models/references.py for the
+    packed ones."""
     return _dense(str(tiny_root / SOURCES[name]), QUANTIZED.get(name))
 
 

@@ -25,7 +25,7 @@ def _positive(x) -> bool:
 
 def test_documented_keys(results):
     assert set(results) == {"machine", "dequant", "forward_dequant", "contention", "header", "tokenizer", "encoder_load", "load",
-                            "conditioning_cache", "refusal", "long_prompt", "quantize", "conversion"}
+                            "conditioning_cache", "refusal", "long_prompt", "quantize", "conversion", "upsampling"}
     assert {"cpu_count", "torch_threads", "torch_version", "platform", "date"} <= set(results["machine"])
     assert {"first_s", "second_s", "rung"} <= set(results["tokenizer"])
     assert {"file_bytes", "peak_rss_bytes", "seconds", "header_parses", "synthetic_read"} <= set(results["load"])
@@ -124,3 +124,11 @@ def test_header_and_report(results):
                  "encoder conversion (width 64", "x the largest tensor"):
         assert line in report
     assert "NO" not in report.split()
+
+
+def test_upsampling_rows_run_the_pack_and_transformers_on_the_same_chat(results):
+    u = results["upsampling"]
+    assert [r["name"] for r in u["rows"]] == ["pack bf16", "transformers bf16", "pack float32", "transformers float32",
+                                              "pack fp8", "pack GGUF Q4_0"]
+    assert len({r["prompt_tokens"] for r in u["rows"]}) == 1
+    assert all(r["new_tokens"] == 8 and r["tokens_per_s"] > 0 and r["first_token_s"] > 0 for r in u["rows"])

@@ -188,3 +188,38 @@ def test_a_gguf_layer_keeps_its_type_as_a_number_wherever_it_moves(comfy_host):
     layer.to(META)
     assert isinstance(getattr(layer, quant.GGUF_TYPE), int)
     assert quant.GGUF_TYPE not in dict(layer.named_buffers())
+
+
+# --- the language model that writes text (prompt upsampling) ------------------------------------------------------
+
+
+def _language_model(device=None):
+    from comfyui_flux2dev.loaders.models.language_model import MistralLM
+    from comfyui_flux2dev.loaders.models.variants import MistralEncoderGeometry
+
+    g = MistralEncoderGeometry(width=32, heads=4, kv_heads=2, mlp=64, vocab=100, head_dim=8, layers=(2,))
+    torch.manual_seed(3)
+    model = MistralLM(g, 2, 1e9)
+    for p in model.parameters():
+        p.data.normal_(0, 0.3)
+    return model.to(device) if device is not None else model
+
+
+def test_the_language_model_writes_where_its_weights_are():
+    """A prompt read and one token written on `meta`: the decoder, its rotary angles and its cache stay on the
+    model's device (only choosing the next token reads a value back, once per token, by design)."""
+    model = _language_model(META)
+    cache = model.new_cache(8, META)
+    embeds = model.embed(torch.tensor([[1, 5, 7]], device=META))
+    logits = model(embeds, cache, 0)
+    assert logits.device == META and tuple(logits.shape) == (100,)
+    assert model(model.embed(torch.tensor([[9]], device=META)), cache, 3).device == META
+
+
+def test_the_language_model_names_the_device_of_what_it_makes():
+    model = _language_model()
+    ids = torch.tensor([[1, 5, 7]])
+    want = model(model.embed(ids), model.new_cache(8, torch.device("cpu")), 0)
+    with torch.device(META):
+        got = model(model.embed(ids), model.new_cache(8, torch.device("cpu")), 0)
+    assert got.device.type == "cpu" and torch.equal(got, want)

@@ -10,7 +10,6 @@ before without reading a weight."""
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import numpy as np
@@ -76,7 +75,9 @@ def _causal_lm(weights: dict):
 
 
 def _reference_ids(model, input_ids: list[int], **inputs) -> list[int]:
-    ids = torch.tensor([input_ids])
+    device = next(model.parameters()).device
+    ids = torch.tensor([input_ids], device=device)
+    inputs = {k: v.to(device) for k, v in inputs.items()}
     with torch.no_grad():
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=False,
                              max_new_tokens=NEW_TOKENS, pad_token_id=11, **inputs)
@@ -91,19 +92,20 @@ def _upsample(path, prompt, **settings):
 
 @pytest.mark.transformers_matrix
 @pytest.mark.parametrize("name", sorted(WHOLE))
-def test_greedy_text_to_image_equals_transformers(comfy_host, encoders, hf_model, name):
+def test_greedy_text_to_image_equals_transformers(comfy_host, encoders, hf_model, name, device):
     from comfyui_flux2dev.host.upsampler import release_held
 
     path = encoders / name
     family = WHOLE[name]
-    reference = hf_model if family == "bf16" else _causal_lm(references.WEIGHTS[family](path))
+    reference = (hf_model if family == "bf16" else _causal_lm(references.WEIGHTS[family](path))).to(device)
     try:
         for prompt in corpus():
-            got = _upsample(path, prompt, keep_loaded=True)
+            got = _upsample(path, prompt, keep_loaded=True, device=device)
             assert got.output_ids == _reference_ids(reference, got.input_ids), prompt
             assert not got.cached and got.system_message.startswith("You are an expert prompt engineer for FLUX.2")
     finally:
         release_held()
+        reference.to("cpu")
 
 
 def _pictures(count: int) -> list[Image.Image]:
@@ -131,9 +133,9 @@ def _reference_pixels(images: list[Image.Image]):
 @pytest.mark.transformers_matrix
 @pytest.mark.parametrize("count", [1, 3])
 @pytest.mark.parametrize("name", FOLDERS_WITH_VISION)
-def test_greedy_edit_with_reference_images_equals_transformers(comfy_host, encoders, hf_model, name, count):
+def test_greedy_edit_with_reference_images_equals_transformers(comfy_host, encoders, hf_model, name, count, device):
     images = _pictures(count)
-    got = _upsample(encoders / name, "make the roof red", images=images)
+    got = _upsample(encoders / name, "make the roof red", images=images, device=device)
     assert got.system_message.startswith("You are FLUX.2 by Black Forest Labs, an image-editing expert")
     assert got.input_ids.count(10) >= 1 and 13 in got.input_ids  # [IMG] rows, closed by [IMG_END]
     if WHOLE[name] == "bf16":
@@ -145,7 +147,10 @@ def test_greedy_edit_with_reference_images_equals_transformers(comfy_host, encod
         model.model.language_model.load_state_dict({k.removeprefix("model."): v for k, v in lm.items() if k != "lm_head.weight"})
         model.lm_head.weight.data.copy_(lm["lm_head.weight"])
     pixels, sizes = _reference_pixels(images)
-    assert _reference_ids(model, got.input_ids, pixel_values=pixels, image_sizes=sizes) == got.output_ids
+    try:
+        assert _reference_ids(model.to(device), got.input_ids, pixel_values=pixels, image_sizes=sizes) == got.output_ids
+    finally:
+        model.to("cpu")
 
 
 def test_sampled_text_is_the_same_twice_and_in_a_fresh_process(comfy_host, encoders):

@@ -49,6 +49,8 @@ RUNG_OF_LAYOUT = {
     "mistral_3_small_flux2_fp8.safetensors": "embedded-tekken",
     "mistral_3_small_flux2_fp8_channel.safetensors": "embedded-tekken",
     "mistral_3_small_flux2_fp4_mixed.safetensors": "embedded-tekken",
+    "hf-mistral3-fp8": "tekken-json",
+    "mistral_3_small_whole_fp4_mixed.safetensors": "embedded-tekken",
     "cow-f16.gguf": "embedded-tekken",
     "llama-q8_0.gguf": "gguf-vocab",
     "mistral3-q4_0.gguf": "gguf-vocab",
