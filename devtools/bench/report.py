@@ -78,9 +78,11 @@ def format_forward(results: dict) -> str:
             f"{_ms(r['forward_s']):>10} {r['before_s'] / r['forward_s']:>8.1f}x {r['torch_s'] / r['forward_s']:>6.1f}x "
             f"{r['copy_s'] / r['forward_s']:>7.0%}  {'yes' if r['exact'] else 'NO'}"
         )
-    lines.append("copy ceiling (fp16 into a reused tensor, the faster of every thread and one): " + ", ".join(
-        f"{_shape(c['shape'])} {_ms(c['copy_s'])} ms = {2 * np.prod(c['shape']) / c['copy_s'] / 1e9:.1f} GB/s"
-        for c in results["copies"]))
+    copies = {}
+    for r in results["gguf"] + results["float"]:
+        copies.setdefault(_shape(r["shape"]), []).append(2 * np.prod(r["shape"]) / r["copy_s"] / 1e9)
+    lines.append("copy ceiling (fp16 into a reused tensor, the faster of every thread and one, beside each row): " + ", ".join(
+        f"{shape} {min(gbps):.1f}-{max(gbps):.1f} GB/s" for shape, gbps in copies.items()))
     if not peer:
         lines.append(f"peer: not measured, {results['peer_missing']}")
     return "\n".join(lines)
