@@ -168,6 +168,24 @@ def _torch_path(fn):
         fused.gguf, fused.fp8, fused.nvfp4 = kernels
 
 
+def _forward_figures(stored, companions, shape, repeats: int) -> tuple[torch.Tensor, dict]:
+    """One packed weight as a CPU forward pass dequantizes it: its values, and a row with the copy ceiling
+    measured beside it (the load of a shared machine drifts), the path that ran, its time, the torch path's
+    time, and whether the two paths gave the same bits."""
+    from ...host.ops import forward_weight
+    from ...loaders.formats import fused
+
+    copy_s = _copy_s(shape, repeats)
+    with torch.inference_mode():
+        forward = lambda: forward_weight(stored, companions, _FORWARD_DTYPE, shape)  # noqa: E731
+        got = forward().clone()  # the first call also loads the compiled kernel: not timed
+        forward_s = best(forward, repeats)
+        torch_s = _torch_path(lambda: best(forward, repeats))
+        same = _same_bits(_torch_path(forward), got)
+    return got, {"shape": list(shape), "path": fused.path("cpu", _FORWARD_DTYPE), "forward_s": forward_s,
+                 "torch_s": torch_s, "copy_s": copy_s, "exact": same}
+
+
 def bench_forward_dequant(quick: bool, memory_bound: int = 0) -> dict:
     """Dequantization per layer and forward pass at FLUX.2 weight shapes, to fp16, as a CPU forward pass
     runs it: host/ops.forward_weight under inference mode (as ComfyUI runs nodes), into the scratch buffer.
@@ -177,8 +195,6 @@ def bench_forward_dequant(quick: bool, memory_bound: int = 0) -> dict:
     memory_bound: that many memory-bound processes run beside it (a machine whose memory is slow or busy)."""
     import gguf
 
-    from ...host.ops import forward_weight
-    from ...loaders.formats import fused, quant
     from ...loaders.formats.gguf_dequant import QUANTIZED_TYPES
     from .peers import PEER, comfyui_gguf_dequantize, missing_reason
 
@@ -191,36 +207,21 @@ def bench_forward_dequant(quick: bool, memory_bound: int = 0) -> dict:
         for shape in _FORWARD_SHAPES[quick]:
             for qtype in QUANTIZED_TYPES:
                 stored, companions, raw = _gguf_case(qtype, shape, rng)
-                copy_s = _copy_s(shape, repeats)  # beside each row: the load of a shared machine drifts
-                with torch.inference_mode():
-                    forward = lambda: forward_weight(stored, companions, _FORWARD_DTYPE, shape)  # noqa: E731
-                    got = forward().clone()  # the first call also loads the compiled kernel: not timed
-                    forward_s = best(forward, repeats)
-                    torch_s = _torch_path(lambda: best(forward, repeats))
-                    torch_exact = _same_bits(_torch_path(forward), got)
+                got, row = _forward_figures(stored, companions, shape, repeats)
                 reference = []
                 reference_s = best(lambda: reference.append(gguf.quants.dequantize(raw, qtype)), reference_repeats)
                 with np.errstate(over="ignore"):  # large K-quant values overflow fp16 the same way on both sides
                     want = torch.from_numpy(reference[-1].astype(np.float16))
-                row = {"type": qtype.name, "shape": list(shape), "path": fused.path("cpu", _FORWARD_DTYPE),
-                       "forward_s": forward_s, "torch_s": torch_s, "reference_s": reference_s, "copy_s": copy_s,
-                       "exact": _same_bits(got, want) and torch_exact}
+                row.update(type=qtype.name, reference_s=reference_s, exact=_same_bits(got, want) and row["exact"])
                 if peer is not None:
                     row["peer_s"] = best(lambda: peer(stored, qtype, shape, None).to(_FORWARD_DTYPE), reference_repeats)
                 gguf_rows.append(row)
             for fmt in ("fp8-scaled", "nvfp4"):
                 stored, companions, previous = _float_case(fmt, shape, rng)
-                copy_s = _copy_s(shape, repeats)
-                with torch.inference_mode():
-                    forward = lambda: forward_weight(stored, companions, _FORWARD_DTYPE, shape)  # noqa: E731
-                    got = forward().clone()  # the first call also loads the compiled kernel: not timed
-                    forward_s = best(forward, repeats)
-                    torch_s = _torch_path(lambda: best(forward, repeats))
-                    torch_exact = _same_bits(_torch_path(forward), got)
+                got, row = _forward_figures(stored, companions, shape, repeats)
                 before_s = best(lambda: previous(stored, companions), repeats)
-                float_rows.append({"format": fmt, "shape": list(shape), "path": fused.path("cpu", _FORWARD_DTYPE),
-                                   "forward_s": forward_s, "torch_s": torch_s, "before_s": before_s, "copy_s": copy_s,
-                                   "exact": _same_bits(got, previous(stored, companions)) and torch_exact})
+                row.update(format=fmt, before_s=before_s, exact=_same_bits(got, previous(stored, companions)) and row["exact"])
+                float_rows.append(row)
     return {"gguf": gguf_rows, "float": float_rows, "memory_bound_processes": memory_bound,
             "load_average": load, "peer": PEER if peer is not None else None,
             "peer_missing": None if peer is not None else missing_reason()}
