@@ -42,7 +42,7 @@ def bench_dequant(quick: bool) -> list[dict]:
     """Per quantized type: GB/s of fp16 output for the pack, into a new tensor per call (page faults of
     fresh memory included) and into one reused output tensor (as the host's ops can), and for gguf's numpy
     dequantizer on the same blocks (its float32 result as it returns it, without a cast); the GB/s of a
-    plain copy of the output size (a ceiling); and bit equality of the pack and gguf in float32."""
+    plain copy of the output size beside each row (a ceiling); and bit equality of the pack and gguf in float32."""
     import gguf
 
     from ...loaders.formats import fused
@@ -52,9 +52,6 @@ def bench_dequant(quick: bool) -> list[dict]:
     repeats, reference_repeats = (3, 2) if quick else (9, 3)
     path = fused.path("cpu", torch.float16)
     rng = np.random.default_rng(0)
-    src = torch.empty(n, dtype=torch.float16)
-    dst = torch.empty_like(src)
-    copy_s = best(lambda: dst.copy_(src), repeats)
     shape = (n // 4096, 4096)  # rows of 4096 values, like a weight matrix
     reused = torch.empty(shape, dtype=torch.float16)
     results = []
@@ -62,6 +59,7 @@ def bench_dequant(quick: bool) -> list[dict]:
         raw = random_blocks(qtype, (n,), rng)
         rows = raw.reshape(shape[0], -1)
         data = torch.from_numpy(raw)
+        copy_s = _copy_s(shape, repeats)
         fresh_s = best(lambda: dequantize(data, qtype, shape), repeats)
         reused_s = best(lambda: dequantize(data, qtype, shape, out=reused), repeats)
         reference_s = best(lambda: gguf.quants.dequantize(rows, qtype), reference_repeats)

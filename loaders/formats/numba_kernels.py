@@ -329,7 +329,17 @@ def q6_k(blocks, out, halves):
                     _put(o, at + 16 + k, d1 * _F32(q - 32))
 
 
-_IQ4_VALUES = np.array((-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113), np.float32)
+# The IQ4 code book (kvalues_iq4nl in ggml) as two int64 words of eight int8 values each: a code's value is
+# one byte of one word, picked by shifts that vectorize, where a table lookup would be a gather (1.4x slower).
+_IQ4_WORDS = tuple(int(w) for w in np.array(
+    (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113), np.int8).view(np.int64))
+
+
+@njit
+def _iq4(q):
+    """The IQ4 value of code q (0-15), as float32."""
+    word = np.int64(_IQ4_WORDS[1]) if q & 8 else np.int64(_IQ4_WORDS[0])
+    return _F32(_i8((word >> ((q & 7) * 8)) & 255))
 
 
 @njit(**_JIT)
@@ -340,8 +350,8 @@ def iq4_nl(blocks, out, halves):
         d = _f16(b, 0, halves)
         for k in range(w):
             q = np.int32(b[2 + k])
-            _put(o, k, d * _IQ4_VALUES[q & 15])
-            _put(o, 16 + k, d * _IQ4_VALUES[q >> 4])
+            _put(o, k, d * _iq4(q & 15))
+            _put(o, 16 + k, d * _iq4(q >> 4))
 
 
 @njit(**_JIT)
@@ -358,8 +368,8 @@ def iq4_xs(blocks, out, halves):
             dl = d * _F32(_i8(low | (((high >> (2 * j)) & 3) << 4)) - 32)
             for k in range(w):
                 q = np.int32(b[8 + j * 16 + k])
-                _put(o, j * 32 + k, dl * _IQ4_VALUES[q & 15])
-                _put(o, j * 32 + 16 + k, dl * _IQ4_VALUES[q >> 4])
+                _put(o, j * 32 + k, dl * _iq4(q & 15))
+                _put(o, j * 32 + 16 + k, dl * _iq4(q >> 4))
 
 
 # GGUF type name -> kernel
