@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import functools
 import logging
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
+
+from .dequant_steps import dequant_threads
 
 log = logging.getLogger(__name__)
 
@@ -76,6 +79,23 @@ def _runs(device: torch.device, dtype: torch.dtype) -> bool:
     return dtype == torch.float32 or _converts(dtype)
 
 
+@functools.cache
+def _pool(threads: int) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(threads, thread_name_prefix="flux2dev-dequant")
+
+
+def _by_rows(rows: int, run) -> None:
+    """run(first, stop) over all rows: at once on one thread, or on half the cores in runs of rows (four per
+    thread) that each thread takes as it comes free, so that a thread the scheduler parks holds up little.
+    The kernels release the GIL."""
+    threads = dequant_threads()
+    if threads == 1 or rows < 2 * threads:
+        run(0, rows)
+        return
+    step = -(-rows // (4 * threads))
+    list(_pool(threads).map(lambda first: run(first, min(first + step, rows)), range(0, rows, step)))
+
+
 def _out(out: torch.Tensor, width: int) -> np.ndarray:
     return out.view(_VIEWS[out.dtype]).view(-1, width).numpy()
 
@@ -91,7 +111,8 @@ def gguf(type_name: str, blocks: torch.Tensor, out: torch.Tensor) -> bool:
     one-pass kernel runs here; False leaves `out` untouched."""
     if not _runs(blocks.device, out.dtype) or type_name not in _kernels().GGUF:
         return False
-    _kernels().GGUF[type_name](blocks.numpy(), _out(out, out.numel() // blocks.shape[0]), _halves())
+    kernel, b, o, halves = _kernels().GGUF[type_name], blocks.numpy(), _out(out, out.numel() // blocks.shape[0]), _halves()
+    _by_rows(b.shape[0], lambda first, stop: kernel(b[first:stop], o[first:stop], halves))
     return True
 
 
@@ -106,8 +127,9 @@ def fp8(codes: torch.Tensor, fp8_dtype: torch.dtype, scale: torch.Tensor, out: t
     `out`; False: not run."""
     if not _runs(codes.device, out.dtype):
         return False
-    scales = scale.reshape(-1).contiguous().numpy()
-    _kernels().fp8(codes.contiguous().numpy(), scales, _out(out, codes.shape[1]), _fp8_book(fp8_dtype))
+    kernel, book = _kernels().fp8, _fp8_book(fp8_dtype)
+    c, s, o = codes.contiguous().numpy(), scale.reshape(-1).contiguous().numpy(), _out(out, codes.shape[1])
+    _by_rows(c.shape[0], lambda first, stop: kernel(c[first:stop], s if s.shape[0] == 1 else s[first:stop], o[first:stop], book))
     return True
 
 
@@ -117,7 +139,7 @@ def nvfp4(packed: torch.Tensor, tiled_scales: torch.Tensor, tensor_scale: torch.
         return False
     tiled = tiled_scales.contiguous().view(torch.uint8).reshape(-1).numpy()
     scale = tensor_scale.to(torch.float32).reshape(1).numpy()
-    book = _fp8_book(tiled_scales.dtype)
-    _kernels().nvfp4(packed.contiguous().numpy(), tiled, scale, _out(out, packed.shape[1] * 2), book,
-                     np.array(e2m1, np.float32))
+    kernel, book, values = _kernels().nvfp4, _fp8_book(tiled_scales.dtype), np.array(e2m1, np.float32)
+    p, o = packed.contiguous().numpy(), _out(out, packed.shape[1] * 2)
+    _by_rows(p.shape[0], lambda first, stop: kernel(p[first:stop], tiled, scale, o[first:stop], book, values, first))
     return True

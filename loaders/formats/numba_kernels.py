@@ -395,14 +395,15 @@ def fp8(codes, scales, out, book):
 
 
 @njit(**_JIT)
-def nvfp4(packed, tiled, tensor_scale, out, book, e2m1):
+def nvfp4(packed, tiled, tensor_scale, out, book, e2m1, first_row):
     """E2M1 value * (book[block scale] * tensor_scale[0]), the even element in the high nibble; the block
     scales in cuBLAS' 128x4 tiling (tiled: its bytes, [roundup(rows, 128) * roundup(blocks, 4)]), where
-    row r and block c sit in tile (r // 128, c // 4) at (r % 32) * 16 + (r // 32 % 4) * 4 + c % 4."""
+    row r and block c sit in tile (r // 128, c // 4) at (r % 32) * 16 + (r // 32 % 4) * 4 + c % 4.
+    packed and out are the weight's rows from first_row on."""
     col_tiles = (packed.shape[1] // 8 + 3) // 4
     ts = tensor_scale[0]
-    for r in range(packed.shape[0]):
-        p, o = packed[r], out[r]
+    for i in range(packed.shape[0]):
+        p, o, r = packed[i], out[i], first_row + i
         row_at = (r >> 7) * col_tiles * 512 + (r & 31) * 16 + ((r >> 5) & 3) * 4
         for c in range(packed.shape[1] // 8):
             s = book[tiled[row_at + (c >> 2) * 512 + (c & 3)]] * ts

@@ -213,6 +213,26 @@ def test_a_conversion_unlike_torch_keeps_the_torch_path(caplog, monkeypatch):
         fused._converts.cache_clear()
 
 
+def test_several_threads_give_the_same_bits(monkeypatch):
+    """On machines with more cores the kernels run on half of them, each on runs of rows: the same values as one
+    thread, for rows that do not divide evenly and NVFP4 runs that start inside a scale tile."""
+    qtype, shape = Q.Q5_K, (37, 512)
+    raw = torch.from_numpy(_edge_blocks(qtype, seed=2)[:37])
+    weight, scale = _fp8_cases(torch.float8_e4m3fn, per_row=True)
+    packed = torch.randint(0, 256, (133, 64), dtype=torch.uint8, generator=torch.Generator().manual_seed(5))
+    tiled = quant.swizzle_block_scales(torch.rand(133, 8, generator=torch.Generator().manual_seed(6)).to(torch.float8_e4m3fn))
+
+    def everything():
+        return (dequantize(raw, qtype, shape, torch.float16), quant.dequantize_fp8(weight, scale, torch.bfloat16),
+                quant.dequantize_nvfp4(packed, tiled, torch.tensor(0.5), torch.float32))
+
+    monkeypatch.setattr(fused, "dequant_threads", lambda: 1)
+    one = everything()
+    monkeypatch.setattr(fused, "dequant_threads", lambda: 3)
+    for got, want in zip(everything(), one):
+        _same(got, want)
+
+
 def test_sizes_are_checked_before_any_kernel_reads():
     """The kernels do not check indexes, so a damaged file's sizes are refused first, as errors for the user."""
     packed = torch.zeros(128, 32, dtype=torch.uint8)
