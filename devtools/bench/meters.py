@@ -32,13 +32,18 @@ def best(fn, repeats: int) -> float:
     return min(timings(fn, repeats))
 
 
+# A memory-bound process: copies 256 MiB back and forth, far beyond any cache, as fast as one core can.
+_MEMORY_BOUND = "import numpy as np\na = np.ones(1 << 25); b = np.empty_like(a)\nwhile True: np.copyto(b, a); np.copyto(a, b)"
+
+
 @contextlib.contextmanager
-def competing_load(processes: int):
+def competing_load(processes: int, memory: bool = False):
     """`processes` busy Python processes (one core's worth of work each) running beside the block, as the
-    other jobs on a user's machine do."""
-    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(processes)]
+    other jobs on a user's machine do; memory: each copying memory instead of spinning on the CPU."""
+    code = _MEMORY_BOUND if memory else "while True: pass"
+    busy = [subprocess.Popen([sys.executable, "-c", code]) for _ in range(processes)]
     try:
-        time.sleep(0.5)  # started and spinning
+        time.sleep(1.0 if memory and processes else 0.5)  # started and running
         yield
     finally:
         for p in busy:

@@ -16,18 +16,18 @@ def _geomean(values: list[float]) -> float:
 def format_table(results: list[dict]) -> str:
     """The dequantization results as an aligned text table, with the geometric means of the speed-ups."""
     lines = [
-        f"{'type':8} {'values':>9} {'new out':>8} {'reused':>8} {'gguf':>6} {'ratio new':>10} {'ratio reused':>13}"
-        f" {'copy':>6}  exact",
-        f"{'':8} {'':>9} {'GB/s':>8} {'GB/s':>8} {'GB/s':>6} {'':>10} {'':>13} {'GB/s':>6}",
+        f"{'type':8} {'path':6} {'values':>9} {'new out':>8} {'reused':>8} {'gguf':>6} {'ratio new':>10} {'ratio reused':>13}"
+        f" {'copy':>6} {'of copy':>8}  exact",
+        f"{'':8} {'':6} {'':>9} {'GB/s':>8} {'GB/s':>8} {'GB/s':>6} {'':>10} {'':>13} {'GB/s':>6} {'reused':>8}",
     ]
     fresh, reused = [], []
     for r in results:
         fresh.append(r["pack_gbps"] / r["reference_gbps"])
         reused.append(r["pack_reused_gbps"] / r["reference_gbps"])
         lines.append(
-            f"{r['type']:8} {r['values']:>9} {r['pack_gbps']:>8.2f} {r['pack_reused_gbps']:>8.2f} "
-            f"{r['reference_gbps']:>6.2f} {fresh[-1]:>9.1f}x {reused[-1]:>12.1f}x {r['copy_gbps']:>6.1f}  "
-            f"{'yes' if r['exact'] else 'NO'}"
+            f"{r['type']:8} {r['path']:6} {r['values']:>9} {r['pack_gbps']:>8.2f} {r['pack_reused_gbps']:>8.2f} "
+            f"{r['reference_gbps']:>6.2f} {fresh[-1]:>9.1f}x {reused[-1]:>12.1f}x {r['copy_gbps']:>6.1f} "
+            f"{r['pack_reused_gbps'] / r['copy_gbps']:>8.0%}  {'yes' if r['exact'] else 'NO'}"
         )
     if results:
         lines.append(
@@ -45,42 +45,75 @@ def _shape(shape) -> str:
 
 
 def format_forward(results: dict) -> str:
-    """The per-forward dequantization at FLUX.2 shapes: GGUF against gguf's numpy reference, fp8 and NVFP4
-    against the ops' previous dequantization, with the worst ratio of each."""
+    """The per-forward dequantization at FLUX.2 shapes: each row against gguf's numpy reference, ComfyUI-GGUF
+    (where it was there), the torch path and the copy ceiling; fp8 and NVFP4 against the ops' previous
+    dequantization; the worst of each."""
+    peer = results["peer"] is not None
     lines = [
-        f"{'type':10} {'shape':>10} {'gguf ms':>8} {'new tensor ms':>13} {'forward ms':>10} {'ratio new':>10} "
-        f"{'ratio forward':>13}  exact",
+        f"{'type':7} {'shape':>10} {'path':6} {'gguf ms':>8} {'peer ms':>8} {'torch ms':>8} {'forward ms':>10} "
+        f"{'x gguf':>7} {'x peer':>7} {'x torch':>7} {'of copy':>7}  exact",
     ]
     for r in results["gguf"]:
+        peer_ms, x_peer = (_ms(r["peer_s"]), f"{r['peer_s'] / r['forward_s']:.1f}x") if peer else ("-", "-")
         lines.append(
-            f"{r['type']:10} {_shape(r['shape']):>10} {_ms(r['reference_s']):>8} {_ms(r['new_tensor_s']):>13} "
-            f"{_ms(r['forward_s']):>10} {r['reference_s'] / r['new_tensor_s']:>9.1f}x "
-            f"{r['reference_s'] / r['forward_s']:>12.1f}x  {'yes' if r['exact'] else 'NO'}"
+            f"{r['type']:7} {_shape(r['shape']):>10} {r['path']:6} {_ms(r['reference_s']):>8} "
+            f"{peer_ms:>8} {_ms(r['torch_s']):>8} {_ms(r['forward_s']):>10} "
+            f"{r['reference_s'] / r['forward_s']:>6.1f}x {x_peer:>7} "
+            f"{r['torch_s'] / r['forward_s']:>6.1f}x {r['copy_s'] / r['forward_s']:>7.0%}  {'yes' if r['exact'] else 'NO'}"
         )
-    worst = min(r["reference_s"] / r["forward_s"] for r in results["gguf"])
-    lines.append(f"lowest ratio inside a forward pass: {worst:.1f}x gguf")
+    rows = results["gguf"]
+    worst = min(rows, key=lambda r: r["reference_s"] / r["forward_s"])
+    slowest = min(rows, key=lambda r: r["copy_s"] / r["forward_s"])
     lines.append(
-        f"{'format':10} {'shape':>10} {'before ms':>9} {'new tensor ms':>13} {'forward ms':>10} {'speed-up':>9}  exact"
+        f"lowest inside a forward pass: {worst['reference_s'] / worst['forward_s']:.1f}x gguf ({worst['type']} "
+        f"{_shape(worst['shape'])}), {slowest['copy_s'] / slowest['forward_s']:.0%} of the copy ceiling "
+        f"({slowest['type']} {_shape(slowest['shape'])})"
+        + (f", {min(r['peer_s'] / r['forward_s'] for r in rows):.1f}x ComfyUI-GGUF" if peer else "")
+    )
+    lines.append(
+        f"{'format':10} {'shape':>10} {'path':6} {'before ms':>9} {'torch ms':>8} {'forward ms':>10} {'speed-up':>9} "
+        f"{'x torch':>7} {'of copy':>7}  exact"
     )
     for r in results["float"]:
         lines.append(
-            f"{r['format']:10} {_shape(r['shape']):>10} {_ms(r['before_s']):>9} {_ms(r['new_tensor_s']):>13} "
-            f"{_ms(r['forward_s']):>10} {r['before_s'] / r['forward_s']:>8.1f}x  {'yes' if r['exact'] else 'NO'}"
+            f"{r['format']:10} {_shape(r['shape']):>10} {r['path']:6} {_ms(r['before_s']):>9} {_ms(r['torch_s']):>8} "
+            f"{_ms(r['forward_s']):>10} {r['before_s'] / r['forward_s']:>8.1f}x {r['torch_s'] / r['forward_s']:>6.1f}x "
+            f"{r['copy_s'] / r['forward_s']:>7.0%}  {'yes' if r['exact'] else 'NO'}"
         )
+    copies = {}
+    for r in results["gguf"] + results["float"]:
+        copies.setdefault(_shape(r["shape"]), []).append(2 * np.prod(r["shape"]) / r["copy_s"] / 1e9)
+    lines.append("copy ceiling (fp16 into a reused tensor, the faster of every thread and one, beside each row): " + ", ".join(
+        f"{shape} {min(gbps):.1f}-{max(gbps):.1f} GB/s" for shape, gbps in copies.items()))
+    if not peer:
+        lines.append(f"peer: not measured, {results['peer_missing']}")
     return "\n".join(lines)
+
+
+def _forward_title(results: dict) -> str:
+    beside = results["memory_bound_processes"]
+    return (
+        "Dequantization inside a CPU forward pass, to fp16, per layer "
+        + (f"beside {beside} memory-bound process{'es' if beside > 1 else ''} (load average {results['load_average']:.2f})"
+           if beside else f"(load average {results['load_average']:.2f})")
+        + "\n(forward: host/ops.forward_weight into the scratch buffer, by the path named; gguf: its numpy reference; "
+        + f"peer: {results['peer'] or 'ComfyUI-GGUF'}'s dequantize\nas its layers call it; torch: the pack's torch path, "
+        + "which ran before the one-pass kernels; before: the ops' fp8 and NVFP4\ndequantization until 2026-12-01; "
+        + "of copy: the copy's time over the forward's, for the same output bytes)"
+    )
 
 
 def format_contention(results: dict) -> str:
     """The GGUF forward rows beside a competing load: medians, the pack's spread, the ratio to gguf."""
     lines = [
-        f"{'type':10} {'forward ms':>10} {'spread':>7} {'gguf ms':>8} {'ratio':>6}",
-        f"{'':10} {'median':>10} {'':>7} {'median':>8}",
+        f"{'type':10} {'path':6} {'forward ms':>10} {'spread':>7} {'gguf ms':>8} {'ratio':>6}",
+        f"{'':10} {'':6} {'median':>10} {'':>7} {'median':>8}",
     ]
     ratios = []
     for r in results["rows"]:
         ratios.append(r["reference_median_s"] / r["forward_median_s"])
         lines.append(
-            f"{r['type']:10} {_ms(r['forward_median_s']):>10} {r['forward_median_s'] / r['forward_best_s']:>6.1f}x "
+            f"{r['type']:10} {r['path']:6} {_ms(r['forward_median_s']):>10} {r['forward_median_s'] / r['forward_best_s']:>6.1f}x "
             f"{_ms(r['reference_median_s']):>8} {ratios[-1]:>5.1f}x"
         )
     lines.append(f"lowest ratio under load: {min(ratios):.1f}x gguf, geometric mean {_geomean(ratios):.1f}x")
@@ -102,10 +135,11 @@ def format_report(results: dict) -> str:
         "Dequantization to fp16 (pack: into a new tensor per call / into one reused tensor; gguf: its numpy reference)",
         format_table(results["dequant"]),
         "",
-        "Dequantization inside a CPU forward pass, to fp16, per layer (forward: host/ops.forward_weight, into the scratch",
-        "buffer; new tensor: the same dequantizer into a new tensor per call, as the ops did before; gguf: its numpy",
-        "reference; before: the ops' previous fp8 and NVFP4 dequantization)",
+        _forward_title(results["forward_dequant"]),
         format_forward(results["forward_dequant"]),
+        "",
+        _forward_title(results["forward_dequant_slow_memory"]),
+        format_forward(results["forward_dequant_slow_memory"]),
         "",
         f"The same beside {c['competing_processes']} busy processes (load average {c['load_average']:.2f}), "
         f"{_shape(c['shape'])}, medians; spread: the pack's median over its fastest call",

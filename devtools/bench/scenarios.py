@@ -44,17 +44,16 @@ def bench_dequant(quick: bool) -> list[dict]:
     """Per quantized type: GB/s of fp16 output for the pack, into a new tensor per call (page faults of
     fresh memory included) and into one reused output tensor (as the host's ops can), and for gguf's numpy
     dequantizer on the same blocks (its float32 result as it returns it, without a cast); the GB/s of a
-    plain copy of the output size (a ceiling); and bit equality of the pack and gguf in float32."""
+    plain copy of the output size beside each row (a ceiling); and bit equality of the pack and gguf in float32."""
     import gguf
 
+    from ...loaders.formats import fused
     from ...loaders.formats.gguf_dequant import QUANTIZED_TYPES, dequantize
 
     n = _DEQUANT_VALUES[quick]
     repeats, reference_repeats = (3, 2) if quick else (9, 3)
+    path = fused.path("cpu", torch.float16)
     rng = np.random.default_rng(0)
-    src = torch.empty(n, dtype=torch.float16)
-    dst = torch.empty_like(src)
-    copy_s = best(lambda: dst.copy_(src), repeats)
     shape = (n // 4096, 4096)  # rows of 4096 values, like a weight matrix
     reused = torch.empty(shape, dtype=torch.float16)
     results = []
@@ -62,6 +61,7 @@ def bench_dequant(quick: bool) -> list[dict]:
         raw = random_blocks(qtype, (n,), rng)
         rows = raw.reshape(shape[0], -1)
         data = torch.from_numpy(raw)
+        copy_s = _copy_s(shape, repeats)
         fresh_s = best(lambda: dequantize(data, qtype, shape), repeats)
         reused_s = best(lambda: dequantize(data, qtype, shape, out=reused), repeats)
         reference_s = best(lambda: gguf.quants.dequantize(rows, qtype), reference_repeats)
@@ -73,6 +73,7 @@ def bench_dequant(quick: bool) -> list[dict]:
         results.append(
             {
                 "type": qtype.name,
+                "path": path,
                 "values": n,
                 "pack_gbps": out_bytes / fresh_s / 1e9,
                 "pack_reused_gbps": out_bytes / reused_s / 1e9,
@@ -88,6 +89,9 @@ def bench_dequant(quick: bool) -> list[dict]:
 # small one. The contention rows use the first.
 _FORWARD_SHAPES = {True: ((512, 2048),), False: ((3072, 12288), (6144, 18432))}
 _COMPETING_PROCESSES = 2
+# Memory-bound processes beside the second run of the forward rows: a machine whose memory is slow or busy
+# (the copy ceiling drops to a fraction of an idle machine's)
+_MEMORY_BOUND_PROCESSES = 1
 _FORWARD_DTYPE = torch.float16
 
 
@@ -137,43 +141,90 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.view(torch.int16), b.view(torch.int16))
 
 
-def bench_forward_dequant(quick: bool) -> dict:
+def _copy_s(shape, repeats: int) -> float:
+    """The ceiling: seconds of a plain copy of a fp16 tensor of this shape into a reused one, the faster of
+    torch's copy on every thread and on one (on a busy machine, one thread often wins: see dequant_steps)."""
+    src = torch.ones(shape, dtype=_FORWARD_DTYPE)
+    dst = torch.zeros_like(src)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = best(lambda: dst.copy_(src), repeats)
+    finally:
+        torch.set_num_threads(threads)
+    return min(one, best(lambda: dst.copy_(src), repeats))
+
+
+def _torch_path(fn):
+    """fn run with the one-pass kernels switched off: the torch path, which ran before them (and still runs
+    on GPUs and wherever numba cannot)."""
+    from ...loaders.formats import fused
+
+    kernels = fused.gguf, fused.fp8, fused.nvfp4
+    fused.gguf = fused.fp8 = fused.nvfp4 = lambda *args: False
+    try:
+        return fn()
+    finally:
+        fused.gguf, fused.fp8, fused.nvfp4 = kernels
+
+
+def _forward_figures(stored, companions, shape, repeats: int) -> tuple[torch.Tensor, dict]:
+    """One packed weight as a CPU forward pass dequantizes it: its values, and a row with the copy ceiling
+    measured beside it (the load of a shared machine drifts), the path that ran, its time, the torch path's
+    time, and whether the two paths gave the same bits."""
+    from ...host.ops import forward_weight
+    from ...loaders.formats import fused
+
+    copy_s = _copy_s(shape, repeats)
+    with torch.inference_mode():
+        forward = lambda: forward_weight(stored, companions, _FORWARD_DTYPE, shape)  # noqa: E731
+        got = forward().clone()  # the first call also loads the compiled kernel: not timed
+        forward_s = best(forward, repeats)
+        torch_s = _torch_path(lambda: best(forward, repeats))
+        same = _same_bits(_torch_path(forward), got)
+    return got, {"shape": list(shape), "path": fused.path("cpu", _FORWARD_DTYPE), "forward_s": forward_s,
+                 "torch_s": torch_s, "copy_s": copy_s, "exact": same}
+
+
+def bench_forward_dequant(quick: bool, memory_bound: int = 0) -> dict:
     """Dequantization per layer and forward pass at FLUX.2 weight shapes, to fp16, as a CPU forward pass
     runs it: host/ops.forward_weight under inference mode (as ComfyUI runs nodes), into the scratch buffer.
-    Against, in the same run: the same dequantizer into a new tensor per call (what the ops did before);
-    for GGUF, gguf's numpy reference; for fp8 and NVFP4, the ops' previous dequantization."""
+    Against, in the same run and conditions: a plain copy of the output's size (the memory's ceiling); the
+    torch path into the same buffer; for GGUF, gguf's numpy reference and ComfyUI-GGUF's dequantizer on the
+    same bytes (where its archive is beside the clone); for fp8 and NVFP4, the ops' previous dequantization.
+    memory_bound: that many memory-bound processes run beside it (a machine whose memory is slow or busy)."""
     import gguf
 
-    from ...host.ops import forward_weight
-    from ...loaders.formats import quant
     from ...loaders.formats.gguf_dequant import QUANTIZED_TYPES
+    from .peers import PEER, comfyui_gguf_dequantize, missing_reason
 
     repeats, reference_repeats = (2, 1) if quick else (5, 2)
+    peer = comfyui_gguf_dequantize()
     rng = np.random.default_rng(2)
     gguf_rows, float_rows = [], []
-    for shape in _FORWARD_SHAPES[quick]:
-        for qtype in QUANTIZED_TYPES:
-            stored, companions, raw = _gguf_case(qtype, shape, rng)
-            with torch.inference_mode():
-                forward_s = best(lambda: forward_weight(stored, companions, _FORWARD_DTYPE, shape), repeats)
-                got = forward_weight(stored, companions, _FORWARD_DTYPE, shape).clone()
-            new_s = best(lambda: quant.dequantize(stored, companions, _FORWARD_DTYPE, shape), repeats)
-            reference = []
-            reference_s = best(lambda: reference.append(gguf.quants.dequantize(raw, qtype)), reference_repeats)
-            with np.errstate(over="ignore"):  # large K-quant values overflow fp16 the same way on both sides
-                want = torch.from_numpy(reference[-1].astype(np.float16))
-            gguf_rows.append({"type": qtype.name, "shape": list(shape), "forward_s": forward_s, "new_tensor_s": new_s,
-                              "reference_s": reference_s, "exact": _same_bits(got, want)})
-        for fmt in ("fp8-scaled", "nvfp4"):
-            stored, companions, previous = _float_case(fmt, shape, rng)
-            with torch.inference_mode():
-                forward_s = best(lambda: forward_weight(stored, companions, _FORWARD_DTYPE, shape), repeats)
-                got = forward_weight(stored, companions, _FORWARD_DTYPE, shape).clone()
-            new_s = best(lambda: quant.dequantize(stored, companions, _FORWARD_DTYPE, shape), repeats)
-            before_s = best(lambda: previous(stored, companions), repeats)
-            float_rows.append({"format": fmt, "shape": list(shape), "forward_s": forward_s, "new_tensor_s": new_s,
-                               "before_s": before_s, "exact": _same_bits(got, previous(stored, companions))})
-    return {"gguf": gguf_rows, "float": float_rows}
+    with competing_load(memory_bound, memory=True):
+        load = os.getloadavg()[0]
+        for shape in _FORWARD_SHAPES[quick]:
+            for qtype in QUANTIZED_TYPES:
+                stored, companions, raw = _gguf_case(qtype, shape, rng)
+                got, row = _forward_figures(stored, companions, shape, repeats)
+                reference = []
+                reference_s = best(lambda: reference.append(gguf.quants.dequantize(raw, qtype)), reference_repeats)
+                with np.errstate(over="ignore"):  # large K-quant values overflow fp16 the same way on both sides
+                    want = torch.from_numpy(reference[-1].astype(np.float16))
+                row.update(type=qtype.name, reference_s=reference_s, exact=_same_bits(got, want) and row["exact"])
+                if peer is not None:
+                    row["peer_s"] = best(lambda: peer(stored, qtype, shape, None).to(_FORWARD_DTYPE), reference_repeats)
+                gguf_rows.append(row)
+            for fmt in ("fp8-scaled", "nvfp4"):
+                stored, companions, previous = _float_case(fmt, shape, rng)
+                got, row = _forward_figures(stored, companions, shape, repeats)
+                before_s = best(lambda: previous(stored, companions), repeats)
+                row.update(format=fmt, before_s=before_s, exact=_same_bits(got, previous(stored, companions)) and row["exact"])
+                float_rows.append(row)
+    return {"gguf": gguf_rows, "float": float_rows, "memory_bound_processes": memory_bound,
+            "load_average": load, "peer": PEER if peer is not None else None,
+            "peer_missing": None if peer is not None else missing_reason()}
 
 
 def bench_contention(quick: bool) -> dict:
@@ -183,6 +234,7 @@ def bench_contention(quick: bool) -> dict:
     import gguf
 
     from ...host.ops import forward_weight
+    from ...loaders.formats import fused
     from ...loaders.formats.gguf_dequant import QUANTIZED_TYPES
 
     shape = _FORWARD_SHAPES[quick][0]
@@ -194,10 +246,11 @@ def bench_contention(quick: bool) -> dict:
         for qtype in QUANTIZED_TYPES:
             stored, companions, raw = _gguf_case(qtype, shape, rng)
             with torch.inference_mode():
+                forward_weight(stored, companions, _FORWARD_DTYPE, shape)  # loads the compiled kernel: not timed
                 forward = timings(lambda: forward_weight(stored, companions, _FORWARD_DTYPE, shape), repeats)
             reference = timings(lambda: gguf.quants.dequantize(raw, qtype), reference_repeats)
-            rows.append({"type": qtype.name, "forward_median_s": _median(forward), "forward_best_s": min(forward),
-                         "reference_median_s": _median(reference)})
+            rows.append({"type": qtype.name, "path": fused.path("cpu", _FORWARD_DTYPE), "forward_median_s": _median(forward),
+                         "forward_best_s": min(forward), "reference_median_s": _median(reference)})
     return {"shape": list(shape), "competing_processes": _COMPETING_PROCESSES, "load_average": load, "rows": rows}
 
 
@@ -456,6 +509,7 @@ def run_all(quick: bool) -> dict:
         "machine": machine(),
         "dequant": bench_dequant(quick),
         "forward_dequant": bench_forward_dequant(quick),
+        "forward_dequant_slow_memory": bench_forward_dequant(quick, _MEMORY_BOUND_PROCESSES),
         "contention": bench_contention(quick),
         "header": bench_header(quick),
         "tokenizer": bench_tokenizer(),

@@ -22,11 +22,16 @@ import torch
 CHUNK_VALUES = {"cpu": 1 << 20, "cuda": 1 << 24}
 
 
+def dequant_threads() -> int:
+    """How many threads a CPU dequantization may use: half the cores, at least one."""
+    return max(1, (os.cpu_count() or 1) // 2)
+
+
 @contextlib.contextmanager
 def few_threads(device: torch.device):
     """Torch's intra-op threads bounded to half the cores (at least one) inside the block, on the CPU."""
     threads = torch.get_num_threads()
-    bounded = min(threads, max(1, (os.cpu_count() or 1) // 2))
+    bounded = min(threads, dequant_threads())
     if device.type != "cpu" or bounded == threads:
         yield
         return

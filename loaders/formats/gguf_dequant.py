@@ -1,7 +1,8 @@
-"""GGUF dequantization in torch, on the device the raw blocks live on, bit-exact with gguf's numpy
-reference (gguf.quants.dequantize) in float32 before the cast to the requested dtype.
+"""GGUF dequantization, bit-exact with gguf's numpy reference (gguf.quants.dequantize) in float32 before the
+cast to the requested dtype: on the CPU by the one-pass kernels (fused.py) where numba runs, otherwise in
+torch, on the device the raw blocks live on.
 
-Each type's kernel does the reference's float32 operations, in the same order, so the values agree to
+Each type's torch kernel does the reference's float32 operations, in the same order, so the values agree to
 the bit. Speed on the CPU comes from unpacking bit fields eight bytes at a time (int64 shifts and masks
 act on eight packed bytes at once, as no bit crosses a byte boundary after masking), and from doing the
 float32 arithmetic in cache-sized chunks on a bounded number of threads (dequant_steps.py) written
@@ -20,6 +21,7 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 
 from ...errors import CorruptFileError, UnsupportedFormatError
+from . import fused
 from .dequant_steps import few_threads, fill_by_rows, output
 
 log = logging.getLogger(__name__)
@@ -338,8 +340,10 @@ def dequantize(
         return out.copy_(data.view(FLOAT_TYPES[qtype]).view(shape))
     if qtype not in _KERNELS:
         return out.copy_(_numpy_fallback(data, qtype, shape))
-    scales, codes, apply, code_book = _KERNELS[qtype]
     blocks = data.view(-1, type_size)
+    if fused.gguf(qtype.name, blocks, out):
+        return out
+    scales, codes, apply, code_book = _KERNELS[qtype]
     book = None if code_book is None else _pair_book(code_book, data.device)
 
     def fill(rows: slice, v: torch.Tensor) -> None:

@@ -3,7 +3,8 @@ detected, the shape it is stored in, the companions it needs (the tensors stored
 spelling met in the wild), its exact dequantization and the word the pack reports for it.
 
 The loaders keep packed weights as stored, each with its companions under the host's suffixes, and the
-host's layers (host/ops.py) call `dequantize` per layer at run time, so a fp8 model costs fp8 memory.
+host's layers (host/ops.py) call `dequantize` per layer at run time, so a fp8 model costs fp8 memory. On the
+CPU, fp8 and NVFP4 go through the one-pass kernels (fused.py) where numba runs, with the same bits.
 
 - Scaled fp8: float8 weight [out, in] times a float32 scale, per tensor (one value) or per output
   channel ([out] or [out, 1]).
@@ -29,6 +30,7 @@ from typing import Callable
 import torch
 
 from ...errors import CorruptFileError, UnsupportedFormatError
+from . import fused
 from .validate import JSON_LIMITS, Field, checked, parse_json
 from .dequant_steps import few_threads, fill_by_rows, output
 from .safetensors_file import torch_dtype
@@ -253,6 +255,14 @@ def dequantize_fp8(
     """float32(weight) * float32(scale), per tensor or per output channel, cast to `dtype` (into `out`)."""
     codes = weight.view(torch.uint8).reshape(weight.shape[0], -1)
     scale = scale.to(device=weight.device, dtype=torch.float32).reshape(-1, 1)
+    if scale.shape[0] not in (1, codes.shape[0]):
+        raise CorruptFileError(
+            f"A fp8 weight of {codes.shape[0]} rows has {scale.shape[0]} scales; it needs one, or one per row. "
+            "The file is damaged; download it again."
+        )
+    out = output(out, weight.shape, dtype, weight.device)
+    if fused.fp8(codes, weight.dtype, scale, out):
+        return out
     per_row = scale.shape[0] > 1
     book = _fp8_book(weight.dtype, weight.device)
 
@@ -260,7 +270,6 @@ def dequantize_fp8(
         torch.index_select(book, 0, codes[rows].reshape(-1).int(), out=v.view(-1))
         v.mul_(scale[rows] if per_row else scale)
 
-    out = output(out, weight.shape, dtype, weight.device)
     with few_threads(weight.device):
         fill_by_rows(out.view(codes.shape), fill)
     return out
@@ -299,8 +308,18 @@ def dequantize_nvfp4(
     """E2M1 value * (float32(block scale) * float32(tensor scale)), cast to `dtype` (into `out`)."""
     rows, half = packed.shape
     cols = half * 2
-    scales = unswizzle_block_scales(block_scales, rows, cols // NVFP4_BLOCK)
+    tiled = -(-rows // 128) * 128 * -(-cols // NVFP4_BLOCK // 4) * 4
+    if cols % NVFP4_BLOCK or block_scales.numel() != tiled or tensor_scale.numel() != 1:
+        raise CorruptFileError(
+            f"An NVFP4 weight [{rows}, {cols}] came with {block_scales.numel()} block scales and "
+            f"{tensor_scale.numel()} tensor scales; it needs {tiled} (one per {NVFP4_BLOCK} values, in 128x4 tiles) "
+            "and one. The file is damaged; download it again."
+        )
+    out = output(out, (rows, cols), dtype, packed.device)
     tensor_scale = tensor_scale.to(device=packed.device, dtype=torch.float32)
+    if fused.nvfp4(packed, block_scales, tensor_scale, _E2M1, out):
+        return out
+    scales = unswizzle_block_scales(block_scales, rows, cols // NVFP4_BLOCK)
     pairs = _e2m1_pairs(packed.device)
 
     def fill(chunk: slice, v: torch.Tensor) -> None:
@@ -308,7 +327,6 @@ def dequantize_nvfp4(
         block = scales[chunk].to(torch.float32) * tensor_scale
         v.view(v.shape[0], -1, NVFP4_BLOCK).mul_(block.unsqueeze(-1))
 
-    out = output(out, (rows, cols), dtype, packed.device)
     with few_threads(packed.device):
         fill_by_rows(out, fill)
     return out

@@ -24,8 +24,9 @@ def _positive(x) -> bool:
 
 
 def test_documented_keys(results):
-    assert set(results) == {"machine", "dequant", "forward_dequant", "contention", "header", "tokenizer", "encoder_load", "load",
-                            "conditioning_cache", "refusal", "long_prompt", "quantize", "conversion", "upsampling"}
+    assert set(results) == {"machine", "dequant", "forward_dequant", "forward_dequant_slow_memory", "contention", "header",
+                            "tokenizer", "encoder_load", "load", "conditioning_cache", "refusal", "long_prompt", "quantize",
+                            "conversion", "upsampling"}
     assert {"cpu_count", "torch_threads", "torch_version", "platform", "date"} <= set(results["machine"])
     assert {"first_s", "second_s", "rung"} <= set(results["tokenizer"])
     assert {"file_bytes", "peak_rss_bytes", "seconds", "header_parses", "synthetic_read"} <= set(results["load"])
@@ -42,19 +43,34 @@ def test_dequant_rows_are_exact_for_every_type(results):
     assert [r["type"] for r in rows] == list(GGUF_QUANTIZED_TYPES)
     for r in rows:
         assert r["exact"] is True, r["type"]
+        assert r["path"] == "numba", r["type"]  # the tests' environment has numba: the one-pass kernels ran
         for key in ("pack_gbps", "pack_reused_gbps", "reference_gbps", "copy_gbps"):
             assert _positive(r[key]), (r["type"], key)
 
 
-def test_forward_rows_are_exact_for_every_format(results):
-    """The scratch-buffer path gives gguf's numpy values (GGUF) and the ops' previous values (fp8, NVFP4)."""
-    forward = results["forward_dequant"]
+@pytest.mark.parametrize("table", ("forward_dequant", "forward_dequant_slow_memory"))
+def test_forward_rows_are_exact_for_every_format(results, table):
+    """The scratch-buffer path, by the one-pass kernels, gives gguf's numpy values (GGUF) and the ops' previous
+    values (fp8, NVFP4), and the same bits as the torch path; every row has its copy ceiling beside it."""
+    forward = results[table]
+    assert forward["memory_bound_processes"] == (table == "forward_dequant_slow_memory")
     assert [r["type"] for r in forward["gguf"]] == list(GGUF_QUANTIZED_TYPES)
     assert [r["format"] for r in forward["float"]] == ["fp8-scaled", "nvfp4"]
     for r in forward["gguf"] + forward["float"]:
-        assert r["exact"] is True, r
-        for key in ("forward_s", "new_tensor_s", "reference_s" if "type" in r else "before_s"):
+        assert r["exact"] is True and r["path"] == "numba", r
+        for key in ("forward_s", "torch_s", "copy_s", "reference_s" if "type" in r else "before_s"):
             assert _positive(r[key]), (r, key)
+
+
+def test_forward_rows_beside_comfyui_gguf(results):
+    """Each GGUF row has ComfyUI-GGUF's dequantizer beside it, on the same bytes, where its archive is there."""
+    from comfyui_flux2dev.devtools.bench.peers import PEER_ARCHIVE, missing_reason
+
+    if not PEER_ARCHIVE.is_file():
+        pytest.skip(missing_reason())
+    forward = results["forward_dequant"]
+    assert forward["peer"] and all(_positive(r["peer_s"]) for r in forward["gguf"])
+    assert "x peer" in bench.format_report(results)
 
 
 def test_contention_rows_ran_beside_the_competing_processes(results):
@@ -62,6 +78,7 @@ def test_contention_rows_ran_beside_the_competing_processes(results):
     assert c["competing_processes"] == 2 and [r["type"] for r in c["rows"]] == list(GGUF_QUANTIZED_TYPES)
     for r in c["rows"]:
         assert 0 < r["forward_best_s"] <= r["forward_median_s"] and _positive(r["reference_median_s"]), r
+        assert r["path"] == "numba", r
 
 
 def test_tokenizer_is_resolved_from_tekken_json_and_cached(results):
@@ -118,7 +135,8 @@ def test_header_and_report(results):
     h = results["header"]
     assert _positive(h["pack_s"]) and _positive(h["reference_s"])
     report = bench.format_report(results)
-    for line in ("Dequantization", "geometric mean", "inside a CPU forward pass", "busy processes", "lowest ratio",
+    for line in ("Dequantization", "geometric mean", "inside a CPU forward pass", "memory-bound process", "copy ceiling",
+                 "of the copy ceiling", "busy processes", "lowest ratio",
                  "tokenizer", "encoder load", "GGUF transformer load", "synthetic GGUF", "conditioning cache (encoder 64 wide",
                  "  bf16 (", "hit / warm", "keep_loaded off leaves", "GGUF quantization of float32 weights",
                  "encoder conversion (width 64", "x the largest tensor"):

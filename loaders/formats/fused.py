@@ -1,0 +1,145 @@
+"""The one-pass CPU dequantizers (numba_kernels.py) behind the torch ones: each call says whether it ran, and
+where it could not (numba missing or unusable, a GPU tensor, another dtype), the caller runs its torch path,
+which gives the same bits.
+
+numba is imported on the first CPU dequantization, not with the pack. Its conversions to fp16 and bfloat16
+are checked once per process against torch's own cast on the values where conversions differ (halfway
+cases, subnormals, overflow, infinities): a machine where they disagree keeps the torch path for that dtype,
+with a warning. NaN payloads are not compared: torch's own CPU cast gives different NaN bits in its
+vectorized and scalar loops.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import torch
+
+from .dequant_steps import dequant_threads
+
+log = logging.getLogger(__name__)
+
+# Output dtype -> how its bits are handed to the kernels (numba has no fp16 or bfloat16 arrays).
+_VIEWS = {torch.float32: torch.float32, torch.float16: torch.uint16, torch.bfloat16: torch.int16}
+
+
+@functools.cache
+def _kernels():
+    """numba_kernels, or None (with the reason logged once) where numba cannot be imported."""
+    try:
+        from . import numba_kernels
+    except Exception as e:  # a missing numba, or one built for another numpy: any failure means the torch path
+        log.warning("The one-pass CPU dequantizers need numba (%s: %s); the slower torch path is used.",
+                    type(e).__name__, e)
+        return None
+    return numba_kernels
+
+
+def _edge_values() -> np.ndarray:
+    """float32 values on every side of fp16's and bfloat16's rounding and range limits: every sign and
+    exponent with mantissas at a tie for every number of dropped bits (13 for fp16's normals, up to 23
+    for its subnormals, 16 for bfloat16), one below and one above it, and the mantissa extremes."""
+    high = np.arange(1 << 9, dtype=np.uint32) << 23  # sign and exponent
+    ties = [(1 << (n - 1)) | odd << n for n in range(13, 24) for odd in (0, 1)]
+    low = np.array(sorted({m + e for m in ties for e in (-1, 0, 1)} | {0, 1, 0x7FFFFF}), np.uint32) & 0x7FFFFF
+    return (high[:, None] | low[None, :]).reshape(-1).view(np.float32)
+
+
+@functools.cache
+def _converts(dtype: torch.dtype) -> bool:
+    """Whether the kernels' conversion to `dtype` equals torch's on the edge values (NaN: both NaN)."""
+    kernels = _kernels()
+    values = torch.from_numpy(_edge_values())
+    want = values.to(dtype)
+    got = torch.empty_like(want)
+    try:
+        kernels.convert(values.numpy(), got.view(_VIEWS[dtype]).numpy())
+    except Exception as e:  # a failed compilation: the torch path still works
+        log.warning("The one-pass CPU dequantizers could not be compiled for %s (%s: %s); the torch path is used.",
+                    dtype, type(e).__name__, e)
+        return False
+    nan = torch.isnan(want)
+    same = torch.equal(torch.isnan(got), nan) and torch.equal(got[~nan].view(_VIEWS[dtype]), want[~nan].view(_VIEWS[dtype]))
+    if not same:
+        log.warning("The one-pass CPU dequantizers convert to %s unlike torch on this machine; the torch path is used.", dtype)
+    return same
+
+
+def path(device: torch.device, dtype: torch.dtype) -> str:
+    """Which dequantizer runs on this device for this output dtype: "numba" or "torch"."""
+    return "numba" if _runs(torch.device(device), dtype) else "torch"
+
+
+def _runs(device: torch.device, dtype: torch.dtype) -> bool:
+    if device.type != "cpu" or dtype not in _VIEWS or _kernels() is None:
+        return False
+    return dtype == torch.float32 or _converts(dtype)
+
+
+@functools.cache
+def _pool(threads: int) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(threads, thread_name_prefix="flux2dev-dequant")
+
+
+def _by_rows(rows: int, run) -> None:
+    """run(first, stop) over all rows: at once on one thread, or on half the cores in runs of rows (four per
+    thread) that each thread takes as it comes free, so that a thread the scheduler parks holds up little.
+    The kernels release the GIL."""
+    threads = dequant_threads()
+    if threads == 1 or rows < 2 * threads:
+        run(0, rows)
+        return
+    step = -(-rows // (4 * threads))
+    list(_pool(threads).map(lambda first: run(first, min(first + step, rows)), range(0, rows, step)))
+
+
+def _out(out: torch.Tensor, width: int) -> np.ndarray:
+    return out.view(_VIEWS[out.dtype]).view(-1, width).numpy()
+
+
+@functools.cache
+def _halves() -> np.ndarray:
+    """fp16 bits -> float32, by numpy (the reference's own conversion)."""
+    return np.arange(1 << 16, dtype=np.uint16).view(np.float16).astype(np.float32)
+
+
+def gguf(type_name: str, blocks: torch.Tensor, out: torch.Tensor) -> bool:
+    """GGUF blocks [n, type size] (uint8, contiguous) into `out` (n * block size values, contiguous), if the
+    one-pass kernel runs here; False leaves `out` untouched."""
+    if not _runs(blocks.device, out.dtype) or type_name not in _kernels().GGUF:
+        return False
+    kernel, b, o, halves = _kernels().GGUF[type_name], blocks.numpy(), _out(out, out.numel() // blocks.shape[0]), _halves()
+    _by_rows(b.shape[0], lambda first, stop: kernel(b[first:stop], o[first:stop], halves))
+    return True
+
+
+@functools.cache
+def _fp8_book(dtype: torch.dtype) -> np.ndarray:
+    """fp8 byte -> its float32 value, by torch's cast."""
+    return torch.arange(256, dtype=torch.uint8).view(dtype).to(torch.float32).numpy()
+
+
+def fp8(codes: torch.Tensor, fp8_dtype: torch.dtype, scale: torch.Tensor, out: torch.Tensor) -> bool:
+    """float32(codes read as `fp8_dtype`) * scale (float32, one value or one per row of codes [rows, n]) into
+    `out`; False: not run."""
+    if not _runs(codes.device, out.dtype):
+        return False
+    kernel, book = _kernels().fp8, _fp8_book(fp8_dtype)
+    c, s, o = codes.contiguous().numpy(), scale.reshape(-1).contiguous().numpy(), _out(out, codes.shape[1])
+    _by_rows(c.shape[0], lambda first, stop: kernel(c[first:stop], s if s.shape[0] == 1 else s[first:stop], o[first:stop], book))
+    return True
+
+
+def nvfp4(packed: torch.Tensor, tiled_scales: torch.Tensor, tensor_scale: torch.Tensor, e2m1: tuple, out: torch.Tensor) -> bool:
+    """NVFP4 into `out` (quant.dequantize_nvfp4 has checked the sizes); False: not run."""
+    if not _runs(packed.device, out.dtype):
+        return False
+    tiled = tiled_scales.contiguous().view(torch.uint8).reshape(-1).numpy()
+    scale = tensor_scale.to(torch.float32).reshape(1).numpy()
+    kernel, book, values = _kernels().nvfp4, _fp8_book(tiled_scales.dtype), np.array(e2m1, np.float32)
+    p, o = packed.contiguous().numpy(), _out(out, packed.shape[1] * 2)
+    _by_rows(p.shape[0], lambda first, stop: kernel(p[first:stop], tiled, scale, o[first:stop], book, values, first))
+    return True

@@ -1,0 +1,413 @@
+"""One-pass dequantization kernels, compiled by numba on first use (no compiler needed on the user's machine)
+and cached beside this file: each packed byte is read once and each value written once, in the output dtype,
+straight into the destination. The torch path (gguf_dequant.py, quant.py) does the same float32 operations
+in several passes over memory: unpack, widen, scale, cast.
+
+Every kernel mirrors gguf's numpy reference (gguf.quants) operation by operation in float32 (no fused
+multiply-add: numba compiles without fast-math flags, so LLVM keeps each rounding), then converts to the
+output dtype with round-to-nearest-even, as torch's cast does. Outputs are passed as float32 arrays, as
+uint16 arrays (fp16 bits) or as int16 arrays (bfloat16 bits): the array type picks the conversion when the
+kernel is compiled. Only fused.py imports this module, and only when a CPU dequantization asks for it.
+
+The kernels trust their inputs: numba does not check indexes, so fused.py checks every size first.
+"""
+
+from __future__ import annotations
+
+import platform
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, types
+from numba.core import config
+from numba.extending import intrinsic, overload
+
+_U32 = np.uint32
+_F32 = np.float32
+# Compile once per machine, keep the machine code in __pycache__ beside this file (written by numba under
+# names of its own, through temporary files); release the GIL while a kernel runs.
+_JIT = {"nogil": True, "cache": True}
+
+
+def _hardware_fp16() -> bool:
+    """Whether the compiled code may convert float32 to fp16 with the CPU's own instruction: x86 with F16C
+    (numba compiles for the host CPU unless told another) or any 64-bit ARM. Elsewhere LLVM would call a
+    runtime function the JIT does not provide, so the conversion is done with integer and float32 ops."""
+    machine = platform.machine().lower()
+    if machine in ("arm64", "aarch64"):
+        return True
+    if machine not in ("x86_64", "amd64") or config.CPU_NAME not in (None, "host"):
+        return False
+    from llvmlite import binding
+
+    return bool(binding.get_host_cpu_features().get("f16c", False))
+
+
+HARDWARE_FP16 = _hardware_fp16()
+
+
+@intrinsic
+def _bits(typingctx, x):
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+
+    return types.uint32(types.float32), codegen
+
+
+@intrinsic
+def _from_bits(typingctx, x):
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.FloatType())
+
+    return types.float32(types.uint32), codegen
+
+
+@intrinsic
+def _fp16_by_cpu(typingctx, x):
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+
+    return types.uint16(types.float32), codegen
+
+
+@njit
+def _fp16_by_ops(f):
+    """float32 -> fp16 bits, round to nearest even, overflow to inf, subnormals exact (the scaling trick of
+    the FP16 library: the float32 adder does the rounding)."""
+    base = (abs(f) * _F32(2.0**112)) * _F32(2.0**-110)
+    w = _bits(f)
+    shl1 = _U32(w + w)
+    sign = _U32(w >> _U32(16)) & _U32(0x8000)
+    bias = max(shl1 & _U32(0xFF000000), _U32(0x71000000))
+    base = _from_bits(_U32((bias >> _U32(1)) + _U32(0x07800000))) + base
+    b = _bits(base)
+    nonsign = _U32(((b >> _U32(13)) & _U32(0x7C00)) + (b & _U32(0x0FFF)))
+    return np.uint16(sign | (nonsign if shl1 <= _U32(0xFF000000) else _U32(0x7E00)))
+
+
+@njit
+def _bf16(f):
+    """float32 -> bfloat16 bits, round to nearest even (torch's rule); NaN stays NaN."""
+    w = _bits(f)
+    if f != f:
+        return np.int16(0x7FC0)
+    return np.int16(_U32(w + _U32(0x7FFF) + ((w >> _U32(16)) & _U32(1))) >> _U32(16))
+
+
+def _put(out, i, v):
+    """out[i] = v converted to the dtype `out` stands for (compiled per array type, see the module doc)."""
+
+
+@overload(_put)
+def _put_typed(out, i, v):
+    if out.dtype == types.float32:
+        def put(out, i, v):
+            out[i] = v
+    elif out.dtype == types.uint16 and HARDWARE_FP16:
+        def put(out, i, v):
+            out[i] = _fp16_by_cpu(v)
+    elif out.dtype == types.uint16:
+        def put(out, i, v):
+            out[i] = _fp16_by_ops(v)
+    elif out.dtype == types.int16:
+        def put(out, i, v):
+            out[i] = _bf16(v)
+    else:
+        return None
+    return put
+
+
+@njit(**_JIT)
+def convert(values, out):
+    """float32 values into `out` (one of the output array types): the conversion, checked once per process
+    against torch's cast (fused.py)."""
+    for i in range(values.shape[0]):
+        _put(out, i, values[i])
+
+
+@njit
+def _f16(b, at, halves):
+    """The fp16 field at byte `at` of block `b` as float32, by numpy's own conversion (the 65536-entry
+    table `halves`), so even NaN payloads match the reference's."""
+    return halves[_U32(b[at]) | (_U32(b[at + 1]) << _U32(8))]
+
+
+@njit
+def _i8(byte):
+    """A byte read as a signed int8."""
+    x = np.int32(byte)
+    return x - ((x & 128) << 1)
+
+
+# --- GGUF: blocks [n, type size] uint8 -> out [n, block size]; halves: fp16 bits -> float32 -------------
+# numba runs LLVM's loop vectorizer only. An inner loop gets vectorized when LLVM cannot count its trips
+# (a loop of 16 it can count is unrolled first, and the unrolled code stays scalar) and when its stores lie
+# at fixed distances from each other. So every inner loop runs over w = 16 or 32 values read from the
+# output's shape, while its indexes use literal offsets: 3-7x the speed of the same code with w literal.
+
+
+@njit(**_JIT)
+def q8_0(blocks, out, halves):
+    w = out.shape[1]
+    for i in range(blocks.shape[0]):
+        b, o = blocks[i], out[i]
+        d = _f16(b, 0, halves)
+        for k in range(w):
+            _put(o, k, _F32(_i8(b[2 + k])) * d)
+
+
+@njit(**_JIT)
+def q4_0(blocks, out, halves):
+    w = out.shape[1] // 2
+    for i in range(blocks.shape[0]):
+        b, o = blocks[i], out[i]
+        d = _f16(b, 0, halves)
+        for k in range(w):
+            q = np.int32(b[2 + k])
+            _put(o, k, d * _F32((q & 15) - 8))
+            _put(o, 16 + k, d * _F32((q >> 4) - 8))
+
+
+@njit(**_JIT)
+def q4_1(blocks, out, halves):
+    w = out.shape[1] // 2
+    for i in range(blocks.shape[0]):
+        b, o = blocks[i], out[i]
+        d, m = _f16(b, 0, halves), _f16(b, 2, halves)
+        for k in range(w):
+            q = np.int32(b[4 + k])
+            _put(o, k, d * _F32(q & 15) + m)
+            _put(o, 16 + k, d * _F32(q >> 4) + m)
+
+
+@njit
+def _u32(b, at):
+    """The little-endian 32-bit field at byte `at`."""
+    return _U32(b[at]) | (_U32(b[at + 1]) << _U32(8)) | (_U32(b[at + 2]) << _U32(16)) | (_U32(b[at + 3]) << _U32(24))
+
+
+@njit
+def _bit16(field, k):
+    """Bit k of a 32-bit field, as 16 or 0."""
+    return np.int32((field >> _U32(k)) & _U32(1)) << 4
+
+
+@njit(**_JIT)
+def q5_0(blocks, out, halves):
+    w = out.shape[1] // 2
+    for i in range(blocks.shape[0]):
+        b, o = blocks[i], out[i]
+        d, qh = _f16(b, 0, halves), _u32(b, 2)
+        for k in range(w):
+            q = np.int32(b[6 + k])
+            _put(o, k, d * _F32(((q & 15) | _bit16(qh, k)) - 16))
+            _put(o, 16 + k, d * _F32(((q >> 4) | _bit16(qh, 16 + k)) - 16))
+
+
+@njit(**_JIT)
+def q5_1(blocks, out, halves):
+    w = out.shape[1] // 2
+    for i in range(blocks.shape[0]):
+        b, o = blocks[i], out[i]
+        d, m, qh = _f16(b, 0, halves), _f16(b, 2, halves), _u32(b, 4)
+        for k in range(w):
+            q = np.int32(b[8 + k])
+            _put(o, k, d * _F32((q & 15) | _bit16(qh, k)) + m)
+            _put(o, 16 + k, d * _F32((q >> 4) | _bit16(qh, 16 + k)) + m)
+
+
+@njit(**_JIT)
+def q2_k(blocks, out, halves):
+    w = out.shape[1] // 16
+    for i in range(blocks.shape[0]):
+        b, o = blocks[i], out[i]
+        d, dmin = _f16(b, 80, halves), _f16(b, 82, halves)
+        # value at + k (at = h * 128 + j * 32, k < 32): crumb j of byte 16 + h * 32 + k; the scale and min
+        # of its 16 are the nibbles of byte value // 16
+        for h in range(2):
+            for j in range(4):
+                at, qs, shift = h * 128 + j * 32, 16 + h * 32, 2 * j
+                s0, s1 = np.int32(b[at >> 4]), np.int32(b[(at >> 4) + 1])
+                d0, m0 = d * _F32(s0 & 15), dmin * _F32(s0 >> 4)
+                d1, m1 = d * _F32(s1 & 15), dmin * _F32(s1 >> 4)
+                for k in range(w):
+                    _put(o, at + k, d0 * _F32((np.int32(b[qs + k]) >> shift) & 3) - m0)
+                    _put(o, at + 16 + k, d1 * _F32((np.int32(b[qs + 16 + k]) >> shift) & 3) - m1)
+
+
+@njit
+def _q3_k_scale(b, s, d):
+    """Q3_K: d * scale s, from nibble s // 8 of byte 96 + s % 8 and crumb s // 4 of byte 104 + s % 4, minus 32."""
+    low = (np.int32(b[96 + (s & 7)]) >> (4 * (s >> 3))) & 15
+    high = (np.int32(b[104 + (s & 3)]) >> (2 * (s >> 2))) & 3
+    return d * _F32(_i8(low | (high << 4)) - 32)
+
+
+@njit(**_JIT)
+def q3_k(blocks, out, halves):
+    w = out.shape[1] // 16
+    for i in range(blocks.shape[0]):
+        b, o = blocks[i], out[i]
+        d = _f16(b, 108, halves)
+        # value at + k (at = h * 128 + j * 32, k < 32): crumb j of byte 32 + h * 32 + k, minus 4 unless
+        # bit h * 4 + j of hmask byte k is set; scale value // 16
+        for h in range(2):
+            for j in range(4):
+                at, qs, shift, hshift = h * 128 + j * 32, 32 + h * 32, 2 * j, h * 4 + j
+                d0, d1 = _q3_k_scale(b, at >> 4, d), _q3_k_scale(b, (at >> 4) + 1, d)
+                for k in range(w):
+                    q = (np.int32(b[qs + k]) >> shift) & 3
+                    q -= (((np.int32(b[k]) >> hshift) & 1) ^ 1) << 2
+                    _put(o, at + k, d0 * _F32(q))
+                    q = (np.int32(b[qs + 16 + k]) >> shift) & 3
+                    q -= (((np.int32(b[16 + k]) >> hshift) & 1) ^ 1) << 2
+                    _put(o, at + 16 + k, d1 * _F32(q))
+
+
+@njit
+def _k4_scales(b, j, d, dmin):
+    """Q4_K/Q5_K: d * scale and dmin * min of sub-block j, from their 6-bit fields in bytes 4-15."""
+    if j < 4:
+        sc, mn = np.int32(b[4 + j]) & 63, np.int32(b[8 + j]) & 63
+    else:
+        md = np.int32(b[8 + j])
+        sc = (md & 15) | ((np.int32(b[j]) >> 2) & 48)
+        mn = (md >> 4) | ((np.int32(b[4 + j]) >> 2) & 48)
+    return d * _F32(sc), dmin * _F32(mn)
+
+
+@njit(**_JIT)
+def q4_k(blocks, out, halves):
+    w = out.shape[1] // 8
+    for i in range(blocks.shape[0]):
+        b, o = blocks[i], out[i]
+        d, dmin = _f16(b, 0, halves), _f16(b, 2, halves)
+        # value g * 64 + k: low nibble of byte 16 + g * 32 + k; value g * 64 + 32 + k: its high nibble
+        for g in range(4):
+            d0, m0 = _k4_scales(b, 2 * g, d, dmin)
+            d1, m1 = _k4_scales(b, 2 * g + 1, d, dmin)
+            for k in range(w):
+                q = np.int32(b[16 + g * 32 + k])
+                _put(o, g * 64 + k, d0 * _F32(q & 15) - m0)
+                _put(o, g * 64 + 32 + k, d1 * _F32(q >> 4) - m1)
+
+
+@njit(**_JIT)
+def q5_k(blocks, out, halves):
+    w = out.shape[1] // 8
+    for i in range(blocks.shape[0]):
+        b, o = blocks[i], out[i]
+        d, dmin = _f16(b, 0, halves), _f16(b, 2, halves)
+        # as Q4_K (nibbles from byte 48), with bit value // 32 of qh byte 16 + value % 32 as the fifth bit
+        for g in range(4):
+            d0, m0 = _k4_scales(b, 2 * g, d, dmin)
+            d1, m1 = _k4_scales(b, 2 * g + 1, d, dmin)
+            for k in range(w):
+                q = np.int32(b[48 + g * 32 + k])
+                qh = np.int32(b[16 + k]) >> (2 * g)
+                _put(o, g * 64 + k, d0 * _F32((q & 15) | ((qh & 1) << 4)) - m0)
+                _put(o, g * 64 + 32 + k, d1 * _F32((q >> 4) | ((qh & 2) << 3)) - m1)
+
+
+@njit(**_JIT)
+def q6_k(blocks, out, halves):
+    w = out.shape[1] // 16
+    for i in range(blocks.shape[0]):
+        b, o = blocks[i], out[i]
+        d = _f16(b, 208, halves)
+        # value at + k (at = h * 128 + j * 32, k < 32): nibble j // 2 of ql byte h * 64 + (j % 2) * 32 + k,
+        # crumb j of qh byte 128 + h * 32 + k as bits 4-5, minus 32; scale: int8 byte 192 + value // 16
+        for h in range(2):
+            for j in range(4):
+                at, ql, qh = h * 128 + j * 32, h * 64 + (j & 1) * 32, 128 + h * 32
+                lshift, hshift = 4 * (j >> 1), 2 * j
+                d0, d1 = d * _F32(_i8(b[192 + (at >> 4)])), d * _F32(_i8(b[193 + (at >> 4)]))
+                for k in range(w):
+                    q = ((np.int32(b[ql + k]) >> lshift) & 15) | (((np.int32(b[qh + k]) >> hshift) & 3) << 4)
+                    _put(o, at + k, d0 * _F32(q - 32))
+                    q = ((np.int32(b[ql + 16 + k]) >> lshift) & 15) | (((np.int32(b[qh + 16 + k]) >> hshift) & 3) << 4)
+                    _put(o, at + 16 + k, d1 * _F32(q - 32))
+
+
+# The IQ4 code book (kvalues_iq4nl in ggml) as two int64 words of eight int8 values each: a code's value is
+# one byte of one word, picked by shifts that vectorize, where a table lookup would be a gather (1.4x slower).
+_IQ4_WORDS = tuple(int(w) for w in np.array(
+    (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113), np.int8).view(np.int64))
+
+
+@njit
+def _iq4(q):
+    """The IQ4 value of code q (0-15), as float32."""
+    word = np.int64(_IQ4_WORDS[1]) if q & 8 else np.int64(_IQ4_WORDS[0])
+    return _F32(_i8((word >> ((q & 7) * 8)) & 255))
+
+
+@njit(**_JIT)
+def iq4_nl(blocks, out, halves):
+    w = out.shape[1] // 2
+    for i in range(blocks.shape[0]):
+        b, o = blocks[i], out[i]
+        d = _f16(b, 0, halves)
+        for k in range(w):
+            q = np.int32(b[2 + k])
+            _put(o, k, d * _iq4(q & 15))
+            _put(o, 16 + k, d * _iq4(q >> 4))
+
+
+@njit(**_JIT)
+def iq4_xs(blocks, out, halves):
+    w = out.shape[1] // 16
+    for i in range(blocks.shape[0]):
+        b, o = blocks[i], out[i]
+        d = _f16(b, 0, halves)
+        high = np.int32(b[2]) | (np.int32(b[3]) << 8)
+        # sub-block j: scale from nibble j % 2 of byte 4 + j // 2 and crumb j of bytes 2-3, minus 32;
+        # value j * 32 + k: low nibble of byte 8 + j * 16 + k (k < 16), high nibble for k >= 16
+        for j in range(8):
+            low = (np.int32(b[4 + (j >> 1)]) >> (4 * (j & 1))) & 15
+            dl = d * _F32(_i8(low | (((high >> (2 * j)) & 3) << 4)) - 32)
+            for k in range(w):
+                q = np.int32(b[8 + j * 16 + k])
+                _put(o, j * 32 + k, dl * _iq4(q & 15))
+                _put(o, j * 32 + 16 + k, dl * _iq4(q >> 4))
+
+
+# GGUF type name -> kernel
+GGUF = {
+    "Q8_0": q8_0, "Q4_0": q4_0, "Q4_1": q4_1, "Q5_0": q5_0, "Q5_1": q5_1, "Q2_K": q2_k, "Q3_K": q3_k,
+    "Q4_K": q4_k, "Q5_K": q5_k, "Q6_K": q6_k, "IQ4_NL": iq4_nl, "IQ4_XS": iq4_xs,
+}
+
+
+# --- scaled fp8 and NVFP4 ---------------------------------------------------------------------------------
+
+
+@njit(**_JIT)
+def fp8(codes, scales, out, book):
+    """out[r, c] = book[codes[r, c]] * scales[r] (scales of length 1: one for every row); book: fp8 byte ->
+    float32."""
+    per_row = scales.shape[0] > 1
+    for r in range(codes.shape[0]):
+        s = scales[r if per_row else 0]
+        c, o = codes[r], out[r]
+        for k in range(c.shape[0]):
+            _put(o, k, book[c[k]] * s)
+
+
+@njit(**_JIT)
+def nvfp4(packed, tiled, tensor_scale, out, book, e2m1, first_row):
+    """E2M1 value * (book[block scale] * tensor_scale[0]), the even element in the high nibble; the block
+    scales in cuBLAS' 128x4 tiling (tiled: its bytes, [roundup(rows, 128) * roundup(blocks, 4)]), where
+    row r and block c sit in tile (r // 128, c // 4) at (r % 32) * 16 + (r // 32 % 4) * 4 + c % 4.
+    packed and out are the weight's rows from first_row on."""
+    col_tiles = (packed.shape[1] // 8 + 3) // 4
+    ts = tensor_scale[0]
+    for i in range(packed.shape[0]):
+        p, o, r = packed[i], out[i], first_row + i
+        row_at = (r >> 7) * col_tiles * 512 + (r & 31) * 16 + ((r >> 5) & 3) * 4
+        for c in range(packed.shape[1] // 8):
+            s = book[tiled[row_at + (c >> 2) * 512 + (c & 3)]] * ts
+            for k in range(8):
+                q = np.int32(p[c * 8 + k])
+                _put(o, c * 16 + 2 * k, e2m1[q >> 4] * s)
+                _put(o, c * 16 + 2 * k + 1, e2m1[q & 15] * s)
