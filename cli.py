@@ -343,7 +343,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _convert_commands(sub) -> None:
-    from .loaders.convert.transformer import TYPES
+    from .loaders.convert import WRITTEN_TYPES
 
     convert = sub.add_parser("convert", help="write an encoder or a transformer in another form")
     kinds = convert.add_subparsers(dest="kind", required=True)
@@ -356,7 +356,7 @@ def _convert_commands(sub) -> None:
     p = kinds.add_parser("transformer", help="a transformer as GGUF, optionally with LoRAs baked in")
     p.add_argument("path", help="the transformer: a BFL file (bf16 or scaled fp8), a diffusers transformer folder or a pipeline")
     p.add_argument("out", help="the .gguf file to write")
-    p.add_argument("--type", choices=tuple(TYPES), required=True, help="the type of the weights (the README lists what stays unquantized)")
+    p.add_argument("--type", choices=WRITTEN_TYPES, required=True, help="the type of the weights (the README lists what stays unquantized)")
     p.add_argument("--lora", action=_Lora, dest="loras", metavar="FILE",
                    help="a LoRA (.safetensors, any format ComfyUI's LoRA loader takes) baked in; repeat for more (needs ComfyUI)")
     p.add_argument("--strength", action=_Lora, dest="loras", metavar="S", help="the strength of the --lora before it (default 1)")

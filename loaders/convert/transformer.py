@@ -34,6 +34,7 @@ from gguf import GGML_QUANT_VERSION, GGUFValueType, LlamaFileType
 from gguf import GGMLQuantizationType as Q
 
 from ...errors import CorruptFileError, UnsupportedFormatError
+from . import WRITTEN_TYPES
 from ..formats import progress, quant
 from ..formats.gguf_quant import NotQuantizable, fits, quantize, quantized_nbytes
 from ..models.transformer import TransformerPlan, plan_transformer
@@ -42,15 +43,7 @@ from .tensor_files import gguf_file
 
 ARCHITECTURE = "flux"  # what FLUX GGUF files (city96's conversions and FLUX.2's among them) state
 # --type -> (GGUF type of the weights that take it, llama.cpp's file type number)
-TYPES = {
-    "Q8_0": (Q.Q8_0, LlamaFileType.MOSTLY_Q8_0),
-    "Q5_1": (Q.Q5_1, LlamaFileType.MOSTLY_Q5_1),
-    "Q5_0": (Q.Q5_0, LlamaFileType.MOSTLY_Q5_0),
-    "Q4_1": (Q.Q4_1, LlamaFileType.MOSTLY_Q4_1),
-    "Q4_0": (Q.Q4_0, LlamaFileType.MOSTLY_Q4_0),
-    "BF16": (Q.BF16, LlamaFileType.MOSTLY_BF16),
-    "F16": (Q.F16, LlamaFileType.MOSTLY_F16),
-}
+TYPES = {name: (Q[name], LlamaFileType[f"MOSTLY_{name}"]) for name in WRITTEN_TYPES}
 SMALL = 1024  # values: a tensor this small stays F32 (ComfyUI-GGUF's QUANTIZATION_THRESHOLD)
 VECTOR = Q.F32
 

@@ -11,9 +11,10 @@ import inspect
 import json
 import textwrap
 
-from comfyui_flux2dev.host import clip_model
-from comfyui_flux2dev.loaders.cache.keys import ENCODING_VERSION
-from comfyui_flux2dev.tokenizers import prompt
+from comfyui_flux2dev.host import clip_model, upsampler
+from comfyui_flux2dev.loaders.cache.keys import ENCODING_VERSION, GENERATION_VERSION
+from comfyui_flux2dev.loaders.models import language_model, vision
+from comfyui_flux2dev.tokenizers import chat, prompt
 
 # The code the version guards: functions (their code, docstrings and comments aside) and constants (values).
 GUARDED_CODE = (prompt.prompt_ids, prompt.left_padding_mask, prompt.comfy_pieces, clip_model.encoder_model_class,
@@ -25,6 +26,20 @@ GUARDED_VALUES = {"SYSTEM_PROMPT": prompt.SYSTEM_PROMPT, "TEMPLATE_MARKERS": pro
 # change of the encoding math: raise ENCODING_VERSION and add its digest here (the failure prints it).
 DIGESTS = {
     2: "e929a3e737940548ddf67f7f92acc460dd144bb4a0cb7e6f102209a5430cc714",
+}
+
+
+# GENERATION_VERSION stands for what decides an upsampled prompt beyond its key: the chat layout, the images as the
+# model sees them, the decoder's math, sampling and decoding.
+GENERATION_CODE = (chat.chat_ids, chat.image_ids, chat.reply_text, vision.joined, vision.prepare, vision.VisionEncoder,
+                   language_model.RMSNorm, language_model._rotate_half, language_model.KVCache, language_model.Attention,
+                   language_model.MLP, language_model.DecoderLayer, language_model.MistralLM, language_model.Sampling,
+                   language_model.generate, upsampler._run)
+GENERATION_VALUES = {"SYSTEM_MESSAGES": chat.SYSTEM_MESSAGES, "CHAT_MARKERS": chat.CHAT_MARKERS,
+                     "MAX_CHAT_TOKENS": chat.MAX_CHAT_TOKENS, "MAX_PIXELS": vision.MAX_PIXELS,
+                     "IMAGE_MEAN": vision.IMAGE_MEAN, "IMAGE_STD": vision.IMAGE_STD}
+GENERATION_DIGESTS = {
+    1: "626f220d2ed1361c3b68d1f12144261a6bf18cb9710f87e4e8e94849b40933a4",
 }
 
 
@@ -40,11 +55,11 @@ def code_digest(source: str) -> str:
     return hashlib.sha256(ast.dump(tree).encode()).hexdigest()
 
 
-def guarded_digest() -> str:
+def guarded_digest(code=GUARDED_CODE, values=GUARDED_VALUES) -> str:
     h = hashlib.sha256()
-    for code in GUARDED_CODE:
-        h.update(code_digest(inspect.getsource(code)).encode())
-    h.update(json.dumps(GUARDED_VALUES, sort_keys=True, default=list).encode())
+    for item in code:
+        h.update(code_digest(inspect.getsource(item)).encode())
+    h.update(json.dumps(values, sort_keys=True, default=list).encode())
     return h.hexdigest()
 
 
@@ -54,6 +69,15 @@ def test_the_encoding_math_is_the_one_its_version_was_recorded_with():
         f"The code ENCODING_VERSION {ENCODING_VERSION} guards changed (digest now {digest}). If the encoding math "
         "changed, raise ENCODING_VERSION in loaders/cache/keys.py and record its digest in DIGESTS; old cache "
         "entries then miss, as they must."
+    )
+
+
+def test_the_generation_is_the_one_its_version_was_recorded_with():
+    digest = guarded_digest(GENERATION_CODE, GENERATION_VALUES)
+    assert GENERATION_DIGESTS.get(GENERATION_VERSION) == digest, (
+        f"The code GENERATION_VERSION {GENERATION_VERSION} guards changed (digest now {digest}). If what decides an "
+        "upsampled prompt changed, raise GENERATION_VERSION in loaders/cache/keys.py and record its digest in "
+        "GENERATION_DIGESTS; old upsampled prompts then miss, as they must."
     )
 
 

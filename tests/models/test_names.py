@@ -95,3 +95,23 @@ def test_layout_names_are_unique_and_every_tiny_layout_is_a_row(tiny_manifest):
 def test_the_tiny_encoders_folder_holds_one_file_or_folder_per_manifest_entry(tiny_root, tiny_manifest):
     entries = {e["path"].removeprefix("text_encoders/") for e in tiny_manifest if e["kind"] == "encoder"}
     assert entries == set(os.listdir(tiny_root / "text_encoders"))
+
+
+# Each scheme's stored names of the final norm and the output head, as the files that carry them store them.
+HEAD_NAMES = {
+    "HF_SCHEME": ("model.language_model.norm.weight", "language_model.model.norm.weight", "model.norm.weight",
+                  "lm_head.weight", "language_model.lm_head.weight"),
+    "NATIVE_SCHEME": ("norm.weight", "output.weight"),
+    "GGUF_SCHEME": ("output_norm.weight", "output.weight"),
+}
+
+
+@pytest.mark.parametrize("scheme", sorted(HEAD_NAMES))
+def test_the_final_norm_and_output_head_are_named_as_transformers_and_gguf_py_name_them(mistral_keys, scheme):
+    """What text generation reads beyond the encoder's layers: the host names are MistralForCausalLM's, and for
+    Mistral-native and llama.cpp names gguf-py agrees on which stored name is which."""
+    for stored in HEAD_NAMES[scheme]:
+        host, layer = encoder_identify.host_name(stored, getattr(encoder_layouts, scheme))
+        assert host in mistral_keys and host in ("model.norm.weight", "lm_head.weight") and layer is None, stored
+        if scheme in IN_LLAMA_CPP_WORDS:
+            assert IN_LLAMA_CPP_WORDS[scheme](stored) == llama_cpp(host), (stored, host)

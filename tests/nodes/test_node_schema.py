@@ -29,6 +29,14 @@ ALIASES = {  # a few of each node's search words
 }
 
 
+def test_the_upsampler_sits_beside_clip_text_encode_and_shows_its_text(comfy_server):
+    info = comfy_server.get("/object_info")["Flux2DevPromptUpsampler"]
+    assert info["display_name"] == "FLUX.2 [dev] prompt upsampler"
+    assert info["category"] == "conditioning/FLUX.2" and info["output_node"]
+    assert info["output"] == ["STRING"] and "CLIP Text Encode" in info["description"]
+    assert {"image_1", "image_2", "image_3", "cache"} <= set(info["input"]["optional"])
+
+
 def test_titles_say_what_each_node_loads_and_from_what(comfy_server):
     info = comfy_server.get("/object_info")
     assert {node_id: info[node_id]["display_name"] for node_id in NODE_IDS} == TITLES

@@ -32,6 +32,7 @@ PACK_NODES = {
     "Flux2DevVAESource",
     "Flux2DevEncoderSource",
     "Flux2DevTransformerSource",
+    "Flux2DevPromptUpsampler",
 }
 
 
