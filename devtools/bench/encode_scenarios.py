@@ -11,17 +11,14 @@ measured in a fresh child process, after evicting it from the page cache. Needs 
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 import tempfile
 
 import torch
 
 from ...loaders.models.variants import MistralEncoderGeometry
-from ..tiny.geometry import BENCH_MISTRAL, TINY_MISTRAL, test_models_env
-from .meters import Measured, evict
+from ..tiny.geometry import BENCH_MISTRAL, TINY_MISTRAL
+from .meters import Measured, evict, in_child
 
 # quick: the tiny test encoder (pruned, 30 layers); full: real width, 3 layers. Files hold the layers FLUX.2 keeps.
 _ENCODERS = {True: TINY_MISTRAL, False: BENCH_MISTRAL}
@@ -115,16 +112,6 @@ def _child_encode(path: str, cache: str) -> dict:
     }
 
 
-def _in_child(path: str, cache: str) -> dict:
-    code = ("import json; from comfyui_flux2dev.devtools.bench import encode_scenarios as s; "
-            f"print(json.dumps(s._child_encode({path!r}, {cache!r})))")
-    env = {**os.environ, **test_models_env()}
-    done = subprocess.run([sys.executable, "-P", "-c", code], env=env, capture_output=True, text=True)
-    if done.returncode:
-        raise RuntimeError(f"bench child (conditioning cache, {path}) failed:\n{done.stderr[-4000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
 def bench_conditioning_cache(quick: bool) -> dict:
     """{"geometry": {width, heads, kv_heads, mlp, vocab, layers}, "rows": [one per format: {"format",
     "tokens", "file_bytes", "entry_bytes", "cold", "warm", "hit", "keep_loaded_off"}]}; cold/warm/hit hold
@@ -136,7 +123,8 @@ def bench_conditioning_cache(quick: bool) -> dict:
         for fmt in ("bf16",) if quick else ("bf16", "fp8"):
             path = os.path.join(tmp, f"encoder-{fmt}.safetensors")
             write_encoder(path, g, layers, fmt)
-            rows.append({"format": fmt, **_in_child(path, os.path.join(tmp, f"cache-{fmt}"))})
+            rows.append({"format": fmt, **in_child("encode_scenarios", "_child_encode", path, os.path.join(tmp, f"cache-{fmt}"),
+                                                   what=f"conditioning cache, {path}")})
             os.remove(path)
     geometry = {"width": g.width, "heads": g.heads, "kv_heads": g.kv_heads, "mlp": g.mlp, "vocab": g.vocab, "layers": layers}
     return {"geometry": geometry, "rows": rows}

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import json
 import gc
 import os
 import platform
@@ -94,6 +95,20 @@ class Measured:
         self.seconds = time.perf_counter() - self.start
         self.read_bytes = _read_bytes() - self.read0
         self.peak_rss_bytes = _proc_kib("VmHWM") * 1024 - self.base_rss
+
+
+def in_child(module: str, function: str, *args, what: str) -> dict:
+    """What `function(*args)` of a bench module returns (JSON), run in a fresh process that knows the test models:
+    its memory and page faults are its own. `what` names the row in a failure."""
+    from ..tiny.geometry import test_models_env
+
+    code = (f"import json; from comfyui_flux2dev.devtools.bench import {module} as s; "
+            f"print(json.dumps(s.{function}(*{args!r})))")
+    done = subprocess.run([sys.executable, "-P", "-c", code], env={**os.environ, **test_models_env()},
+                          capture_output=True, text=True)
+    if done.returncode:
+        raise RuntimeError(f"bench child ({what}) failed:\n{done.stderr[-4000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def machine() -> dict:

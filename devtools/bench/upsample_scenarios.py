@@ -10,18 +10,15 @@ so its peak RSS is its own. Needs the host (COMFYUI_ROOT)."""
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 import tempfile
 import time
 
 import torch
 
-from ..tiny.geometry import BENCH_MISTRAL, TINY_MISTRAL, test_models_env
+from ..tiny.geometry import BENCH_MISTRAL, TINY_MISTRAL
 from .encode_scenarios import write_encoder
-from .meters import Measured
+from .meters import Measured, in_child
 
 NEW_TOKENS = {True: 8, False: 16}
 PROMPT = "a red fox sitting in fresh snow at dawn"
@@ -140,16 +137,6 @@ def _child(path: str, runner: str, dtype: str, layers: int, quick: bool) -> dict
             "file_bytes": os.path.getsize(path)}
 
 
-def _in_child(path: str, runner: str, dtype: str, layers: int, quick: bool) -> dict:
-    code = ("import json; from comfyui_flux2dev.devtools.bench import upsample_scenarios as s; "
-            f"print(json.dumps(s._child({path!r}, {runner!r}, {dtype!r}, {layers}, {quick})))")
-    env = {**os.environ, **test_models_env()}
-    done = subprocess.run([sys.executable, "-P", "-c", code], env=env, capture_output=True, text=True)
-    if done.returncode:
-        raise RuntimeError(f"bench child (upsampling, {runner} {dtype} on {path}) failed:\n{done.stderr[-4000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
 def bench_upsampling(quick: bool) -> dict:
     """{"geometry": {...}, "rows": [{"name", "prompt_tokens", "new_tokens", "first_token_s", "tokens_per_s",
     "peak_rss_bytes", "file_bytes"}, ...]} for ROWS."""
@@ -163,7 +150,8 @@ def bench_upsampling(quick: bool) -> dict:
         write_encoder(files["fp8"], g, layers, "fp8", whole=True)
         write_whole_gguf(files["gguf"], files["bf16"], g, layers)
         for name, runner, fmt, dtype in ROWS:
-            rows.append({"name": name, **_in_child(files[fmt], runner, dtype, layers, quick)})
+            rows.append({"name": name, **in_child("upsample_scenarios", "_child", files[fmt], runner, dtype, layers, quick,
+                                                  what=f"upsampling, {name}")})
     geometry = {"width": g.width, "heads": g.heads, "kv_heads": g.kv_heads, "mlp": g.mlp, "vocab": g.vocab, "layers": layers}
     return {"geometry": geometry, "rows": rows}
 
