@@ -155,7 +155,10 @@ def test_greedy_edit_with_reference_images_equals_transformers(comfy_host, encod
 
 def test_sampled_text_is_the_same_twice_and_in_a_fresh_process(comfy_host, encoders):
     settings = {"temperature": 0.8, "seed": 7, "max_new_tokens": 12, "dtype": None}
-    first = _upsample(encoders / "hf-mistral3", "a lighthouse at dusk", **settings)
+    counted = []
+    first = _upsample(encoders / "hf-mistral3", "a lighthouse at dusk", on_token=lambda n, total: counted.append((n, total)),
+                      **settings)
+    assert counted == [(n, 12) for n in range(1, len(first.output_ids) + 1)]  # the progress bar's steps, one a token
     second = _upsample(encoders / "hf-mistral3", "a lighthouse at dusk", **settings)
     other_seed = _upsample(encoders / "hf-mistral3", "a lighthouse at dusk", **{**settings, "seed": 8})
     assert first.output_ids == second.output_ids and first.text == second.text

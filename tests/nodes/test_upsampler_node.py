@@ -32,7 +32,10 @@ def test_the_node_shows_the_text_the_command_line_writes_and_counts_its_tokens(c
     assert cli.returncode == 0, cli.stderr
     written = json.loads(cli.stdout)
     assert text == written["text"]
-    assert _token_progress(messages, 7) == list(range(1, len(written["output_ids"]) + 1))
+    # The bar moves per token (tests/models/test_upsampler.py counts the calls); newer servers send the UI at most
+    # a few of those moves a second, the first and the last among them.
+    progress = _token_progress(messages, 7)
+    assert progress[0] == 1 and progress[-1] == len(written["output_ids"]) and progress == sorted(set(progress))
 
 
 def test_a_second_run_is_served_from_the_cache(comfy_server):
