@@ -78,7 +78,8 @@ def load_peer(peers: Path | None):
     tarballs = sorted(peers.glob("comfyui-gguf-*.tar.gz")) if peers and peers.is_dir() else []
     if not tarballs:
         return None, f"ComfyUI-GGUF is not in {peers} (its tarball, comfyui-gguf-*.tar.gz)"
-    folder = Path(tempfile.mkdtemp(prefix="flux2dev-peer-"))
+    unpacked = tempfile.TemporaryDirectory(prefix="flux2dev-peer-")  # held by the result, removed with it
+    folder = Path(unpacked.name)
     with tarfile.open(tarballs[-1]) as t:
         t.extractall(folder, filter="data")
     ensure_comfy()  # its ops build on the host's
@@ -87,7 +88,8 @@ def load_peer(peers: Path | None):
     sys.modules[package.__name__] = package
     dequant = importlib.import_module(f"{package.__name__}.dequant")
     ops = importlib.import_module(f"{package.__name__}.ops")
-    return types.SimpleNamespace(name=tarballs[-1].name.removesuffix(".tar.gz"), dequant=dequant, ops=ops), None
+    return types.SimpleNamespace(name=tarballs[-1].name.removesuffix(".tar.gz"), dequant=dequant, ops=ops,
+                                 folder=unpacked), None
 
 
 def _peer_tensor(peer, data: torch.Tensor, qtype, shape) -> torch.Tensor:

@@ -1,7 +1,8 @@
-"""ENCODING_VERSION (loaders/cache/keys.py) stands for the encoding math the conditioning cache's key does not
-hold otherwise: the template and its mask, and the host encoder's masking of left pads. A change to that code
-without a new version would serve old entries, encoded the old way, as if they were new: this test holds the
-digest of the code per version, so such a change fails here until the version is raised."""
+"""The versions in loaders/cache/keys.py stand for what a cache key does not hold otherwise: ENCODING_VERSION for
+the encoding math (the template and its mask, the host encoder's masking of left pads), GENERATION_VERSION for
+what decides an upsampled prompt. A change to that code without a new version would serve old entries, made the
+old way, as if they were new: this test holds the digest of the code per version, so such a change fails here
+until the version is raised."""
 
 from __future__ import annotations
 
@@ -11,35 +12,41 @@ import inspect
 import json
 import textwrap
 
+import pytest
+
 from comfyui_flux2dev.host import clip_model, upsampler
 from comfyui_flux2dev.loaders.cache.keys import ENCODING_VERSION, GENERATION_VERSION
 from comfyui_flux2dev.loaders.models import language_model, vision
 from comfyui_flux2dev.tokenizers import chat, prompt
 
-# The code the version guards: functions (their code, docstrings and comments aside) and constants (values).
-GUARDED_CODE = (prompt.prompt_ids, prompt.left_padding_mask, prompt.comfy_pieces, clip_model.encoder_model_class,
-                clip_model.compute_dtype, clip_model.model_config)
-GUARDED_VALUES = {"SYSTEM_PROMPT": prompt.SYSTEM_PROMPT, "TEMPLATE_MARKERS": prompt.TEMPLATE_MARKERS,
-                  "MAX_LENGTH": prompt.MAX_LENGTH, "IMAGE_MARKER": prompt.IMAGE_MARKER,
-                  "COMFY_TEMPLATE": prompt.COMFY_TEMPLATE, "PADDING_MODES": prompt.PADDING_MODES}
-# ENCODING_VERSION -> the digest of the guarded code at that version. When the test fails after an intended
-# change of the encoding math: raise ENCODING_VERSION and add its digest here (the failure prints it).
-DIGESTS = {
-    2: "e929a3e737940548ddf67f7f92acc460dd144bb4a0cb7e6f102209a5430cc714",
-}
-
-
-# GENERATION_VERSION stands for what decides an upsampled prompt beyond its key: the chat layout, the images as the
-# model sees them, the decoder's math, sampling and decoding.
-GENERATION_CODE = (chat.chat_ids, chat.image_ids, chat.reply_text, vision.joined, vision.prepare, vision.VisionEncoder,
-                   language_model.RMSNorm, language_model._rotate_half, language_model.KVCache, language_model.Attention,
-                   language_model.MLP, language_model.DecoderLayer, language_model.MistralLM, language_model.Sampling,
-                   language_model.generate, upsampler._run)
-GENERATION_VALUES = {"SYSTEM_MESSAGES": chat.SYSTEM_MESSAGES, "CHAT_MARKERS": chat.CHAT_MARKERS,
-                     "MAX_CHAT_TOKENS": chat.MAX_CHAT_TOKENS, "MAX_PIXELS": vision.MAX_PIXELS,
-                     "IMAGE_MEAN": vision.IMAGE_MEAN, "IMAGE_STD": vision.IMAGE_STD}
-GENERATION_DIGESTS = {
-    1: "626f220d2ed1361c3b68d1f12144261a6bf18cb9710f87e4e8e94849b40933a4",
+# One row per version in loaders/cache/keys.py: what it stands for, the code it guards (functions and classes:
+# their code, docstrings and comments aside), the constants it guards (values), and the digest of that code per
+# version. When a test fails after an intended change: raise the version and add its digest (the failure prints it).
+GUARDS = {
+    "ENCODING_VERSION": dict(
+        version=ENCODING_VERSION,
+        means="the encoding math",
+        code=(prompt.prompt_ids, prompt.left_padding_mask, prompt.comfy_pieces, clip_model.encoder_model_class,
+              clip_model.compute_dtype, clip_model.model_config),
+        values={"SYSTEM_PROMPT": prompt.SYSTEM_PROMPT, "TEMPLATE_MARKERS": prompt.TEMPLATE_MARKERS,
+                "MAX_LENGTH": prompt.MAX_LENGTH, "IMAGE_MARKER": prompt.IMAGE_MARKER,
+                "COMFY_TEMPLATE": prompt.COMFY_TEMPLATE, "PADDING_MODES": prompt.PADDING_MODES},
+        digests={2: "e929a3e737940548ddf67f7f92acc460dd144bb4a0cb7e6f102209a5430cc714"},
+    ),
+    # What decides an upsampled prompt beyond its key: the chat layout, the images as the model sees them, the
+    # decoder's math, sampling and decoding.
+    "GENERATION_VERSION": dict(
+        version=GENERATION_VERSION,
+        means="what decides an upsampled prompt",
+        code=(chat.chat_ids, chat.image_ids, chat.reply_text, vision.joined, vision.prepare, vision.VisionEncoder,
+              language_model.RMSNorm, language_model._rotate_half, language_model.KVCache, language_model.Attention,
+              language_model.MLP, language_model.DecoderLayer, language_model.MistralLM, language_model.Sampling,
+              language_model.generate, upsampler._run),
+        values={"SYSTEM_MESSAGES": chat.SYSTEM_MESSAGES, "CHAT_MARKERS": chat.CHAT_MARKERS,
+                "MAX_CHAT_TOKENS": chat.MAX_CHAT_TOKENS, "MAX_PIXELS": vision.MAX_PIXELS,
+                "IMAGE_MEAN": vision.IMAGE_MEAN, "IMAGE_STD": vision.IMAGE_STD},
+        digests={1: "626f220d2ed1361c3b68d1f12144261a6bf18cb9710f87e4e8e94849b40933a4"},
+    ),
 }
 
 
@@ -55,7 +62,7 @@ def code_digest(source: str) -> str:
     return hashlib.sha256(ast.dump(tree).encode()).hexdigest()
 
 
-def guarded_digest(code=GUARDED_CODE, values=GUARDED_VALUES) -> str:
+def guarded_digest(code, values) -> str:
     h = hashlib.sha256()
     for item in code:
         h.update(code_digest(inspect.getsource(item)).encode())
@@ -63,21 +70,14 @@ def guarded_digest(code=GUARDED_CODE, values=GUARDED_VALUES) -> str:
     return h.hexdigest()
 
 
-def test_the_encoding_math_is_the_one_its_version_was_recorded_with():
-    digest = guarded_digest()
-    assert DIGESTS.get(ENCODING_VERSION) == digest, (
-        f"The code ENCODING_VERSION {ENCODING_VERSION} guards changed (digest now {digest}). If the encoding math "
-        "changed, raise ENCODING_VERSION in loaders/cache/keys.py and record its digest in DIGESTS; old cache "
-        "entries then miss, as they must."
-    )
-
-
-def test_the_generation_is_the_one_its_version_was_recorded_with():
-    digest = guarded_digest(GENERATION_CODE, GENERATION_VALUES)
-    assert GENERATION_DIGESTS.get(GENERATION_VERSION) == digest, (
-        f"The code GENERATION_VERSION {GENERATION_VERSION} guards changed (digest now {digest}). If what decides an "
-        "upsampled prompt changed, raise GENERATION_VERSION in loaders/cache/keys.py and record its digest in "
-        "GENERATION_DIGESTS; old upsampled prompts then miss, as they must."
+@pytest.mark.parametrize("name", GUARDS)
+def test_the_guarded_code_is_the_one_its_version_was_recorded_with(name):
+    guard = GUARDS[name]
+    digest = guarded_digest(guard["code"], guard["values"])
+    assert guard["digests"].get(guard["version"]) == digest, (
+        f"The code {name} {guard['version']} guards changed (digest now {digest}). If {guard['means']} changed, "
+        f"raise {name} in loaders/cache/keys.py and record its digest in GUARDS; old cache entries then miss, as "
+        "they must."
     )
 
 
