@@ -40,6 +40,29 @@ def cuda_param(value):
     return pytest.param(value, marks=[pytest.mark.cuda, pytest.mark.skipif(not torch.cuda.is_available(), reason=CUDA_MISSING)])
 
 
+# --- the one-pass CPU kernels (numba) -------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def numba_unavailable():
+    """numba made impossible to import, as on a machine without it, so the torch paths run; afterwards the
+    one-pass kernels load again."""
+    from comfyui_flux2dev.loaders import formats
+    from comfyui_flux2dev.loaders.formats import fused
+
+    with pytest.MonkeyPatch.context() as m:
+        m.setitem(sys.modules, "numba", None)
+        m.delitem(sys.modules, "comfyui_flux2dev.loaders.formats.numba_kernels", raising=False)
+        m.delattr(formats, "numba_kernels", raising=False)
+        fused._kernels.cache_clear()
+        fused._converts.cache_clear()
+        try:
+            yield
+        finally:
+            fused._kernels.cache_clear()
+            fused._converts.cache_clear()
+
+
 # --- child processes ----------------------------------------------------------------------------------------
 
 

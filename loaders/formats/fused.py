@@ -1,8 +1,8 @@
-"""The one-pass CPU dequantizers (numba_kernels.py) behind the torch ones: each call says whether it ran, and
-where it could not (numba missing or unusable, a GPU tensor, another dtype), the caller runs its torch path,
-which gives the same bits.
+"""The one-pass CPU dequantizers and GGUF quantizers (numba_kernels.py) behind the torch ones: each call says
+whether it ran, and where it could not (numba missing or unusable, a GPU tensor, another dtype), the caller runs
+its torch path, which gives the same bits.
 
-numba is imported on the first CPU dequantization, not with the pack. Its conversions to fp16 and bfloat16
+numba is imported on the first CPU dequantization or quantization, not with the pack. Its conversions to fp16 and bfloat16
 are checked once per process against torch's own cast on the values where conversions differ (halfway
 cases, subnormals, overflow, infinities): a machine where they disagree keeps the torch path for that dtype,
 with a warning. NaN payloads are not compared: torch's own CPU cast gives different NaN bits in its
@@ -114,6 +114,20 @@ def gguf(type_name: str, blocks: torch.Tensor, out: torch.Tensor) -> bool:
     kernel, b, o, halves = _kernels().GGUF[type_name], blocks.numpy(), _out(out, out.numel() // blocks.shape[0]), _halves()
     _by_rows(b.shape[0], lambda first, stop: kernel(b[first:stop], o[first:stop], halves))
     return True
+
+
+def gguf_quantize(type_name: str, blocks: torch.Tensor, out: torch.Tensor) -> bool:
+    """float32 or bfloat16 blocks [n, block size] quantized into `out` (uint8 [n, type size]), both contiguous,
+    if the one-pass kernel runs here and every value fits the type; False: not run, or a value that does not
+    fit (the torch path then refuses it, saying why), with `out` incomplete."""
+    kernels = _kernels() if blocks.device.type == "cpu" else None
+    if kernels is None or type_name not in kernels.QUANTIZE or blocks.dtype not in (torch.float32, torch.bfloat16) \
+            or not (blocks.is_contiguous() and out.is_contiguous()) or not _converts(torch.float16):
+        return False
+    b = blocks.view(_VIEWS[blocks.dtype]).numpy()
+    kernel, o, fits = kernels.QUANTIZE[type_name], out.numpy(), []
+    _by_rows(b.shape[0], lambda first, stop: fits.append(kernel(b[first:stop], o[first:stop])))
+    return all(fits)
 
 
 @functools.cache

@@ -3,8 +3,9 @@ type the pack writes: F32, F16, BF16, Q8_0, Q5_1, Q5_0, Q4_1, Q4_0.
 
 Each type's kernel does the reference's float32 operations in the same order (a division where it divides,
 truncation where it truncates, its own round-half-away-from-zero for Q8_0), so the blocks agree to the bit.
-Speed comes from working on cache-sized chunks of rows on a bounded number of threads (dequant_steps.py), each
-op over a whole chunk of blocks at once, instead of the reference's groups of 16 rows.
+Speed: on the CPU, numba's one-pass kernels (fused.py) quantize float32 or bfloat16 values block by block, reading
+each value once, on a bounded number of threads (dequant_steps.py). Where they cannot run (no numba, another
+input dtype), the torch kernels here work on cache-sized chunks of rows, each op over a whole chunk of blocks.
 
 K-quants are not here: gguf-py has no quantizer for them to be checked against (ggml's C reference is the only
 one), and an unchecked quantizer would write files no one has proved right.
@@ -21,6 +22,7 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 
 from ...errors import UnsupportedFormatError
+from . import fused
 from .dequant_steps import few_threads
 
 _F16_MAX = 65504.0
@@ -245,6 +247,9 @@ def quantize(values: torch.Tensor, qtype, *, out: torch.Tensor | None = None) ->
     rows = values.reshape(-1, columns)
     if out is None:
         out = torch.empty((rows.shape[0], columns // block_size * type_size), dtype=torch.uint8)
+    if rows.is_contiguous() and out.is_contiguous() and \
+            fused.gguf_quantize(qtype.name, rows.view(-1, block_size), out.view(-1, type_size)):
+        return out
     kernel = _KERNELS[qtype]
     step = max(1, CHUNK_VALUES // columns)
     scratch = _Scratch(min(step, rows.shape[0]) * columns, block_size)

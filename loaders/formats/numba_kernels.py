@@ -1,4 +1,4 @@
-"""One-pass dequantization kernels, compiled by numba on first use (no compiler needed on the user's machine)
+"""One-pass dequantization kernels (and GGUF quantization kernels, below), compiled by numba on first use (no compiler needed on the user's machine)
 and cached beside this file: each packed byte is read once and each value written once, in the output dtype,
 straight into the destination. The torch path (gguf_dequant.py, quant.py) does the same float32 operations
 in several passes over memory: unpack, widen, scale, cast.
@@ -377,6 +377,240 @@ GGUF = {
     "Q8_0": q8_0, "Q4_0": q4_0, "Q4_1": q4_1, "Q5_0": q5_0, "Q5_1": q5_1, "Q2_K": q2_k, "Q3_K": q3_k,
     "Q4_K": q4_k, "Q5_K": q5_k, "Q6_K": q6_k, "IQ4_NL": iq4_nl, "IQ4_XS": iq4_xs,
 }
+
+
+# --- GGUF quantization: blocks [n, block size] (float32, or bfloat16 bits) -> out [n, type size] uint8 ----
+# Each kernel mirrors gguf-py's numpy quantizer (gguf.quants.quantize) operation by operation in float32, as the
+# torch path (gguf_quant.py) does, with its refinements: a zero minimum or maximum is written +0, and a block
+# whose inverse scale overflows gets codes 0 (what the reference's cast of infinities gives on x86). A kernel
+# returns False as soon as it meets a value that is not finite or beyond float16 (out is then incomplete):
+# the torch path runs that chunk again and refuses it, naming why.
+
+# float32 -> fp16 bits, round to nearest even: the CPU's instruction where it has one (see _put)
+_to_fp16 = _fp16_by_cpu if HARDWARE_FP16 else _fp16_by_ops
+
+
+def _get(x, k):
+    """x[k] as float32, from a float32 array or from an int16 array of bfloat16 bits (compiled per array type)."""
+
+
+@overload(_get)
+def _get_typed(x, k):
+    if x.dtype == types.float32:
+        def get(x, k):
+            return x[k]
+    elif x.dtype == types.int16:
+        def get(x, k):
+            return _from_bits(_U32(np.uint16(x[k])) << _U32(16))
+    else:
+        return None
+    return get
+
+
+@njit
+def _put_fp16(o, at, v):
+    """v as a little-endian fp16 field at byte `at` of block o."""
+    h = np.int32(_to_fp16(v))
+    o[at], o[at + 1] = np.uint8(h & 255), np.uint8(h >> 8)
+
+
+@njit
+def _put_u32(o, at, field):
+    for k in range(4):
+        o[at + k] = np.uint8((field >> _U32(8 * k)) & _U32(255))
+
+
+@njit
+def _inverse(d):
+    """1 / d, or 0 where d is 0 (the reference's np.where(d == 0, 0, 1 / d))."""
+    return _F32(1.0) / d if d != _F32(0.0) else _F32(0.0)
+
+
+@njit
+def _code(v, top):
+    """trunc(v) as an integer code, clipped to 0..top."""
+    return min(max(np.int32(v), 0), top)
+
+
+# The blocks' ranges are found on the values' bits, as integer reductions that LLVM vectorizes (float ones it
+# may not reorder): a float32's bits without the sign order its magnitude, and NaN and infinities lie above
+# every finite value; with the sign folded in (_order), the bits order the values.
+_F16_MAX_BITS = _U32(0x477FE000)  # 65504, float16's largest finite value
+
+
+@njit
+def _magnitude(v):
+    return _bits(v) & _U32(0x7FFFFFFF)
+
+
+@njit
+def _order(v):
+    """An int32 that orders float32 values as they compare (-0 below +0)."""
+    b = np.int32(_bits(v))
+    return b ^ ((b >> 31) & np.int32(0x7FFFFFFF))
+
+
+@njit
+def _from_order(key):
+    return _from_bits(_U32(key ^ ((key >> 31) & np.int32(0x7FFFFFFF))))
+
+
+@njit
+def _largest_magnitude(x):
+    """The bits of the block's largest |value|; above _F16_MAX_BITS where a value is not finite or beyond float16."""
+    top = _U32(0)
+    for k in range(x.shape[0]):
+        top = max(top, _magnitude(_get(x, k)))
+    return top
+
+
+@njit
+def _signed_max(x, top):
+    """The first value of magnitude `top` (bits), as numpy's argmax of abs picks it: the block's maximum or its
+    minimum where only one of them has that magnitude, else (a tie of +m and -m) the first one found."""
+    high, low = np.int32(-(2**31)), np.int32(2**31 - 1)
+    for k in range(x.shape[0]):
+        key = _order(_get(x, k))
+        high, low = max(high, key), min(low, key)
+    high_top, low_top = _magnitude(_from_order(high)) == top, _magnitude(_from_order(low)) == top
+    if high_top != low_top:
+        return _from_order(high) if high_top else _from_order(low)
+    for k in range(x.shape[0]):
+        if _magnitude(_get(x, k)) == top:
+            return _get(x, k)
+    return _get(x, 0)
+
+
+@njit
+def _min_max(x):
+    """(the block's maximum and minimum, a zero as +0; whether every value fits)."""
+    top, high, low = _U32(0), np.int32(-(2**31)), np.int32(2**31 - 1)
+    for k in range(x.shape[0]):
+        top = max(top, _magnitude(_get(x, k)))
+        key = _order(_get(x, k))
+        high, low = max(high, key), min(low, key)
+    return _from_order(high) + _F32(0.0), _from_order(low) + _F32(0.0), top <= _F16_MAX_BITS
+
+
+@njit(**_JIT)
+def quantize_q8_0(blocks, out):
+    w = blocks.shape[1]
+    for i in range(blocks.shape[0]):
+        x, o = blocks[i], out[i]
+        top = _largest_magnitude(x)
+        if top > _F16_MAX_BITS:
+            return False
+        d = _from_bits(top) / _F32(127.0)
+        _put_fp16(o, 0, d)
+        inverse = _inverse(d)
+        if np.isinf(inverse):
+            o[2:] = 0
+            continue
+        for k in range(w):
+            # the reference's round half away from zero, sign(v) * (floor(|v|) + floor(2 (|v| - floor(|v|)))),
+            # is trunc(2v) - trunc(v) (2v is exact; |v| <= 127)
+            v = _get(x, k) * inverse
+            o[2 + k] = np.uint8((np.int32(v + v) - np.int32(v)) & 255)
+    return True
+
+
+@njit(**_JIT)
+def quantize_q4_0(blocks, out):
+    w = blocks.shape[1] // 2
+    for i in range(blocks.shape[0]):
+        x, o = blocks[i], out[i]
+        top = _largest_magnitude(x)
+        if top > _F16_MAX_BITS:
+            return False
+        d = _signed_max(x, top) / _F32(-8.0)
+        _put_fp16(o, 0, d)
+        inverse = _inverse(d)
+        if np.isinf(inverse):
+            o[2:] = 0
+            continue
+        # code k in the low nibble of byte 2 + k, code 16 + k in its high nibble
+        for k in range(w):
+            low = _code(_get(x, k) * inverse + _F32(8.5), 15)
+            high = _code(_get(x, 16 + k) * inverse + _F32(8.5), 15)
+            o[2 + k] = np.uint8(low | (high << 4))
+    return True
+
+
+@njit(**_JIT)
+def quantize_q5_0(blocks, out):
+    w = blocks.shape[1] // 2
+    for i in range(blocks.shape[0]):
+        x, o = blocks[i], out[i]
+        top = _largest_magnitude(x)
+        if top > _F16_MAX_BITS:
+            return False
+        d = _signed_max(x, top) / _F32(-16.0)
+        _put_fp16(o, 0, d)
+        inverse = _inverse(d)
+        if np.isinf(inverse):
+            o[2:] = 0
+            continue
+        # as Q4_0 from byte 6, with the fifth bit of code k as bit k of the 32-bit field at byte 2
+        qh = _U32(0)
+        for k in range(w):
+            low = _code(_get(x, k) * inverse + _F32(16.5), 31)
+            high = _code(_get(x, 16 + k) * inverse + _F32(16.5), 31)
+            o[6 + k] = np.uint8((low & 15) | ((high & 15) << 4))
+            qh |= (_U32(low >> 4) << _U32(k)) | (_U32(high >> 4) << _U32(16 + k))
+        _put_u32(o, 2, qh)
+    return True
+
+
+@njit(**_JIT)
+def quantize_q4_1(blocks, out):
+    w = blocks.shape[1] // 2
+    for i in range(blocks.shape[0]):
+        x, o = blocks[i], out[i]
+        high, low, fits = _min_max(x)
+        if not fits:
+            return False
+        d = (high - low) / _F32(15.0)
+        _put_fp16(o, 0, d)
+        _put_fp16(o, 2, low)
+        inverse = _inverse(d)
+        if np.isinf(inverse):
+            o[4:] = 0
+            continue
+        for k in range(w):
+            a = _code((_get(x, k) - low) * inverse + _F32(0.5), 15)
+            b = _code((_get(x, 16 + k) - low) * inverse + _F32(0.5), 15)
+            o[4 + k] = np.uint8(a | (b << 4))
+    return True
+
+
+@njit(**_JIT)
+def quantize_q5_1(blocks, out):
+    w = blocks.shape[1] // 2
+    for i in range(blocks.shape[0]):
+        x, o = blocks[i], out[i]
+        high, low, fits = _min_max(x)
+        if not fits:
+            return False
+        d = (high - low) / _F32(31.0)
+        _put_fp16(o, 0, d)
+        _put_fp16(o, 2, low)
+        inverse = _inverse(d)
+        if np.isinf(inverse):
+            o[4:] = 0
+            continue
+        qh = _U32(0)
+        for k in range(w):
+            a = _code((_get(x, k) - low) * inverse + _F32(0.5), 31)
+            b = _code((_get(x, 16 + k) - low) * inverse + _F32(0.5), 31)
+            o[8 + k] = np.uint8((a & 15) | ((b & 15) << 4))
+            qh |= (_U32(a >> 4) << _U32(k)) | (_U32(b >> 4) << _U32(16 + k))
+        _put_u32(o, 4, qh)
+    return True
+
+
+# GGUF type name -> quantization kernel
+QUANTIZE = {"Q8_0": quantize_q8_0, "Q5_1": quantize_q5_1, "Q5_0": quantize_q5_0, "Q4_1": quantize_q4_1,
+            "Q4_0": quantize_q4_0}
 
 
 # --- scaled fp8 and NVFP4 ---------------------------------------------------------------------------------

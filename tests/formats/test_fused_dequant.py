@@ -8,9 +8,7 @@ bits in its vectorized and its scalar loop, so NaN payloads are no contract of e
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import sys
 
 import gguf
 import numpy as np
@@ -21,35 +19,15 @@ from gguf import GGMLQuantizationType as Q
 
 from comfyui_flux2dev.devtools.tiny.gguf_blocks import FP16_FIELDS
 from comfyui_flux2dev.errors import CorruptFileError
-from comfyui_flux2dev.loaders import formats
 from comfyui_flux2dev.loaders.formats import dequant_steps, fused, quant
 from comfyui_flux2dev.loaders.formats.gguf_dequant import dequantize
-from helpers import GGUF_QUANTIZED_TYPES, run_python
+from helpers import GGUF_QUANTIZED_TYPES, numba_unavailable, run_python
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # fp16 bit patterns: +-0, the smallest and largest subnormals, the smallest normal, 1, the largest finite
 # values, +-inf, quiet, signalling and negative NaNs
 EDGE_HALVES = (0x0000, 0x8000, 0x0001, 0x03FF, 0x0400, 0x3C00, 0x7BFF, 0xFBFF, 0x7C00, 0xFC00, 0x7E00, 0x7C01, 0xFE00)
 CODE_BYTES = (0x00, 0xFF, 0x0F, 0xF0, 0x55, 0xAA)  # smallest and largest codes in every field, and mixes
-KERNELS_MODULE = "comfyui_flux2dev.loaders.formats.numba_kernels"
-
-
-@contextlib.contextmanager
-def numba_unavailable():
-    """numba made impossible to import, as on a machine without it; afterwards the kernels load again."""
-    with pytest.MonkeyPatch.context() as m:
-        m.setitem(sys.modules, "numba", None)
-        m.delitem(sys.modules, KERNELS_MODULE, raising=False)
-        m.delattr(formats, "numba_kernels", raising=False)
-        fused._kernels.cache_clear()
-        fused._converts.cache_clear()
-        try:
-            yield
-        finally:
-            fused._kernels.cache_clear()
-            fused._converts.cache_clear()
-
-
 def _same(got: torch.Tensor, want: torch.Tensor) -> None:
     """The same bits, NaN for NaN."""
     assert got.shape == want.shape and got.dtype == want.dtype

@@ -1,6 +1,7 @@
-"""The torch quantizer against gguf-py's numpy reference (gguf.quants.quantize): the same bytes for every type the
-pack writes, on random weights of several sizes and on the blocks where the arithmetic has its edges (ties of
-magnitude, signed zeros, exact halves, constant and all-zero blocks, values near float16's limits)."""
+"""The quantizer against gguf-py's numpy reference (gguf.quants.quantize): the same bytes for every type the pack
+writes, on random weights of several sizes and on the blocks where the arithmetic has its edges (ties of
+magnitude, signed zeros, exact halves, constant and all-zero blocks, values near float16's limits). Every test
+runs on both paths: numba's one-pass kernels and the torch kernels that stand in where numba cannot run."""
 
 from __future__ import annotations
 
@@ -11,8 +12,25 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from comfyui_flux2dev.errors import UnsupportedFormatError
-from comfyui_flux2dev.loaders.formats import gguf_quant
+from comfyui_flux2dev.loaders.formats import fused, gguf_quant
 from comfyui_flux2dev.loaders.formats.gguf_quant import NotQuantizable, WRITE_TYPES, quantize
+from helpers import numba_unavailable
+
+
+@pytest.fixture(autouse=True, params=["numba", "torch"])
+def quantizer_path(request):
+    if request.param == "numba":
+        yield request.param
+        return
+    with numba_unavailable():
+        yield request.param
+
+
+def test_the_one_pass_kernels_run_for_float32_and_bfloat16_values(quantizer_path):
+    for dtype in (torch.float32, torch.bfloat16):
+        blocks, out = torch.ones(4, 32, dtype=dtype), torch.empty(4, 18, dtype=torch.uint8)
+        assert fused.gguf_quantize("Q4_0", blocks, out) == (quantizer_path == "numba")
+    assert not fused.gguf_quantize("Q4_0", torch.ones(4, 32, dtype=torch.float16), out)
 
 # The types the pack writes, as the README lists them (the table must not grow or shrink silently).
 LISTED = ("F32", "F16", "BF16", "Q8_0", "Q5_1", "Q5_0", "Q4_1", "Q4_0")
@@ -67,10 +85,15 @@ def _cases(qtype):
 
 
 @pytest.mark.parametrize("qtype", WRITE_TYPES, ids=lambda q: q.name)
-def test_bytes_equal_the_reference(qtype):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_bytes_equal_the_reference(qtype, dtype):
+    """float32 values, and the same values rounded to bfloat16 (what most sources hold), read as they are."""
     for name, values in _cases(qtype):
-        want = gguf.quants.quantize(values, qtype)
-        got = quantize(torch.from_numpy(values), qtype).numpy()
+        if dtype == torch.bfloat16:  # 65504 rounds up to 65536: the largest bfloat16 float16 holds is 65280
+            values = np.clip(values, -65280, 65280)
+        tensor = torch.from_numpy(values).to(dtype)
+        want = gguf.quants.quantize(tensor.float().numpy(), qtype)
+        got = quantize(tensor, qtype).numpy()
         want = want.view(np.uint8).reshape(got.shape)
         bad = np.flatnonzero((got != want).any(axis=1))
         assert bad.size == 0, f"{name}: {bad.size} rows differ, first {bad[0]}: {got[bad[0]][:40]} != {want[bad[0]][:40]}"
