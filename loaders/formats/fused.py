@@ -17,6 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from .dequant_steps import dequant_threads
 
@@ -124,6 +125,9 @@ def gguf_quantize(type_name: str, blocks: torch.Tensor, out: torch.Tensor) -> bo
     if kernels is None or type_name not in kernels.QUANTIZE or blocks.dtype not in (torch.float32, torch.bfloat16) \
             or not (blocks.is_contiguous() and out.is_contiguous()) or not _converts(torch.float16):
         return False
+    if tuple(blocks.shape) != (out.shape[0], GGML_QUANT_SIZES[GGMLQuantizationType[type_name]][0]) \
+            or out.shape[1] != GGML_QUANT_SIZES[GGMLQuantizationType[type_name]][1] or out.dtype != torch.uint8:
+        raise ValueError(f"{type_name} blocks {list(blocks.shape)} do not match out {list(out.shape)} {out.dtype}")
     b = blocks.view(_VIEWS[blocks.dtype]).numpy()
     kernel, o, fits = kernels.QUANTIZE[type_name], out.numpy(), []
     _by_rows(b.shape[0], lambda first, stop: fits.append(kernel(b[first:stop], o[first:stop])))

@@ -23,7 +23,7 @@ from gguf import GGMLQuantizationType as Q
 
 from ...errors import UnsupportedFormatError
 from . import fused
-from .dequant_steps import few_threads
+from .dequant_steps import few_threads, output
 
 _F16_MAX = 65504.0
 
@@ -235,8 +235,9 @@ def fits(qtype, shape) -> bool:
 
 def quantize(values: torch.Tensor, qtype, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """The GGUF bytes of `values` (a float tensor on the CPU, any float dtype, last dimension the rows) in
-    `qtype`: uint8 [rows, row bytes], written into `out` where given. Raises NotQuantizable for values the
-    type cannot hold and ValueError for rows that do not hold whole blocks."""
+    `qtype`: uint8 [rows, row bytes], written into `out` where given (contiguous, of that shape). Raises
+    NotQuantizable for values the type cannot hold, and ValueError for rows that do not hold whole blocks or an
+    `out` of another shape."""
     qtype = Q(qtype)
     if qtype not in _KERNELS:
         raise UnsupportedFormatError(f"The pack writes GGUF types {write_types()}, not {qtype.name}.")
@@ -245,10 +246,8 @@ def quantize(values: torch.Tensor, qtype, *, out: torch.Tensor | None = None) ->
     if columns % block_size:
         raise ValueError(f"rows of {columns} values do not hold whole {qtype.name} blocks of {block_size}")
     rows = values.reshape(-1, columns)
-    if out is None:
-        out = torch.empty((rows.shape[0], columns // block_size * type_size), dtype=torch.uint8)
-    if rows.is_contiguous() and out.is_contiguous() and \
-            fused.gguf_quantize(qtype.name, rows.view(-1, block_size), out.view(-1, type_size)):
+    out = output(out, (rows.shape[0], columns // block_size * type_size), torch.uint8, torch.device("cpu"))
+    if rows.is_contiguous() and fused.gguf_quantize(qtype.name, rows.view(-1, block_size), out.view(-1, type_size)):
         return out
     kernel = _KERNELS[qtype]
     step = max(1, CHUNK_VALUES // columns)

@@ -1,13 +1,15 @@
-"""One-pass dequantization kernels (and GGUF quantization kernels, below), compiled by numba on first use (no compiler needed on the user's machine)
-and cached beside this file: each packed byte is read once and each value written once, in the output dtype,
-straight into the destination. The torch path (gguf_dequant.py, quant.py) does the same float32 operations
-in several passes over memory: unpack, widen, scale, cast.
+"""One-pass kernels, compiled by numba on first use (no compiler needed on the user's machine) and cached beside
+this file. Dequantization: each packed byte is read once and each value written once, in the output dtype,
+straight into the destination; the torch path (gguf_dequant.py, quant.py) does the same float32 operations in
+several passes over memory: unpack, widen, scale, cast. GGUF quantization (the last GGUF section): each value read
+once, each block written once, where the torch path (gguf_quant.py) makes a pass per op.
 
 Every kernel mirrors gguf's numpy reference (gguf.quants) operation by operation in float32 (no fused
 multiply-add: numba compiles without fast-math flags, so LLVM keeps each rounding), then converts to the
 output dtype with round-to-nearest-even, as torch's cast does. Outputs are passed as float32 arrays, as
 uint16 arrays (fp16 bits) or as int16 arrays (bfloat16 bits): the array type picks the conversion when the
-kernel is compiled. Only fused.py imports this module, and only when a CPU dequantization asks for it.
+kernel is compiled. Only fused.py imports this module, and only when a CPU dequantization or quantization asks
+for it.
 
 The kernels trust their inputs: numba does not check indexes, so fused.py checks every size first.
 """
@@ -514,103 +516,80 @@ def quantize_q8_0(blocks, out):
     return True
 
 
-@njit(**_JIT)
-def quantize_q4_0(blocks, out):
-    w = blocks.shape[1] // 2
-    for i in range(blocks.shape[0]):
-        x, o = blocks[i], out[i]
-        top = _largest_magnitude(x)
-        if top > _F16_MAX_BITS:
-            return False
-        d = _signed_max(x, top) / _F32(-8.0)
-        _put_fp16(o, 0, d)
-        inverse = _inverse(d)
-        if np.isinf(inverse):
-            o[2:] = 0
-            continue
-        # code k in the low nibble of byte 2 + k, code 16 + k in its high nibble
-        for k in range(w):
-            low = _code(_get(x, k) * inverse + _F32(8.5), 15)
-            high = _code(_get(x, 16 + k) * inverse + _F32(8.5), 15)
-            o[2 + k] = np.uint8(low | (high << 4))
-    return True
+def _signed_kernel(half: int):
+    """The Q4_0 (half 8) or Q5_0 (half 16) kernel: d = the first value of largest magnitude / -half, codes
+    trunc(x / d + half + 0.5) up to 2 half - 1. Code k in the low nibble of the k-th code byte, code 16 + k in its
+    high nibble; Q5_0's fifth bits as a 32-bit field (bit k: code k) between d and the code bytes. numba takes
+    the closure's values as constants, so each kernel is compiled for its own type."""
+    fifth = half == 16
+    at, top, offset, divisor = 6 if fifth else 2, 2 * half - 1, _F32(half + 0.5), _F32(-half)
+
+    @njit(**_JIT)
+    def kernel(blocks, out):
+        w = blocks.shape[1] // 2
+        for i in range(blocks.shape[0]):
+            x, o = blocks[i], out[i]
+            peak = _largest_magnitude(x)
+            if peak > _F16_MAX_BITS:
+                return False
+            d = _signed_max(x, peak) / divisor
+            _put_fp16(o, 0, d)
+            inverse = _inverse(d)
+            if np.isinf(inverse):
+                o[2:] = 0
+                continue
+            qh = _U32(0)
+            for k in range(w):
+                low = _code(_get(x, k) * inverse + offset, top)
+                high = _code(_get(x, 16 + k) * inverse + offset, top)
+                o[at + k] = np.uint8((low & 15) | ((high & 15) << 4))
+                if fifth:
+                    qh |= (_U32(low >> 4) << _U32(k)) | (_U32(high >> 4) << _U32(16 + k))
+            if fifth:
+                _put_u32(o, 2, qh)
+        return True
+
+    return kernel
 
 
-@njit(**_JIT)
-def quantize_q5_0(blocks, out):
-    w = blocks.shape[1] // 2
-    for i in range(blocks.shape[0]):
-        x, o = blocks[i], out[i]
-        top = _largest_magnitude(x)
-        if top > _F16_MAX_BITS:
-            return False
-        d = _signed_max(x, top) / _F32(-16.0)
-        _put_fp16(o, 0, d)
-        inverse = _inverse(d)
-        if np.isinf(inverse):
-            o[2:] = 0
-            continue
-        # as Q4_0 from byte 6, with the fifth bit of code k as bit k of the 32-bit field at byte 2
-        qh = _U32(0)
-        for k in range(w):
-            low = _code(_get(x, k) * inverse + _F32(16.5), 31)
-            high = _code(_get(x, 16 + k) * inverse + _F32(16.5), 31)
-            o[6 + k] = np.uint8((low & 15) | ((high & 15) << 4))
-            qh |= (_U32(low >> 4) << _U32(k)) | (_U32(high >> 4) << _U32(16 + k))
-        _put_u32(o, 2, qh)
-    return True
+def _min_max_kernel(top: int):
+    """The Q4_1 (top 15) or Q5_1 (top 31) kernel: d = (max - min) / top, m = min, codes
+    trunc((x - min) / d + 0.5); the codes laid out as _signed_kernel's, after d and m."""
+    fifth = top == 31
+    at, levels = 8 if fifth else 4, _F32(top)
 
+    @njit(**_JIT)
+    def kernel(blocks, out):
+        w = blocks.shape[1] // 2
+        for i in range(blocks.shape[0]):
+            x, o = blocks[i], out[i]
+            high, low, fits = _min_max(x)
+            if not fits:
+                return False
+            d = (high - low) / levels
+            _put_fp16(o, 0, d)
+            _put_fp16(o, 2, low)
+            inverse = _inverse(d)
+            if np.isinf(inverse):
+                o[4:] = 0
+                continue
+            qh = _U32(0)
+            for k in range(w):
+                a = _code((_get(x, k) - low) * inverse + _F32(0.5), top)
+                b = _code((_get(x, 16 + k) - low) * inverse + _F32(0.5), top)
+                o[at + k] = np.uint8((a & 15) | ((b & 15) << 4))
+                if fifth:
+                    qh |= (_U32(a >> 4) << _U32(k)) | (_U32(b >> 4) << _U32(16 + k))
+            if fifth:
+                _put_u32(o, 4, qh)
+        return True
 
-@njit(**_JIT)
-def quantize_q4_1(blocks, out):
-    w = blocks.shape[1] // 2
-    for i in range(blocks.shape[0]):
-        x, o = blocks[i], out[i]
-        high, low, fits = _min_max(x)
-        if not fits:
-            return False
-        d = (high - low) / _F32(15.0)
-        _put_fp16(o, 0, d)
-        _put_fp16(o, 2, low)
-        inverse = _inverse(d)
-        if np.isinf(inverse):
-            o[4:] = 0
-            continue
-        for k in range(w):
-            a = _code((_get(x, k) - low) * inverse + _F32(0.5), 15)
-            b = _code((_get(x, 16 + k) - low) * inverse + _F32(0.5), 15)
-            o[4 + k] = np.uint8(a | (b << 4))
-    return True
-
-
-@njit(**_JIT)
-def quantize_q5_1(blocks, out):
-    w = blocks.shape[1] // 2
-    for i in range(blocks.shape[0]):
-        x, o = blocks[i], out[i]
-        high, low, fits = _min_max(x)
-        if not fits:
-            return False
-        d = (high - low) / _F32(31.0)
-        _put_fp16(o, 0, d)
-        _put_fp16(o, 2, low)
-        inverse = _inverse(d)
-        if np.isinf(inverse):
-            o[4:] = 0
-            continue
-        qh = _U32(0)
-        for k in range(w):
-            a = _code((_get(x, k) - low) * inverse + _F32(0.5), 31)
-            b = _code((_get(x, 16 + k) - low) * inverse + _F32(0.5), 31)
-            o[8 + k] = np.uint8((a & 15) | ((b & 15) << 4))
-            qh |= (_U32(a >> 4) << _U32(k)) | (_U32(b >> 4) << _U32(16 + k))
-        _put_u32(o, 4, qh)
-    return True
+    return kernel
 
 
 # GGUF type name -> quantization kernel
-QUANTIZE = {"Q8_0": quantize_q8_0, "Q5_1": quantize_q5_1, "Q5_0": quantize_q5_0, "Q4_1": quantize_q4_1,
-            "Q4_0": quantize_q4_0}
+QUANTIZE = {"Q8_0": quantize_q8_0, "Q5_1": _min_max_kernel(31), "Q5_0": _signed_kernel(16),
+            "Q4_1": _min_max_kernel(15), "Q4_0": _signed_kernel(8)}
 
 
 # --- scaled fp8 and NVFP4 ---------------------------------------------------------------------------------

@@ -120,6 +120,16 @@ def test_low_precision_input_and_an_out_buffer(qtype):
 
 
 @pytest.mark.parametrize("qtype", WRITE_TYPES, ids=lambda q: q.name)
+def test_an_out_buffer_of_another_shape_is_refused_untouched(qtype):
+    row = gguf_quant.row_bytes(qtype, 128)
+    for shape in ((39, row), (40, row - 2), (41, row)):
+        out = torch.full(shape, 0xAB, dtype=torch.uint8)
+        with pytest.raises(ValueError, match="out must be"):
+            quantize(torch.randn(40, 128), qtype, out=out)
+        assert bool((out == 0xAB).all())
+
+
+@pytest.mark.parametrize("qtype", WRITE_TYPES, ids=lambda q: q.name)
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
 def test_values_that_are_not_finite_are_refused(qtype, bad):
     values = torch.zeros(2, 64)
