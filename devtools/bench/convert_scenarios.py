@@ -29,8 +29,9 @@ _ENCODERS = {True: TINY_MISTRAL, False: BENCH_MISTRAL}
 
 
 def bench_quantize(quick: bool) -> list[dict]:
-    """Per type the pack writes (F32 aside, a copy): values per second of the pack's quantizer and of gguf-py's
-    numpy one on the same float32 weights of a FLUX.2 shape, and whether their bytes are equal."""
+    """Per type the pack writes (F32 aside, a copy): values per second of the pack's quantizer (into one output
+    buffer, reused as a conversion reuses it) and of gguf-py's numpy one on the same float32 weights of a FLUX.2
+    shape, and whether their bytes are equal."""
     import gguf
 
     from ...loaders.formats.gguf_quant import WRITE_TYPES, quantize
@@ -43,7 +44,8 @@ def bench_quantize(quick: bool) -> list[dict]:
     for qtype in WRITE_TYPES:
         if qtype == gguf.GGMLQuantizationType.F32:
             continue
-        pack_s = best(lambda: quantize(tensor, qtype), repeats)
+        out = quantize(tensor, qtype)  # the converter's way: one output buffer, written again chunk after chunk
+        pack_s = best(lambda: quantize(tensor, qtype, out=out), repeats)
         reference_s = best(lambda: gguf.quants.quantize(values, qtype), reference_repeats)
         exact = np.array_equal(quantize(tensor, qtype).numpy().reshape(-1), gguf.quants.quantize(values, qtype).view(np.uint8).reshape(-1))
         rows.append({"type": qtype.name, "shape": list(shape), "pack_s": pack_s, "reference_s": reference_s,

@@ -128,9 +128,12 @@ def _write(file, key: str, values: torch.Tensor, qtype: Q) -> None:
     rows = values.reshape(-1, values.shape[-1] if values.dim() else 1)
     step = max(1, _ROW_VALUES // rows.shape[1])
     row_bytes = quantized_nbytes(qtype, (rows.shape[1],))
+    # one output buffer for every chunk: fresh memory per chunk costs more in page faults than quantizing it
+    buffer = torch.empty((min(step, rows.shape[0]), row_bytes), dtype=torch.uint8)
     for start in range(0, rows.shape[0], step):
+        part = rows[start : start + step]
         try:
-            packed = quantize(rows[start : start + step], qtype)
+            packed = quantize(part, qtype, out=buffer[: part.shape[0]])
         except NotQuantizable as e:
             raise CorruptFileError(
                 f"The transformer's {key} cannot be written as {qtype.name}: {e}. A weight like that is damaged "

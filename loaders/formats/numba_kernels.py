@@ -467,31 +467,28 @@ def _largest_magnitude(x):
 
 
 @njit
-def _signed_max(x, top):
-    """The first value of magnitude `top` (bits), as numpy's argmax of abs picks it: the block's maximum or its
-    minimum where only one of them has that magnitude, else (a tie of +m and -m) the first one found."""
+def _range(x):
+    """(the block's maximum, its minimum, the bits of its largest magnitude: the maximum's or the minimum's).
+    NaN orders beyond the infinity of its sign, so a block holding any value that is not finite or beyond
+    float16 has a largest magnitude above _F16_MAX_BITS."""
     high, low = np.int32(-(2**31)), np.int32(2**31 - 1)
     for k in range(x.shape[0]):
         key = _order(_get(x, k))
         high, low = max(high, key), min(low, key)
-    high_top, low_top = _magnitude(_from_order(high)) == top, _magnitude(_from_order(low)) == top
-    if high_top != low_top:
-        return _from_order(high) if high_top else _from_order(low)
+    high, low = _from_order(high), _from_order(low)
+    return high, low, max(_magnitude(high), _magnitude(low))
+
+
+@njit
+def _signed_max(x, high, low, top):
+    """The first value of magnitude `top` (bits), as numpy's argmax of abs picks it: the block's maximum or its
+    minimum where only one of them has that magnitude, else (a tie of +m and -m, or of zeros) the first one."""
+    if _magnitude(high) != _magnitude(low):
+        return high if _magnitude(high) == top else low
     for k in range(x.shape[0]):
         if _magnitude(_get(x, k)) == top:
             return _get(x, k)
     return _get(x, 0)
-
-
-@njit
-def _min_max(x):
-    """(the block's maximum and minimum, a zero as +0; whether every value fits)."""
-    top, high, low = _U32(0), np.int32(-(2**31)), np.int32(2**31 - 1)
-    for k in range(x.shape[0]):
-        top = max(top, _magnitude(_get(x, k)))
-        key = _order(_get(x, k))
-        high, low = max(high, key), min(low, key)
-    return _from_order(high) + _F32(0.0), _from_order(low) + _F32(0.0), top <= _F16_MAX_BITS
 
 
 @njit(**_JIT)
@@ -529,10 +526,10 @@ def _signed_kernel(half: int):
         w = blocks.shape[1] // 2
         for i in range(blocks.shape[0]):
             x, o = blocks[i], out[i]
-            peak = _largest_magnitude(x)
+            high, low, peak = _range(x)
             if peak > _F16_MAX_BITS:
                 return False
-            d = _signed_max(x, peak) / divisor
+            d = _signed_max(x, high, low, peak) / divisor
             _put_fp16(o, 0, d)
             inverse = _inverse(d)
             if np.isinf(inverse):
@@ -540,11 +537,11 @@ def _signed_kernel(half: int):
                 continue
             qh = _U32(0)
             for k in range(w):
-                low = _code(_get(x, k) * inverse + offset, top)
-                high = _code(_get(x, 16 + k) * inverse + offset, top)
-                o[at + k] = np.uint8((low & 15) | ((high & 15) << 4))
+                a = _code(_get(x, k) * inverse + offset, top)
+                b = _code(_get(x, 16 + k) * inverse + offset, top)
+                o[at + k] = np.uint8((a & 15) | ((b & 15) << 4))
                 if fifth:
-                    qh |= (_U32(low >> 4) << _U32(k)) | (_U32(high >> 4) << _U32(16 + k))
+                    qh |= (_U32(a >> 4) << _U32(k)) | (_U32(b >> 4) << _U32(16 + k))
             if fifth:
                 _put_u32(o, 2, qh)
         return True
@@ -563,9 +560,10 @@ def _min_max_kernel(top: int):
         w = blocks.shape[1] // 2
         for i in range(blocks.shape[0]):
             x, o = blocks[i], out[i]
-            high, low, fits = _min_max(x)
-            if not fits:
+            high, low, peak = _range(x)
+            if peak > _F16_MAX_BITS:
                 return False
+            high, low = high + _F32(0.0), low + _F32(0.0)  # a zero as +0 (numpy's min and max give either)
             d = (high - low) / levels
             _put_fp16(o, 0, d)
             _put_fp16(o, 2, low)
