@@ -387,39 +387,79 @@ GGUF = {
 # whose inverse scale overflows gets codes 0 (what the reference's cast of infinities gives on x86). A kernel
 # returns False as soon as it meets a value that is not finite or beyond float16 (out is then incomplete):
 # the torch path runs that chunk again and refuses it, naming why.
+#
+# Speed: the kernels index the 2-D arrays by (block, value) rather than taking a view of each block, and their
+# integer work stays as narrow as the data: numba widens every integer operation to 64 bits, which halves the
+# values LLVM puts in a vector register, so the codes go through the 32-bit operations below, and a block's range
+# is found on 32-bit keys (float32) or 16-bit ones (bfloat16 bits); max and min keep their operands' width.
+# LLVM's vectorizer is brittle here: taking the first key out of the range loop halved the 5-bit types' speed.
+# Run the bench's quantization rows after changing a loop.
 
 # float32 -> fp16 bits, round to nearest even: the CPU's instruction where it has one (see _put)
 _to_fp16 = _fp16_by_cpu if HARDWARE_FP16 else _fp16_by_ops
+_I32 = np.int32
 
 
-def _get(x, k):
-    """x[k] as float32, from a float32 array or from an int16 array of bfloat16 bits (compiled per array type)."""
+def _int32_op(name: str):
+    """An int32 (op) int32 -> int32 operation (llvmlite's IRBuilder method `name`), which numba would widen."""
+
+    @intrinsic
+    def op(typingctx, a, b):
+        def codegen(context, builder, signature, args):
+            return getattr(builder, name)(args[0], args[1])
+
+        return types.int32(types.int32, types.int32), codegen
+
+    return op
+
+
+_and32, _or32, _shl32, _shr32, _sub32 = (_int32_op(name) for name in ("and_", "or_", "shl", "ashr", "sub"))
+
+
+def _get(x, i, k):
+    """x[i, k] as float32, from a float32 array or from an int16 array of bfloat16 bits (compiled per array type)."""
 
 
 @overload(_get)
-def _get_typed(x, k):
+def _get_typed(x, i, k):
     if x.dtype == types.float32:
-        def get(x, k):
-            return x[k]
+        def get(x, i, k):
+            return x[i, k]
     elif x.dtype == types.int16:
-        def get(x, k):
-            return _from_bits(_U32(np.uint16(x[k])) << _U32(16))
+        def get(x, i, k):
+            return _from_bf16(x[i, k])
     else:
         return None
     return get
 
 
+def _bf16_value(builder, bits):
+    """bfloat16 bits (i16) -> float32, in 32-bit operations."""
+    return builder.bitcast(builder.shl(builder.zext(bits, ir.IntType(32)), ir.Constant(ir.IntType(32), 16)), ir.FloatType())
+
+
+@intrinsic
+def _from_bf16(typingctx, h):
+    return types.float32(types.int16), lambda context, builder, signature, args: _bf16_value(builder, args[0])
+
+
 @njit
-def _put_fp16(o, at, v):
-    """v as a little-endian fp16 field at byte `at` of block o."""
+def _put_fp16(o, i, at, v):
+    """v as a little-endian fp16 field at byte `at` of block i."""
     h = np.int32(_to_fp16(v))
-    o[at], o[at + 1] = np.uint8(h & 255), np.uint8(h >> 8)
+    o[i, at], o[i, at + 1] = np.uint8(h & 255), np.uint8(h >> 8)
 
 
 @njit
-def _put_u32(o, at, field):
+def _put_u32(o, i, at, field):
     for k in range(4):
-        o[at + k] = np.uint8((field >> _U32(8 * k)) & _U32(255))
+        o[i, at + k] = np.uint8(_shr32(field, _I32(8 * k)))
+
+
+@njit
+def _zero_codes(o, i, at):
+    for k in range(at, o.shape[1]):
+        o[i, k] = 0
 
 
 @njit
@@ -430,8 +470,20 @@ def _inverse(d):
 
 @njit
 def _code(v, top):
-    """trunc(v) as an integer code, clipped to 0..top."""
-    return min(max(np.int32(v), 0), top)
+    """trunc(v) as an int32 code, clipped to 0..top (an int32)."""
+    return min(max(_I32(v), _I32(0)), top)
+
+
+@njit
+def _nibbles(a, b):
+    """Codes a and b (int32, below 32) as one byte: a's low four bits, then b's."""
+    return np.uint8(_or32(_and32(a, _I32(15)), _shl32(_and32(b, _I32(15)), _I32(4))))
+
+
+@njit
+def _fifth_bits(a, b, k):
+    """Bit 4 of code a at bit k of a 32-bit field, and b's at bit 16 + k."""
+    return _or32(_shl32(_shr32(a, _I32(4)), k), _shl32(_shr32(b, _I32(4)), _or32(k, _I32(16))))
 
 
 # The blocks' ranges are found on the values' bits, as integer reductions that LLVM vectorizes (float ones it
@@ -445,71 +497,81 @@ def _magnitude(v):
     return _bits(v) & _U32(0x7FFFFFFF)
 
 
-@njit
-def _order(v):
-    """An int32 that orders float32 values as they compare (-0 below +0)."""
-    b = np.int32(_bits(v))
-    return b ^ ((b >> 31) & np.int32(0x7FFFFFFF))
+def _flip(builder, bits, width):
+    """The bits other than the sign flipped where the sign is set: an integer that orders the values as they
+    compare (-0 below +0), and back."""
+    t = ir.IntType(width)
+    return builder.xor(bits, builder.and_(builder.ashr(bits, ir.Constant(t, width - 1)), ir.Constant(t, (1 << (width - 1)) - 1)))
+
+
+@intrinsic
+def _order(typingctx, v):
+    """The order key of a float32 (an int32) or of bfloat16 bits (an int16: half as wide in a vector)."""
+    if v == types.int16:
+        return types.int16(types.int16), lambda context, builder, signature, args: _flip(builder, args[0], 16)
+    if v != types.float32:
+        return None
+
+    def codegen(context, builder, signature, args):
+        return _flip(builder, builder.bitcast(args[0], ir.IntType(32)), 32)
+
+    return types.int32(types.float32), codegen
+
+
+@intrinsic
+def _from_order(typingctx, key):
+    """The float32 value of an order key (either width)."""
+    width = key.bitwidth
+
+    def codegen(context, builder, signature, args):
+        bits = _flip(builder, args[0], width)
+        return _bf16_value(builder, bits) if width == 16 else builder.bitcast(bits, ir.FloatType())
+
+    return types.float32(key), codegen
 
 
 @njit
-def _from_order(key):
-    return _from_bits(_U32(key ^ ((key >> 31) & np.int32(0x7FFFFFFF))))
-
-
-@njit
-def _largest_magnitude(x):
-    """The bits of the block's largest |value|; above _F16_MAX_BITS where a value is not finite or beyond float16."""
-    top = _U32(0)
-    for k in range(x.shape[0]):
-        top = max(top, _magnitude(_get(x, k)))
-    return top
-
-
-@njit
-def _range(x):
-    """(the block's maximum, its minimum, the bits of its largest magnitude: the maximum's or the minimum's).
+def _range(x, i):
+    """(block i's maximum, its minimum, the bits of its largest magnitude: the maximum's or the minimum's).
     NaN orders beyond the infinity of its sign, so a block holding any value that is not finite or beyond
     float16 has a largest magnitude above _F16_MAX_BITS."""
-    high, low = np.int32(-(2**31)), np.int32(2**31 - 1)
-    for k in range(x.shape[0]):
-        key = _order(_get(x, k))
+    high = low = _order(x[i, 0])
+    for k in range(x.shape[1]):
+        key = _order(x[i, k])
         high, low = max(high, key), min(low, key)
     high, low = _from_order(high), _from_order(low)
     return high, low, max(_magnitude(high), _magnitude(low))
 
 
 @njit
-def _signed_max(x, high, low, top):
+def _signed_max(x, i, high, low, top):
     """The first value of magnitude `top` (bits), as numpy's argmax of abs picks it: the block's maximum or its
     minimum where only one of them has that magnitude, else (a tie of +m and -m, or of zeros) the first one."""
     if _magnitude(high) != _magnitude(low):
         return high if _magnitude(high) == top else low
-    for k in range(x.shape[0]):
-        if _magnitude(_get(x, k)) == top:
-            return _get(x, k)
-    return _get(x, 0)
+    for k in range(x.shape[1]):
+        if _magnitude(_get(x, i, k)) == top:
+            return _get(x, i, k)
+    return _get(x, i, 0)
 
 
 @njit(**_JIT)
-def quantize_q8_0(blocks, out):
-    w = blocks.shape[1]
-    for i in range(blocks.shape[0]):
-        x, o = blocks[i], out[i]
-        top = _largest_magnitude(x)
+def quantize_q8_0(x, o):
+    for i in range(x.shape[0]):
+        top = _range(x, i)[2]
         if top > _F16_MAX_BITS:
             return False
         d = _from_bits(top) / _F32(127.0)
-        _put_fp16(o, 0, d)
+        _put_fp16(o, i, 0, d)
         inverse = _inverse(d)
         if np.isinf(inverse):
-            o[2:] = 0
+            _zero_codes(o, i, 2)
             continue
-        for k in range(w):
+        for k in range(x.shape[1]):
             # the reference's round half away from zero, sign(v) * (floor(|v|) + floor(2 (|v| - floor(|v|)))),
             # is trunc(2v) - trunc(v) (2v is exact; |v| <= 127)
-            v = _get(x, k) * inverse
-            o[2 + k] = np.uint8((np.int32(v + v) - np.int32(v)) & 255)
+            v = _get(x, i, k) * inverse
+            o[i, 2 + k] = np.uint8(_sub32(_I32(v + v), _I32(v)))
     return True
 
 
@@ -519,31 +581,30 @@ def _signed_kernel(half: int):
     high nibble; Q5_0's fifth bits as a 32-bit field (bit k: code k) between d and the code bytes. numba takes
     the closure's values as constants, so each kernel is compiled for its own type."""
     fifth = half == 16
-    at, top, offset, divisor = 6 if fifth else 2, 2 * half - 1, _F32(half + 0.5), _F32(-half)
+    at, top, offset, divisor = 6 if fifth else 2, _I32(2 * half - 1), _F32(half + 0.5), _F32(-half)
 
     @njit(**_JIT)
-    def kernel(blocks, out):
-        w = blocks.shape[1] // 2
-        for i in range(blocks.shape[0]):
-            x, o = blocks[i], out[i]
-            high, low, peak = _range(x)
+    def kernel(x, o):
+        w = x.shape[1] // 2
+        for i in range(x.shape[0]):
+            high, low, peak = _range(x, i)
             if peak > _F16_MAX_BITS:
                 return False
-            d = _signed_max(x, high, low, peak) / divisor
-            _put_fp16(o, 0, d)
+            d = _signed_max(x, i, high, low, peak) / divisor
+            _put_fp16(o, i, 0, d)
             inverse = _inverse(d)
             if np.isinf(inverse):
-                o[2:] = 0
+                _zero_codes(o, i, 2)
                 continue
-            qh = _U32(0)
+            qh = _I32(0)
             for k in range(w):
-                a = _code(_get(x, k) * inverse + offset, top)
-                b = _code(_get(x, 16 + k) * inverse + offset, top)
-                o[at + k] = np.uint8((a & 15) | ((b & 15) << 4))
+                a = _code(_get(x, i, k) * inverse + offset, top)
+                b = _code(_get(x, i, w + k) * inverse + offset, top)
+                o[i, at + k] = _nibbles(a, b)
                 if fifth:
-                    qh |= (_U32(a >> 4) << _U32(k)) | (_U32(b >> 4) << _U32(16 + k))
+                    qh = _or32(qh, _fifth_bits(a, b, _I32(k)))
             if fifth:
-                _put_u32(o, 2, qh)
+                _put_u32(o, i, 2, qh)
         return True
 
     return kernel
@@ -553,33 +614,32 @@ def _min_max_kernel(top: int):
     """The Q4_1 (top 15) or Q5_1 (top 31) kernel: d = (max - min) / top, m = min, codes
     trunc((x - min) / d + 0.5); the codes laid out as _signed_kernel's, after d and m."""
     fifth = top == 31
-    at, levels = 8 if fifth else 4, _F32(top)
+    at, levels, top = 8 if fifth else 4, _F32(top), _I32(top)
 
     @njit(**_JIT)
-    def kernel(blocks, out):
-        w = blocks.shape[1] // 2
-        for i in range(blocks.shape[0]):
-            x, o = blocks[i], out[i]
-            high, low, peak = _range(x)
+    def kernel(x, o):
+        w = x.shape[1] // 2
+        for i in range(x.shape[0]):
+            high, low, peak = _range(x, i)
             if peak > _F16_MAX_BITS:
                 return False
             high, low = high + _F32(0.0), low + _F32(0.0)  # a zero as +0 (numpy's min and max give either)
             d = (high - low) / levels
-            _put_fp16(o, 0, d)
-            _put_fp16(o, 2, low)
+            _put_fp16(o, i, 0, d)
+            _put_fp16(o, i, 2, low)
             inverse = _inverse(d)
             if np.isinf(inverse):
-                o[4:] = 0
+                _zero_codes(o, i, 4)
                 continue
-            qh = _U32(0)
+            qh = _I32(0)
             for k in range(w):
-                a = _code((_get(x, k) - low) * inverse + _F32(0.5), top)
-                b = _code((_get(x, 16 + k) - low) * inverse + _F32(0.5), top)
-                o[at + k] = np.uint8((a & 15) | ((b & 15) << 4))
+                a = _code((_get(x, i, k) - low) * inverse + _F32(0.5), top)
+                b = _code((_get(x, i, w + k) - low) * inverse + _F32(0.5), top)
+                o[i, at + k] = _nibbles(a, b)
                 if fifth:
-                    qh |= (_U32(a >> 4) << _U32(k)) | (_U32(b >> 4) << _U32(16 + k))
+                    qh = _or32(qh, _fifth_bits(a, b, _I32(k)))
             if fifth:
-                _put_u32(o, 4, qh)
+                _put_u32(o, i, 4, qh)
         return True
 
     return kernel
