@@ -31,25 +31,29 @@ _ENCODERS = {True: TINY_MISTRAL, False: BENCH_MISTRAL}
 def bench_quantize(quick: bool) -> list[dict]:
     """Per type the pack writes (F32 aside, a copy): values per second of the pack's quantizer (into one output
     buffer, reused as a conversion reuses it) and of gguf-py's numpy one on the same float32 weights of a FLUX.2
-    shape, and whether their bytes are equal."""
+    shape, and whether their bytes are equal; beside each row, the memory's ceiling: a plain copy of the weights
+    into a reused tensor on the quantizer's threads, measured just before it."""
     import gguf
 
+    from ...loaders.formats.dequant_steps import few_threads
     from ...loaders.formats.gguf_quant import WRITE_TYPES, quantize
 
     shape = _QUANT_SHAPES[quick]
     repeats, reference_repeats = (3, 1) if quick else (5, 2)
     values = (np.random.default_rng(0).standard_normal(shape) * 0.02).astype(np.float32)
-    tensor = torch.from_numpy(values)
+    tensor, copied = torch.from_numpy(values), torch.empty(shape)
     rows = []
     for qtype in WRITE_TYPES:
         if qtype == gguf.GGMLQuantizationType.F32:
             continue
+        with few_threads(torch.device("cpu")):
+            copy_s = best(lambda: copied.copy_(tensor), repeats)
         out = quantize(tensor, qtype)  # the converter's way: one output buffer, written again chunk after chunk
         pack_s = best(lambda: quantize(tensor, qtype, out=out), repeats)
         reference_s = best(lambda: gguf.quants.quantize(values, qtype), reference_repeats)
         exact = np.array_equal(quantize(tensor, qtype).numpy().reshape(-1), gguf.quants.quantize(values, qtype).view(np.uint8).reshape(-1))
         rows.append({"type": qtype.name, "shape": list(shape), "pack_s": pack_s, "reference_s": reference_s,
-                     "values": values.size, "exact": bool(exact)})
+                     "copy_s": copy_s, "values": values.size, "out_bytes": out.numel(), "exact": bool(exact)})
     return rows
 
 
@@ -90,13 +94,20 @@ def bench_conversion(quick: bool) -> dict:
     return {"geometry": {"width": g.width, "mlp": g.mlp, "vocab": g.vocab, "layers": layers}, "rows": rows}
 
 
+def _memory_gbps(r: dict) -> tuple[float, float]:
+    """(the pack's bytes read and written per second, the copy's): float32 values in, the type's bytes out."""
+    return (4 * r["values"] + r["out_bytes"]) / r["pack_s"] / 1e9, 8 * r["values"] / r["copy_s"] / 1e9
+
+
 def format_quantize(rows: list[dict]) -> str:
-    lines = [f"{'type':<6} {'shape':>12} {'pack Mval/s':>12} {'gguf Mval/s':>12} {'ratio':>7}  exact"]
+    lines = [f"{'type':<6} {'shape':>12} {'pack Mval/s':>12} {'gguf Mval/s':>12} {'ratio':>7} {'pack GB/s':>10} "
+             f"{'copy GB/s':>10} {'of copy':>8}  exact"]
     for r in rows:
         shape = "x".join(map(str, r["shape"]))
+        pack_gbps, copy_gbps = _memory_gbps(r)
         lines.append(f"{r['type']:<6} {shape:>12} {r['values'] / r['pack_s'] / 1e6:>12.1f} "
-                     f"{r['values'] / r['reference_s'] / 1e6:>12.1f} {r['reference_s'] / r['pack_s']:>6.1f}x  "
-                     f"{'yes' if r['exact'] else 'NO'}")
+                     f"{r['values'] / r['reference_s'] / 1e6:>12.1f} {r['reference_s'] / r['pack_s']:>6.1f}x "
+                     f"{pack_gbps:>10.1f} {copy_gbps:>10.1f} {pack_gbps / copy_gbps:>8.0%}  {'yes' if r['exact'] else 'NO'}")
     ratios = [r["reference_s"] / r["pack_s"] for r in rows]
     lines.append(f"lowest ratio {min(ratios):.1f}x, geometric mean {float(np.exp(np.mean(np.log(ratios)))):.1f}x")
     return "\n".join(lines)

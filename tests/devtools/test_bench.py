@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 
 import pytest
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from comfyui_flux2dev.devtools import bench
 from helpers import GGUF_QUANTIZED_TYPES
@@ -123,7 +124,11 @@ def test_gguf_loads_parse_each_header_once(results):
 
 def test_quantize_rows_are_exact_for_every_written_type_and_conversions_are_measured(results):
     assert [r["type"] for r in results["quantize"]] == ["F16", "BF16", "Q8_0", "Q5_1", "Q5_0", "Q4_1", "Q4_0"]
-    assert all(r["exact"] and _positive(r["pack_s"]) and _positive(r["reference_s"]) for r in results["quantize"])
+    assert all(r["exact"] and _positive(r["pack_s"]) and _positive(r["reference_s"]) and _positive(r["copy_s"])
+               for r in results["quantize"])
+    for r in results["quantize"]:
+        block_size, type_size = GGML_QUANT_SIZES[GGMLQuantizationType[r["type"]]]
+        assert r["out_bytes"] == r["values"] // block_size * type_size
     rows = results["conversion"]["rows"]
     assert [r["dtype"] for r in rows] == ["bf16", "fp8"]
     for r in rows:
