@@ -130,8 +130,31 @@ def gguf_quantize(type_name: str, blocks: torch.Tensor, out: torch.Tensor) -> bo
         raise ValueError(f"{type_name} blocks {list(blocks.shape)} do not match out {list(out.shape)} {out.dtype}")
     b = blocks.view(_VIEWS[blocks.dtype]).numpy()
     kernel, o, fits = kernels.QUANTIZE[type_name], out.numpy(), []
+    if blocks.dtype == torch.bfloat16:
+        kernel = _widening(kernel, kernels.widen_bf16)
     _by_rows(b.shape[0], lambda first, stop: fits.append(kernel(b[first:stop], o[first:stop])))
     return all(fits)
+
+
+# Blocks of bfloat16 widened at a time: 256 KiB of float32 per thread, quantized while still in the core's cache.
+# Read straight from bfloat16, the quantizers ran at half the speed (the machines measured), and one kernel per
+# input dtype would be compiled twice.
+_WIDENED_BLOCKS = 2048
+
+
+def _widening(kernel, widen):
+    """`kernel` for blocks of bfloat16 bits: each run of blocks widened (exactly) to float32 first."""
+    def run(x: np.ndarray, o: np.ndarray) -> bool:
+        scratch = np.empty((min(len(x), _WIDENED_BLOCKS), x.shape[1]), np.float32)
+        for first in range(0, len(x), _WIDENED_BLOCKS):
+            part = slice(first, first + _WIDENED_BLOCKS)
+            values = scratch[: len(x[part])]
+            widen(x[part], values)
+            if not kernel(values, o[part]):
+                return False
+        return True
+
+    return run
 
 
 @functools.cache

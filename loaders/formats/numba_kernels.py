@@ -21,7 +21,7 @@ import platform
 import numpy as np
 from llvmlite import ir
 from numba import njit, types
-from numba.core import config
+from numba.core import cgutils, config
 from numba.extending import intrinsic, overload
 
 _U32 = np.uint32
@@ -381,66 +381,159 @@ GGUF = {
 }
 
 
-# --- GGUF quantization: blocks [n, block size] (float32, or bfloat16 bits) -> out [n, type size] uint8 ----
+# --- GGUF quantization: float32 blocks [n, 32] -> out [n, type size] uint8 ----------------------------------
 # Each kernel mirrors gguf-py's numpy quantizer (gguf.quants.quantize) operation by operation in float32, as the
 # torch path (gguf_quant.py) does, with its refinements: a zero minimum or maximum is written +0, and a block
 # whose inverse scale overflows gets codes 0 (what the reference's cast of infinities gives on x86). A kernel
 # returns False as soon as it meets a value that is not finite or beyond float16 (out is then incomplete):
 # the torch path runs that chunk again and refuses it, naming why.
 #
-# Speed: the kernels index the 2-D arrays by (block, value) rather than taking a view of each block, and their
-# integer work stays as narrow as the data: numba widens every integer operation to 64 bits, which halves the
-# values LLVM puts in a vector register, so the codes go through the 32-bit operations below, and a block's range
-# is found on 32-bit keys (float32) or 16-bit ones (bfloat16 bits); max and min keep their operands' width.
-# LLVM's vectorizer is brittle here: taking the first key out of the range loop halved the 5-bit types' speed.
-# Run the bench's quantization rows after changing a loop.
+# A block's 32 values are worked on as one vector (the intrinsics below write LLVM's vector operations
+# directly: its range as reductions of integer order keys, its codes lane by lane, Q5's fifth bits as one
+# comparison's mask), where numba's loops over 16 or 32 values were vectorized or not at LLVM's whim and
+# their integer work widened to 64 bits. The float32 operations are the scalar ones, lane by lane (no
+# fast-math, so every rounding stays where the reference has it). bfloat16 blocks are widened to float32
+# (widen_bf16) a run at a time before they are quantized (fused.py).
 
 # float32 -> fp16 bits, round to nearest even: the CPU's instruction where it has one (see _put)
 _to_fp16 = _fp16_by_cpu if HARDWARE_FP16 else _fp16_by_ops
-_I32 = np.int32
+_BLOCK = 32  # values per block of every type written here (fused.py checks that each row is one block)
+_F16_MAX_BITS = _U32(0x477FE000)  # 65504, float16's largest finite value
+_I32, _I8 = ir.IntType(32), ir.IntType(8)
 
 
-def _int32_op(name: str):
-    """An int32 (op) int32 -> int32 operation (llvmlite's IRBuilder method `name`), which numba would widen."""
-
-    @intrinsic
-    def op(typingctx, a, b):
-        def codegen(context, builder, signature, args):
-            return getattr(builder, name)(args[0], args[1])
-
-        return types.int32(types.int32, types.int32), codegen
-
-    return op
+def _splat(constant, count=_BLOCK):
+    return ir.Constant(ir.VectorType(constant.type, count), [constant.constant] * count)
 
 
-_and32, _or32, _shl32, _shr32, _sub32 = (_int32_op(name) for name in ("and_", "or_", "shl", "ashr", "sub"))
+def _broadcast(builder, value, count=_BLOCK):
+    """A value known at run time in every lane."""
+    vector = ir.VectorType(value.type, count)
+    one = builder.insert_element(ir.Constant(vector, ir.Undefined), value, ir.Constant(_I32, 0))
+    return builder.shuffle_vector(one, one, ir.Constant(ir.VectorType(_I32, count), [0] * count))
 
 
-def _get(x, i, k):
-    """x[i, k] as float32, from a float32 array or from an int16 array of bfloat16 bits (compiled per array type)."""
+def _at(context, builder, array_type, array, i, at, element, count):
+    """A pointer to `count` values (IR type `element`) from [i, at] of a 2-D array whose rows are contiguous."""
+    model = context.data_model_manager[array_type]
+    data = builder.extract_value(array, model.get_field_position("data"))
+    row_stride = builder.extract_value(builder.extract_value(array, model.get_field_position("strides")), 0)
+    offset = builder.add(builder.mul(i, row_stride), ir.Constant(row_stride.type, at * array_type.dtype.bitwidth // 8))
+    return builder.bitcast(builder.gep(builder.bitcast(data, ir.PointerType(_I8)), [offset]),
+                           ir.PointerType(ir.VectorType(element, count)))
 
 
-@overload(_get)
-def _get_typed(x, i, k):
-    if x.dtype == types.float32:
-        def get(x, i, k):
-            return x[i, k]
-    elif x.dtype == types.int16:
-        def get(x, i, k):
-            return _from_bf16(x[i, k])
-    else:
-        return None
-    return get
+def _values(context, builder, signature, args):
+    """Block i (args[1]) of the float32 array args[0], as <32 x float>."""
+    return builder.load(_at(context, builder, signature.args[0], args[0], args[1], 0, ir.FloatType(), _BLOCK), align=4)
 
 
-def _bf16_value(builder, bits):
-    """bfloat16 bits (i16) -> float32, in 32-bit operations."""
-    return builder.bitcast(builder.shl(builder.zext(bits, ir.IntType(32)), ir.Constant(ir.IntType(32), 16)), ir.FloatType())
+def _rows(array, dtype) -> bool:
+    """Whether a kernel argument's type is a C-contiguous 2-D array of `dtype` (what _at reads and writes)."""
+    return isinstance(array, types.Array) and array.dtype == dtype and array.ndim == 2 and array.layout == "C"
+
+
+def _reduce(builder, name, vector):
+    kind = vector.type
+    function = cgutils.get_or_insert_function(builder.module, ir.FunctionType(kind.element, [kind]),
+                                              f"llvm.vector.reduce.{name}.v{kind.count}i{kind.element.width}")
+    return builder.call(function, [vector])
+
+
+def _flip(builder, bits):
+    """The bits other than the sign flipped where the sign is set: int32 keys that order float32 values as they
+    compare (-0 below +0; NaN beyond the infinity of its sign), and back."""
+    sign, rest = ir.Constant(_I32, 31), ir.Constant(_I32, 0x7FFFFFFF)
+    if isinstance(bits.type, ir.VectorType):
+        sign, rest = _splat(sign), _splat(rest)
+    return builder.xor(bits, builder.and_(builder.ashr(bits, sign), rest))
 
 
 @intrinsic
-def _from_bf16(typingctx, h):
-    return types.float32(types.int16), lambda context, builder, signature, args: _bf16_value(builder, args[0])
+def _block_range(typingctx, x, i):
+    """(block i's maximum, its minimum) as float32: reductions of the values' order keys, which LLVM may reorder
+    (it may not reorder float ones)."""
+    if not _rows(x, types.float32):
+        return None
+
+    def codegen(context, builder, signature, args):
+        keys = _flip(builder, builder.bitcast(_values(context, builder, signature, args), ir.VectorType(_I32, _BLOCK)))
+        ends = [builder.bitcast(_flip(builder, _reduce(builder, name, keys)), ir.FloatType()) for name in ("smax", "smin")]
+        return context.make_tuple(builder, signature.return_type, ends)
+
+    return types.UniTuple(types.float32, 2)(x, types.intp), codegen
+
+
+# The code layouts of the 4- and 5-bit types, by (largest code, whether codes count from the minimum): (first code
+# byte, the fifth bits' 32-bit field or None, what is added before truncating)
+_CODES = {(15, False): (2, None, 8.5), (31, False): (6, 2, 16.5), (15, True): (4, None, 0.5), (31, True): (8, 4, 0.5)}
+
+
+@intrinsic(prefer_literal=True)
+def _put_codes(typingctx, x, i, o, inverse, low, top, minimum):
+    """Block i's codes at o[i]: trunc(x * inverse + offset), or trunc((x - low) * inverse + offset) where they
+    count from the minimum, clipped to 0..top; code k in the low nibble of code byte k, code 16 + k in its high
+    nibble; where there are fifth bits, bit 4 of code k at bit k of a little-endian 32-bit field. `top` and
+    `minimum` are constants (_CODES) of the kernel that calls it."""
+    if not (_rows(x, types.float32) and _rows(o, types.uint8) and isinstance(top, types.IntegerLiteral)
+            and isinstance(minimum, types.BooleanLiteral)):
+        return None
+    most = top.literal_value
+    at, fifth_at, offset = _CODES[most, minimum.literal_value]
+
+    def codegen(context, builder, signature, args):
+        values = _values(context, builder, signature, args)
+        if minimum.literal_value:
+            values = builder.fsub(values, _broadcast(builder, args[4]))
+        scaled = builder.fadd(builder.fmul(values, _broadcast(builder, args[3])), _splat(ir.Constant(ir.FloatType(), offset)))
+        codes = builder.fptosi(scaled, ir.VectorType(_I32, _BLOCK))
+        for below, bound in (("<", 0), (">", most)):
+            bound = _splat(ir.Constant(_I32, bound))
+            codes = builder.select(builder.icmp_signed(below, codes, bound), bound, codes)
+        halves = [builder.shuffle_vector(codes, codes, ir.Constant(ir.VectorType(_I32, 16), list(range(first, first + 16))))
+                  for first in (0, 16)]
+        nibble, four = _splat(ir.Constant(_I32, 15), 16), _splat(ir.Constant(_I32, 4), 16)
+        packed = builder.or_(builder.and_(halves[0], nibble), builder.shl(builder.and_(halves[1], nibble), four))
+        o_type = signature.args[2]
+        builder.store(builder.trunc(packed, ir.VectorType(_I8, 16)), _at(context, builder, o_type, args[2], args[1], at, _I8, 16), align=1)
+        if fifth_at is not None:
+            fifth = builder.bitcast(builder.icmp_signed(">", codes, _splat(ir.Constant(_I32, 15))), _I32)
+            field = builder.bitcast(_at(context, builder, o_type, args[2], args[1], fifth_at, _I8, 4), ir.PointerType(_I32))
+            builder.store(fifth, field, align=1)
+        return context.get_dummy_value()
+
+    return types.void(x, types.intp, o, types.float32, types.float32, top, minimum), codegen
+
+
+@intrinsic
+def _put_q8_0_codes(typingctx, x, i, o, inverse):
+    """Q8_0's codes of block i at o[i, 2:]: the reference's round half away from zero of v = x * inverse,
+    sign(v) * (floor(|v|) + floor(2 (|v| - floor(|v|)))), which is trunc(2v) - trunc(v) (2v is exact; |v| <= 127)."""
+    if not (_rows(x, types.float32) and _rows(o, types.uint8)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        v = builder.fmul(_values(context, builder, signature, args), _broadcast(builder, args[3]))
+        whole = ir.VectorType(_I32, _BLOCK)
+        codes = builder.sub(builder.fptosi(builder.fadd(v, v), whole), builder.fptosi(v, whole))
+        target = _at(context, builder, signature.args[2], args[2], args[1], 2, _I8, _BLOCK)
+        builder.store(builder.trunc(codes, ir.VectorType(_I8, _BLOCK)), target, align=1)
+        return context.get_dummy_value()
+
+    return types.void(x, types.intp, o, types.float32), codegen
+
+
+@njit
+def _magnitude(v):
+    return _bits(v) & _U32(0x7FFFFFFF)
+
+
+@njit
+def _range(x, i):
+    """(block i's maximum, its minimum, the bits of its largest magnitude: the maximum's or the minimum's). A
+    block holding any value that is not finite or beyond float16 has a largest magnitude above _F16_MAX_BITS."""
+    high, low = _block_range(x, i)
+    return high, low, max(_magnitude(high), _magnitude(low))
 
 
 @njit
@@ -448,12 +541,6 @@ def _put_fp16(o, i, at, v):
     """v as a little-endian fp16 field at byte `at` of block i."""
     h = np.int32(_to_fp16(v))
     o[i, at], o[i, at + 1] = np.uint8(h & 255), np.uint8(h >> 8)
-
-
-@njit
-def _put_u32(o, i, at, field):
-    for k in range(4):
-        o[i, at + k] = np.uint8(_shr32(field, _I32(8 * k)))
 
 
 @njit
@@ -469,90 +556,15 @@ def _inverse(d):
 
 
 @njit
-def _code(v, top):
-    """trunc(v) as an int32 code, clipped to 0..top (an int32)."""
-    return min(max(_I32(v), _I32(0)), top)
-
-
-@njit
-def _nibbles(a, b):
-    """Codes a and b (int32, below 32) as one byte: a's low four bits, then b's."""
-    return np.uint8(_or32(_and32(a, _I32(15)), _shl32(_and32(b, _I32(15)), _I32(4))))
-
-
-@njit
-def _fifth_bits(a, b, k):
-    """Bit 4 of code a at bit k of a 32-bit field, and b's at bit 16 + k."""
-    return _or32(_shl32(_shr32(a, _I32(4)), k), _shl32(_shr32(b, _I32(4)), _or32(k, _I32(16))))
-
-
-# The blocks' ranges are found on the values' bits, as integer reductions that LLVM vectorizes (float ones it
-# may not reorder): a float32's bits without the sign order its magnitude, and NaN and infinities lie above
-# every finite value; with the sign folded in (_order), the bits order the values.
-_F16_MAX_BITS = _U32(0x477FE000)  # 65504, float16's largest finite value
-
-
-@njit
-def _magnitude(v):
-    return _bits(v) & _U32(0x7FFFFFFF)
-
-
-def _flip(builder, bits, width):
-    """The bits other than the sign flipped where the sign is set: an integer that orders the values as they
-    compare (-0 below +0), and back."""
-    t = ir.IntType(width)
-    return builder.xor(bits, builder.and_(builder.ashr(bits, ir.Constant(t, width - 1)), ir.Constant(t, (1 << (width - 1)) - 1)))
-
-
-@intrinsic
-def _order(typingctx, v):
-    """The order key of a float32 (an int32) or of bfloat16 bits (an int16: half as wide in a vector)."""
-    if v == types.int16:
-        return types.int16(types.int16), lambda context, builder, signature, args: _flip(builder, args[0], 16)
-    if v != types.float32:
-        return None
-
-    def codegen(context, builder, signature, args):
-        return _flip(builder, builder.bitcast(args[0], ir.IntType(32)), 32)
-
-    return types.int32(types.float32), codegen
-
-
-@intrinsic
-def _from_order(typingctx, key):
-    """The float32 value of an order key (either width)."""
-    width = key.bitwidth
-
-    def codegen(context, builder, signature, args):
-        bits = _flip(builder, args[0], width)
-        return _bf16_value(builder, bits) if width == 16 else builder.bitcast(bits, ir.FloatType())
-
-    return types.float32(key), codegen
-
-
-@njit
-def _range(x, i):
-    """(block i's maximum, its minimum, the bits of its largest magnitude: the maximum's or the minimum's).
-    NaN orders beyond the infinity of its sign, so a block holding any value that is not finite or beyond
-    float16 has a largest magnitude above _F16_MAX_BITS."""
-    high = low = _order(x[i, 0])
-    for k in range(x.shape[1]):
-        key = _order(x[i, k])
-        high, low = max(high, key), min(low, key)
-    high, low = _from_order(high), _from_order(low)
-    return high, low, max(_magnitude(high), _magnitude(low))
-
-
-@njit
 def _signed_max(x, i, high, low, top):
     """The first value of magnitude `top` (bits), as numpy's argmax of abs picks it: the block's maximum or its
     minimum where only one of them has that magnitude, else (a tie of +m and -m, or of zeros) the first one."""
     if _magnitude(high) != _magnitude(low):
         return high if _magnitude(high) == top else low
     for k in range(x.shape[1]):
-        if _magnitude(_get(x, i, k)) == top:
-            return _get(x, i, k)
-    return _get(x, i, 0)
+        if _magnitude(x[i, k]) == top:
+            return x[i, k]
+    return x[i, 0]
 
 
 @njit(**_JIT)
@@ -567,25 +579,18 @@ def quantize_q8_0(x, o):
         if np.isinf(inverse):
             _zero_codes(o, i, 2)
             continue
-        for k in range(x.shape[1]):
-            # the reference's round half away from zero, sign(v) * (floor(|v|) + floor(2 (|v| - floor(|v|)))),
-            # is trunc(2v) - trunc(v) (2v is exact; |v| <= 127)
-            v = _get(x, i, k) * inverse
-            o[i, 2 + k] = np.uint8(_sub32(_I32(v + v), _I32(v)))
+        _put_q8_0_codes(x, i, o, inverse)
     return True
 
 
 def _signed_kernel(half: int):
     """The Q4_0 (half 8) or Q5_0 (half 16) kernel: d = the first value of largest magnitude / -half, codes
-    trunc(x / d + half + 0.5) up to 2 half - 1. Code k in the low nibble of the k-th code byte, code 16 + k in its
-    high nibble; Q5_0's fifth bits as a 32-bit field (bit k: code k) between d and the code bytes. numba takes
-    the closure's values as constants, so each kernel is compiled for its own type."""
-    fifth = half == 16
-    at, top, offset, divisor = 6 if fifth else 2, _I32(2 * half - 1), _F32(half + 0.5), _F32(-half)
+    trunc(x / d + half + 0.5) up to 2 half - 1; Q5_0's fifth bits between d and the code bytes. numba takes the
+    closure's values as constants, so each kernel is compiled for its own type."""
+    top, divisor = 2 * half - 1, _F32(-half)
 
     @njit(**_JIT)
     def kernel(x, o):
-        w = x.shape[1] // 2
         for i in range(x.shape[0]):
             high, low, peak = _range(x, i)
             if peak > _F16_MAX_BITS:
@@ -596,15 +601,7 @@ def _signed_kernel(half: int):
             if np.isinf(inverse):
                 _zero_codes(o, i, 2)
                 continue
-            qh = _I32(0)
-            for k in range(w):
-                a = _code(_get(x, i, k) * inverse + offset, top)
-                b = _code(_get(x, i, w + k) * inverse + offset, top)
-                o[i, at + k] = _nibbles(a, b)
-                if fifth:
-                    qh = _or32(qh, _fifth_bits(a, b, _I32(k)))
-            if fifth:
-                _put_u32(o, i, 2, qh)
+            _put_codes(x, i, o, inverse, _F32(0.0), top, False)
         return True
 
     return kernel
@@ -613,12 +610,10 @@ def _signed_kernel(half: int):
 def _min_max_kernel(top: int):
     """The Q4_1 (top 15) or Q5_1 (top 31) kernel: d = (max - min) / top, m = min, codes
     trunc((x - min) / d + 0.5); the codes laid out as _signed_kernel's, after d and m."""
-    fifth = top == 31
-    at, levels, top = 8 if fifth else 4, _F32(top), _I32(top)
+    levels = _F32(top)
 
     @njit(**_JIT)
     def kernel(x, o):
-        w = x.shape[1] // 2
         for i in range(x.shape[0]):
             high, low, peak = _range(x, i)
             if peak > _F16_MAX_BITS:
@@ -631,21 +626,31 @@ def _min_max_kernel(top: int):
             if np.isinf(inverse):
                 _zero_codes(o, i, 4)
                 continue
-            qh = _I32(0)
-            for k in range(w):
-                a = _code((_get(x, i, k) - low) * inverse + _F32(0.5), top)
-                b = _code((_get(x, i, w + k) - low) * inverse + _F32(0.5), top)
-                o[i, at + k] = _nibbles(a, b)
-                if fifth:
-                    qh = _or32(qh, _fifth_bits(a, b, _I32(k)))
-            if fifth:
-                _put_u32(o, i, 4, qh)
+            _put_codes(x, i, o, inverse, low, top, True)
         return True
 
     return kernel
 
 
-# GGUF type name -> quantization kernel
+@intrinsic
+def _from_bf16(typingctx, h):
+    """bfloat16 bits (int16) -> float32."""
+    def codegen(context, builder, signature, args):
+        wide = builder.shl(builder.zext(args[0], _I32), ir.Constant(_I32, 16))
+        return builder.bitcast(wide, ir.FloatType())
+
+    return types.float32(types.int16), codegen
+
+
+@njit(**_JIT)
+def widen_bf16(bits, out):
+    """bfloat16 bits [n, m] (int16) -> float32 out [n, m], exactly."""
+    for r in range(bits.shape[0]):
+        for k in range(bits.shape[1]):
+            out[r, k] = _from_bf16(bits[r, k])
+
+
+# GGUF type name -> quantization kernel (float32 blocks)
 QUANTIZE = {"Q8_0": quantize_q8_0, "Q5_1": _min_max_kernel(31), "Q5_0": _signed_kernel(16),
             "Q4_1": _min_max_kernel(15), "Q4_0": _signed_kernel(8)}
 

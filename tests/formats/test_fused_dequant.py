@@ -8,6 +8,7 @@ bits in its vectorized and its scalar loop, so NaN payloads are no contract of e
 
 from __future__ import annotations
 
+import json
 import logging
 
 import gguf
@@ -219,3 +220,38 @@ def test_sizes_are_checked_before_any_kernel_reads():
         quant.dequantize_nvfp4(packed, scales, torch.tensor(1.0), torch.float16)
     with pytest.raises(CorruptFileError, match="scales"):
         quant.dequantize_fp8(torch.zeros(4, 8).to(torch.float8_e4m3fn), torch.ones(3), torch.float16)
+
+
+_EVERY_KERNEL_ONCE = """
+    import json, numba, torch
+    from gguf import GGMLQuantizationType as Q
+    from comfyui_flux2dev.loaders.formats import fused, gguf_quant, quant
+    from comfyui_flux2dev.loaders.formats.gguf_dequant import dequantize
+    from comfyui_flux2dev.loaders.formats.numba_kernels import GGUF, QUANTIZE
+    from gguf import GGML_QUANT_SIZES
+    for name in GGUF:
+        block_size, type_size = GGML_QUANT_SIZES[Q[name]]
+        for dtype in (torch.float32, torch.float16, torch.bfloat16):
+            dequantize(torch.zeros(2, type_size, dtype=torch.uint8), Q[name], (2 * block_size,), dtype)
+    for name in QUANTIZE:
+        for dtype in (torch.float32, torch.bfloat16):
+            gguf_quant.quantize(torch.ones(2, 64, dtype=dtype), Q[name])
+    quant.dequantize_fp8(torch.zeros(4, 8).to(torch.float8_e4m3fn), torch.ones(1), torch.float16)
+    kernels = fused._kernels()
+    used = {k: v.stats for k, v in vars(kernels).items() if isinstance(v, numba.core.registry.CPUDispatcher)}
+    used |= {f"quantize {k}": v.stats for k, v in QUANTIZE.items()} | {f"dequantize {k}": v.stats for k, v in GGUF.items()}
+    print(json.dumps({k: [sum(s.cache_hits.values()), sum(s.cache_misses.values())] for k, s in used.items()}))
+"""
+
+
+def test_the_kernels_machine_code_is_loaded_from_the_cache_by_the_next_process():
+    """numba compiles a kernel once per machine and keeps it beside the module; a kernel whose cache key changes
+    from one process to the next (a closure over an object numba pickles differently each time) would compile
+    again in every process and add files to the pack's folder at every start."""
+    first = run_python(_EVERY_KERNEL_ONCE)
+    assert first.returncode == 0, first.stderr[-3000:]
+    second = run_python(_EVERY_KERNEL_ONCE)
+    assert second.returncode == 0, second.stderr[-3000:]
+    counts = json.loads(second.stdout.strip().splitlines()[-1])
+    assert counts["quantize Q5_0"][0] > 0 and counts["widen_bf16"][0] > 0 and counts["dequantize Q4_K"][0] > 0
+    assert {name: misses for name, (hits, misses) in counts.items() if misses} == {}

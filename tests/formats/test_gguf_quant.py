@@ -160,3 +160,17 @@ def test_rows_that_hold_no_whole_block_are_refused():
     with pytest.raises(ValueError, match="whole Q8_0 blocks of 32"):
         quantize(torch.zeros(2, 48), Q.Q8_0)
     assert not gguf_quant.fits(Q.Q4_0, (5, 48)) and gguf_quant.fits(Q.Q4_0, (5, 64)) and gguf_quant.fits(Q.F16, (3,))
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q5_1, Q.Q5_0, Q.Q4_1, Q.Q4_0], ids=lambda q: q.name)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_runs_of_blocks_on_several_threads_and_a_bad_value_in_the_last_block(qtype, dtype, monkeypatch):
+    """The kernels take runs of rows, on several threads where there are cores for them, and widen bfloat16 blocks
+    a run at a time: the same bytes as gguf-py across runs, and a value that does not fit found in the last block."""
+    values = torch.randn(37, 32 * 300, generator=torch.Generator().manual_seed(3)).to(dtype)
+    want = gguf.quants.quantize(values.float().numpy(), qtype).view(np.uint8).reshape(37, -1)
+    monkeypatch.setattr(fused, "dequant_threads", lambda: 3)
+    assert np.array_equal(quantize(values, qtype).numpy(), want)
+    values[-1, -1] = float("inf")
+    with pytest.raises(NotQuantizable, match="NaN or infinite"):
+        quantize(values, qtype)
