@@ -224,11 +224,10 @@ def test_sizes_are_checked_before_any_kernel_reads():
 
 _EVERY_KERNEL_ONCE = """
     import json, numba, torch
-    from gguf import GGMLQuantizationType as Q
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
     from comfyui_flux2dev.loaders.formats import fused, gguf_quant, quant
     from comfyui_flux2dev.loaders.formats.gguf_dequant import dequantize
     from comfyui_flux2dev.loaders.formats.numba_kernels import GGUF, QUANTIZE
-    from gguf import GGML_QUANT_SIZES
     for name in GGUF:
         block_size, type_size = GGML_QUANT_SIZES[Q[name]]
         for dtype in (torch.float32, torch.float16, torch.bfloat16):

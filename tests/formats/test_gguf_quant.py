@@ -129,8 +129,8 @@ def test_an_out_buffer_of_another_shape_is_refused_untouched(qtype):
         assert bool((out == 0xAB).all())
 
 
-# The kernels find a block's range on the values' bits (32-bit keys for float32, 16-bit ones for bfloat16), where
-# NaN of either sign and the infinities must still stand out.
+# The kernels find a block's range on the values' bits (integer order keys), where NaN of either sign and the
+# infinities must still stand out, in float32 weights and in bfloat16 ones.
 @pytest.mark.parametrize("qtype", WRITE_TYPES, ids=lambda q: q.name)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("bits", [0x7FC00000, 0xFFC00000, 0x7F800000, 0xFF800000], ids=["nan", "-nan", "inf", "-inf"])
