@@ -4,6 +4,7 @@ FLUX2DEV_TINY_MODELS environment variable names, so a real install still fails c
 
 from __future__ import annotations
 
+import functools
 import json
 import tempfile
 from pathlib import Path
@@ -35,7 +36,13 @@ def write_declaration(folder: str | Path) -> Path:
     return path
 
 
+@functools.cache
+def _own_folder() -> tempfile.TemporaryDirectory:
+    """This process's temporary folder for the declaration, removed when the process ends."""
+    return tempfile.TemporaryDirectory(prefix="flux2dev-tiny-models-")
+
+
 def test_models_env(folder: str | Path | None = None) -> dict[str, str]:
     """The environment entry that makes a process (or a server) know the test models: FLUX2DEV_TINY_MODELS
-    naming their declaration, written into `folder` (default: a new temporary folder)."""
-    return {TEST_MODELS_ENV: str(write_declaration(folder or tempfile.mkdtemp(prefix="flux2dev-tiny-models-")))}
+    naming their declaration, written into `folder` (default: one temporary folder per process)."""
+    return {TEST_MODELS_ENV: str(write_declaration(folder or _own_folder().name))}
