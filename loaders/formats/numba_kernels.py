@@ -381,7 +381,7 @@ GGUF = {
 }
 
 
-# --- GGUF quantization: float32 blocks [n, 32] -> out [n, type size] uint8 ----------------------------------
+# --- GGUF quantization: float32 blocks [n, block size] -> out [n, type size] uint8 -------------------------------
 # Each kernel mirrors gguf-py's numpy quantizer (gguf.quants.quantize) operation by operation in float32, as the
 # torch path (gguf_quant.py) does, with its refinements: a zero minimum or maximum is written +0, and a block
 # whose inverse scale overflows gets codes 0 (what the reference's cast of infinities gives on x86). A kernel
@@ -397,8 +397,9 @@ GGUF = {
 
 # float32 -> fp16 bits, round to nearest even: the CPU's instruction where it has one (see _put)
 _to_fp16 = _fp16_by_cpu if HARDWARE_FP16 else _fp16_by_ops
-_BLOCK = 32  # values per block of every type written here (fused.py checks that each row is one block)
+_BLOCK = 32  # values per block of the block types (fused.py checks that each row is one block)
 _F16_MAX_BITS = _U32(0x477FE000)  # 65504, float16's largest finite value
+_FINITE_BITS = _U32(0x7F7FFFFF)  # float32's largest finite value
 _I32, _I8 = ir.IntType(32), ir.IntType(8)
 
 
@@ -462,6 +463,26 @@ def _block_range(typingctx, x, i):
         return context.make_tuple(builder, signature.return_type, ends)
 
     return types.UniTuple(types.float32, 2)(x, types.intp), codegen
+
+
+@intrinsic
+def _block_peak(typingctx, x, i):
+    """(the bits of block i's largest magnitude, the lane of the first value with it): one integer reduction of
+    the magnitudes' bits (which order them as numpy's abs does), and the first set bit of their comparison with
+    it, so the lane is numpy's argmax of abs. NaN and infinities have magnitudes beyond every finite one."""
+    if not _rows(x, types.float32):
+        return None
+
+    def codegen(context, builder, signature, args):
+        bits = builder.bitcast(_values(context, builder, signature, args), ir.VectorType(_I32, _BLOCK))
+        magnitudes = builder.and_(bits, _splat(ir.Constant(_I32, 0x7FFFFFFF)))
+        top = _reduce(builder, "umax", magnitudes)
+        first = builder.bitcast(builder.icmp_unsigned("==", magnitudes, _broadcast(builder, top)), _I32)
+        cttz = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_I32, [_I32, ir.IntType(1)]), "llvm.cttz.i32")
+        lane = builder.call(cttz, [first, ir.Constant(ir.IntType(1), 1)])
+        return context.make_tuple(builder, signature.return_type, [top, lane])
+
+    return types.Tuple((types.uint32, types.uint32))(x, types.intp), codegen
 
 
 # The code layouts of the 4- and 5-bit types, by (largest code, whether codes count from the minimum): (first code
@@ -555,22 +576,10 @@ def _inverse(d):
     return _F32(1.0) / d if d != _F32(0.0) else _F32(0.0)
 
 
-@njit
-def _signed_max(x, i, high, low, top):
-    """The first value of magnitude `top` (bits), as numpy's argmax of abs picks it: the block's maximum or its
-    minimum where only one of them has that magnitude, else (a tie of +m and -m, or of zeros) the first one."""
-    if _magnitude(high) != _magnitude(low):
-        return high if _magnitude(high) == top else low
-    for k in range(x.shape[1]):
-        if _magnitude(x[i, k]) == top:
-            return x[i, k]
-    return x[i, 0]
-
-
 @njit(**_JIT)
 def quantize_q8_0(x, o):
     for i in range(x.shape[0]):
-        top = _range(x, i)[2]
+        top = _block_peak(x, i)[0]
         if top > _F16_MAX_BITS:
             return False
         d = _from_bits(top) / _F32(127.0)
@@ -592,10 +601,10 @@ def _signed_kernel(half: int):
     @njit(**_JIT)
     def kernel(x, o):
         for i in range(x.shape[0]):
-            high, low, peak = _range(x, i)
+            peak, lane = _block_peak(x, i)
             if peak > _F16_MAX_BITS:
                 return False
-            d = _signed_max(x, i, high, low, peak) / divisor
+            d = x[i, lane] / divisor
             _put_fp16(o, i, 0, d)
             inverse = _inverse(d)
             if np.isinf(inverse):
@@ -644,14 +653,32 @@ def _from_bf16(typingctx, h):
 
 @njit(**_JIT)
 def widen_bf16(bits, out):
-    """bfloat16 bits [n, m] (int16) -> float32 out [n, m], exactly."""
-    for r in range(bits.shape[0]):
-        for k in range(bits.shape[1]):
-            out[r, k] = _from_bf16(bits[r, k])
+    """bfloat16 bits [n, m] (int16) -> float32 out [n, m], exactly; both C-contiguous, read as one run."""
+    values, wide = bits.reshape(bits.size), out.reshape(out.size)
+    for k in range(values.shape[0]):
+        wide[k] = _from_bf16(values[k])
+
+
+def _cast_kernel(bits_dtype, limit):
+    """The F16 (bits_dtype uint16) or BF16 (int16) kernel, blocks of one value: every value cast to its 2-byte
+    bits (_put) in one pass over memory, True where the largest magnitude is at most `limit` (bits). One loop
+    that LLVM vectorizes: the check is a reduction beside the casts, so a bad value is found only at the end
+    (the torch path then refuses it)."""
+    @njit(**_JIT)
+    def kernel(x, o):
+        values, bits = x.reshape(x.size), o.reshape(o.size).view(bits_dtype)
+        peak = _U32(0)
+        for k in range(values.shape[0]):
+            peak = max(peak, _magnitude(values[k]))
+            _put(bits, k, values[k])
+        return peak <= limit
+
+    return kernel
 
 
 # GGUF type name -> quantization kernel (float32 blocks)
-QUANTIZE = {"Q8_0": quantize_q8_0, "Q5_1": _min_max_kernel(31), "Q5_0": _signed_kernel(16),
+QUANTIZE = {"F16": _cast_kernel(np.uint16, _F16_MAX_BITS), "BF16": _cast_kernel(np.int16, _FINITE_BITS),
+            "Q8_0": quantize_q8_0, "Q5_1": _min_max_kernel(31), "Q5_0": _signed_kernel(16),
             "Q4_1": _min_max_kernel(15), "Q4_0": _signed_kernel(8)}
 
 

@@ -26,11 +26,13 @@ def quantizer_path(request):
         yield request.param
 
 
-def test_the_one_pass_kernels_run_for_float32_and_bfloat16_values(quantizer_path):
+@pytest.mark.parametrize("qtype", [q for q in WRITE_TYPES if q != Q.F32], ids=lambda q: q.name)
+def test_the_one_pass_kernels_run_for_float32_and_bfloat16_values(quantizer_path, qtype):
+    block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+    out = torch.empty(4, type_size, dtype=torch.uint8)
     for dtype in (torch.float32, torch.bfloat16):
-        blocks, out = torch.ones(4, 32, dtype=dtype), torch.empty(4, 18, dtype=torch.uint8)
-        assert fused.gguf_quantize("Q4_0", blocks, out) == (quantizer_path == "numba")
-    assert not fused.gguf_quantize("Q4_0", torch.ones(4, 32, dtype=torch.float16), out)
+        assert fused.gguf_quantize(qtype.name, torch.ones(4, block_size, dtype=dtype), out) == (quantizer_path == "numba")
+    assert not fused.gguf_quantize(qtype.name, torch.ones(4, block_size, dtype=torch.float16), out)
 
 # The types the pack writes, as the README lists them (the table must not grow or shrink silently).
 LISTED = ("F32", "F16", "BF16", "Q8_0", "Q5_1", "Q5_0", "Q4_1", "Q4_0")
@@ -81,6 +83,10 @@ def _cases(qtype):
     # bfloat16 weights (what most sources are): few mantissa bits, so ties of magnitude are common
     yield "bf16-valued", torch.from_numpy(rng.standard_normal((257, 96)).astype(np.float32)).bfloat16().float().numpy()
     yield "edges", _edge_blocks(qtype)
+    # every side of float16's and bfloat16's rounding ties and range limits (subnormals too), as far as they fit
+    edges = fused._edge_values()
+    edges = edges[np.isfinite(edges) & (np.abs(edges) <= 65504)]
+    yield "conversion-edges", np.resize(edges, (-(-edges.size // 32), 32))
     yield "many-chunks", rng.standard_normal((gguf_quant.CHUNK_VALUES // 512 * 3 + 7, 512)).astype(np.float32)
 
 
@@ -162,7 +168,7 @@ def test_rows_that_hold_no_whole_block_are_refused():
     assert not gguf_quant.fits(Q.Q4_0, (5, 48)) and gguf_quant.fits(Q.Q4_0, (5, 64)) and gguf_quant.fits(Q.F16, (3,))
 
 
-@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q5_1, Q.Q5_0, Q.Q4_1, Q.Q4_0], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", WRITE_TYPES, ids=lambda q: q.name)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_runs_of_blocks_on_several_threads_and_a_bad_value_in_the_last_block(qtype, dtype, monkeypatch):
     """The kernels take runs of rows, on several threads where there are cores for them, and widen bfloat16 blocks
