@@ -41,7 +41,8 @@ def bench_quantize(quick: bool) -> list[dict]:
     shape = _QUANT_SHAPES[quick]
     repeats, reference_repeats = (3, 1) if quick else (5, 2)
     values = (np.random.default_rng(0).standard_normal(shape) * 0.02).astype(np.float32)
-    tensor, copied = torch.from_numpy(values), torch.empty(shape)
+    # the copy's target, like the quantizers' outputs (gguf_quant.quantized_buffer), in memory numpy allocates
+    tensor, copied = torch.from_numpy(values), torch.from_numpy(np.empty_like(values))
     rows = []
     for qtype in WRITE_TYPES:
         if qtype == gguf.GGMLQuantizationType.F32:

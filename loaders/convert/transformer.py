@@ -36,7 +36,7 @@ from gguf import GGMLQuantizationType as Q
 from ...errors import CorruptFileError, UnsupportedFormatError
 from . import WRITTEN_TYPES
 from ..formats import progress, quant
-from ..formats.gguf_quant import NotQuantizable, fits, quantize, quantized_nbytes
+from ..formats.gguf_quant import NotQuantizable, fits, quantize, quantized_buffer, quantized_nbytes
 from ..models.transformer import TransformerPlan, plan_transformer
 from .output import check_output, output_file
 from .tensor_files import gguf_file
@@ -129,7 +129,7 @@ def _write(file, key: str, values: torch.Tensor, qtype: Q) -> None:
     step = max(1, _ROW_VALUES // rows.shape[1])
     row_bytes = quantized_nbytes(qtype, (rows.shape[1],))
     # one output buffer for every chunk: fresh memory per chunk costs more in page faults than quantizing it
-    buffer = torch.empty((min(step, rows.shape[0]), row_bytes), dtype=torch.uint8)
+    buffer = quantized_buffer(qtype, min(step, rows.shape[0]), rows.shape[1])
     for start in range(0, rows.shape[0], step):
         part = rows[start : start + step]
         try:

@@ -389,8 +389,8 @@ GGUF = {
 # the torch path runs that chunk again and refuses it, naming why.
 #
 # A block's 32 values are worked on as one vector (the intrinsics below write LLVM's vector operations
-# directly: its range as reductions of integer order keys, its codes lane by lane, Q5's fifth bits as one
-# comparison's mask), where numba's loops over 16 or 32 values were vectorized or not at LLVM's whim and
+# directly: its largest magnitude, or its range, as reductions of integer keys, its codes lane by lane, Q5's
+# fifth bits as one comparison's mask), where numba's loops over 16 or 32 values were vectorized or not at LLVM's whim and
 # their integer work widened to 64 bits. The float32 operations are the scalar ones, lane by lane (no
 # fast-math, so every rounding stays where the reference has it). bfloat16 blocks are widened to float32
 # (widen_bf16) a run at a time before they are quantized (fused.py).
