@@ -381,7 +381,7 @@ GGUF = {
 }
 
 
-# --- GGUF quantization: float32 blocks [n, block size] -> out [n, type size] uint8 -------------------------------
+# --- GGUF quantization: float32 blocks [n, block size] -> out [n, type size] uint8 --------------------------
 # Each kernel mirrors gguf-py's numpy quantizer (gguf.quants.quantize) operation by operation in float32, as the
 # torch path (gguf_quant.py) does, with its refinements: a zero minimum or maximum is written +0, and a block
 # whose inverse scale overflows gets codes 0 (what the reference's cast of infinities gives on x86). A kernel
@@ -390,10 +390,11 @@ GGUF = {
 #
 # A block's 32 values are worked on as one vector (the intrinsics below write LLVM's vector operations
 # directly: its largest magnitude, or its range, as reductions of integer keys, its codes lane by lane, Q5's
-# fifth bits as one comparison's mask), where numba's loops over 16 or 32 values were vectorized or not at LLVM's whim and
-# their integer work widened to 64 bits. The float32 operations are the scalar ones, lane by lane (no
-# fast-math, so every rounding stays where the reference has it). bfloat16 blocks are widened to float32
-# (widen_bf16) a run at a time before they are quantized (fused.py).
+# fifth bits as one comparison's mask), where numba's loops over 16 or 32 values were vectorized or not at
+# LLVM's whim and their integer work widened to 64 bits. The float32 operations are the scalar ones, lane by
+# lane (no fast-math, so every rounding stays where the reference has it). bfloat16 blocks are widened to
+# float32 (widen_bf16) a run at a time before they are quantized (fused.py). F16 and BF16 (blocks of one
+# value) are one loop of casts that LLVM vectorizes itself.
 
 # float32 -> fp16 bits, round to nearest even: the CPU's instruction where it has one (see _put)
 _to_fp16 = _fp16_by_cpu if HARDWARE_FP16 else _fp16_by_ops
