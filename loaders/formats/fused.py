@@ -117,13 +117,17 @@ def gguf(type_name: str, blocks: torch.Tensor, out: torch.Tensor) -> bool:
     return True
 
 
+# The conversion a quantizer's fields are written with, where it is not fp16 (every block type's scales, F16's values)
+_WRITTEN_AS = {"BF16": torch.bfloat16}
+
+
 def gguf_quantize(type_name: str, blocks: torch.Tensor, out: torch.Tensor) -> bool:
     """float32 or bfloat16 blocks [n, block size] quantized into `out` (uint8 [n, type size]), both contiguous,
     if the one-pass kernel runs here and every value fits the type; False: not run, or a value that does not
     fit (the torch path then refuses it, saying why), with `out` incomplete."""
     kernels = _kernels() if blocks.device.type == "cpu" else None
     if kernels is None or type_name not in kernels.QUANTIZE or blocks.dtype not in (torch.float32, torch.bfloat16) \
-            or not (blocks.is_contiguous() and out.is_contiguous()) or not _converts(torch.float16):
+            or not (blocks.is_contiguous() and out.is_contiguous()) or not _converts(_WRITTEN_AS.get(type_name, torch.float16)):
         return False
     if tuple(blocks.shape) != (out.shape[0], GGML_QUANT_SIZES[GGMLQuantizationType[type_name]][0]) \
             or out.shape[1] != GGML_QUANT_SIZES[GGMLQuantizationType[type_name]][1] or out.dtype != torch.uint8:

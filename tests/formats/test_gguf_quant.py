@@ -34,6 +34,17 @@ def test_the_one_pass_kernels_run_for_float32_and_bfloat16_values(quantizer_path
         assert fused.gguf_quantize(qtype.name, torch.ones(4, block_size, dtype=dtype), out) == (quantizer_path == "numba")
     assert not fused.gguf_quantize(qtype.name, torch.ones(4, block_size, dtype=torch.float16), out)
 
+def test_a_kernel_whose_conversion_is_unlike_torch_leaves_its_type_to_the_torch_path(quantizer_path, monkeypatch):
+    """BF16 writes with the kernels' bfloat16 cast, the others with their fp16 cast: where one disagrees with
+    torch's on this machine (fused._converts, here made to), the types that need it take the torch path."""
+    monkeypatch.setattr(fused, "_converts", lambda dtype: dtype != torch.bfloat16)
+    values = torch.randn(4, 64)
+    assert not fused.gguf_quantize("BF16", values.view(-1, 1), torch.empty(256, 2, dtype=torch.uint8))
+    assert fused.gguf_quantize("F16", values.view(-1, 1), torch.empty(256, 2, dtype=torch.uint8)) == (quantizer_path == "numba")
+    want = gguf.quants.quantize(values.numpy(), Q.BF16).view(np.uint8)
+    assert np.array_equal(quantize(values, Q.BF16).numpy(), want.reshape(4, 128))
+
+
 # The types the pack writes, as the README lists them (the table must not grow or shrink silently).
 LISTED = ("F32", "F16", "BF16", "Q8_0", "Q5_1", "Q5_0", "Q4_1", "Q4_0")
 
