@@ -44,5 +44,6 @@ def _own_folder() -> tempfile.TemporaryDirectory:
 
 def test_models_env(folder: str | Path | None = None) -> dict[str, str]:
     """The environment entry that makes a process (or a server) know the test models: FLUX2DEV_TINY_MODELS
-    naming their declaration, written into `folder` (default: one temporary folder per process)."""
-    return {TEST_MODELS_ENV: str(write_declaration(folder or _own_folder().name))}
+    naming their declaration, written into `folder` (default: one temporary folder per process). The path is
+    absolute: the process it is handed to may run in another folder (ComfyUI's server does)."""
+    return {TEST_MODELS_ENV: str(write_declaration(folder or _own_folder().name).resolve())}

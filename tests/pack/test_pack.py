@@ -56,13 +56,14 @@ def test_requirements_txt_lists_exactly_the_pyproject_dependencies():
 
 @pytest.mark.server
 def test_the_demo_writes_an_image(tmp_path):
-    """The README's first command runs the dev tools' demo: its own headless server, the pack's three loaders."""
+    """The README's first command runs the dev tools' demo: its own headless server, the pack's three loaders. As
+    the README runs it: from a folder of the user's, writing into the default (relative) folder there."""
     from PIL import Image
 
-    out = subprocess.run([sys.executable, "-P", "-m", "comfyui_flux2dev.devtools", "demo", "--out", str(tmp_path)],
+    out = subprocess.run([sys.executable, "-P", "-m", "comfyui_flux2dev.devtools", "demo"], cwd=tmp_path,
                          capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-4000:]
-    image = Image.open(tmp_path / "flux2dev-demo.png")
+    image = Image.open(tmp_path / "demo-out" / "flux2dev-demo.png")
     assert image.size == (256, 256) and image.mode == "RGB"
 
 
