@@ -47,13 +47,12 @@ def cuda_param(value):
 def numba_unavailable():
     """numba made impossible to import, as on a machine without it, so the torch paths run; afterwards the
     one-pass kernels load again."""
-    from comfyui_flux2dev.loaders import formats
     from comfyui_flux2dev.loaders.formats import fused
 
     with pytest.MonkeyPatch.context() as m:
         m.setitem(sys.modules, "numba", None)
-        m.delitem(sys.modules, "comfyui_flux2dev.loaders.formats.numba_kernels", raising=False)
-        m.delattr(formats, "numba_kernels", raising=False)
+        for name in [name for name in sys.modules if name.startswith(fused.KERNELS_MODULE)]:
+            m.delitem(sys.modules, name)
         fused._kernels.cache_clear()
         fused._converts.cache_clear()
         try:

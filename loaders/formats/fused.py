@@ -2,7 +2,8 @@
 whether it ran, and where it could not (numba missing or unusable, a GPU tensor, another dtype), the caller runs
 its torch path, which gives the same bits.
 
-numba is imported on the first CPU dequantization or quantization, not with the pack. Its conversions to fp16 and bfloat16
+numba is imported on the first CPU dequantization or quantization, not with the pack. A kernel that cannot be
+loaded or compiled leaves its type to the torch path, with one log line, and never fails a load. Its conversions to fp16 and bfloat16
 are checked once per process against torch's own cast on the values where conversions differ (halfway
 cases, subnormals, overflow, infinities): a machine where they disagree keeps the torch path for that dtype,
 with a warning. NaN payloads are not compared: torch's own CPU cast gives different NaN bits in its
@@ -12,8 +13,12 @@ vectorized and scalar loops.
 from __future__ import annotations
 
 import functools
+import hashlib
+import importlib.util
 import logging
-from concurrent.futures import ThreadPoolExecutor
+import sys
+from concurrent.futures import ThreadPoolExecutor, wait
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -25,18 +30,35 @@ log = logging.getLogger(__name__)
 
 # Output dtype -> how its bits are handed to the kernels (numba has no fp16 or bfloat16 arrays).
 _VIEWS = {torch.float32: torch.float32, torch.float16: torch.uint16, torch.bfloat16: torch.int16}
+# numba_kernels' module name in sys.modules, followed by a digest of its source
+KERNELS_MODULE = "flux2dev_numba_kernels_"
 
 
 @functools.cache
 def _kernels():
-    """numba_kernels, or None (with the reason logged once) where numba cannot be imported."""
+    """numba_kernels, or None (with the reason logged once) where numba cannot be imported.
+
+    numba's cached machine code records the name of the module it was compiled in and imports that name again
+    when a later process loads it, while ComfyUI names a custom node's modules by the folder's path and the
+    command line names them comfyui_flux2dev. So the kernels are loaded under a name of their own, the same in
+    every process for the same source, whatever the pack's folder is called or wherever it has moved."""
+    source = Path(__file__).with_name("numba_kernels.py")
     try:
-        from . import numba_kernels
+        name = KERNELS_MODULE + hashlib.sha256(source.read_bytes()).hexdigest()[:16]
+        if name not in sys.modules:
+            spec = importlib.util.spec_from_file_location(name, source)
+            module = importlib.util.module_from_spec(spec)
+            sys.modules[name] = module
+            try:
+                spec.loader.exec_module(module)
+            except BaseException:
+                del sys.modules[name]
+                raise
+        return sys.modules[name]
     except Exception as e:  # a missing numba, or one built for another numpy: any failure means the torch path
         log.warning("The one-pass CPU dequantizers need numba (%s: %s); the slower torch path is used.",
                     type(e).__name__, e)
         return None
-    return numba_kernels
 
 
 def _edge_values() -> np.ndarray:
@@ -88,13 +110,36 @@ def _pool(threads: int) -> ThreadPoolExecutor:
 def _by_rows(rows: int, run) -> None:
     """run(first, stop) over all rows: at once on one thread, or on half the cores in runs of rows (four per
     thread) that each thread takes as it comes free, so that a thread the scheduler parks holds up little.
-    The kernels release the GIL."""
+    The kernels release the GIL. Every run has ended when this returns or raises."""
     threads = dequant_threads()
     if threads == 1 or rows < 2 * threads:
         run(0, rows)
         return
     step = -(-rows // (4 * threads))
-    list(_pool(threads).map(lambda first: run(first, min(first + step, rows)), range(0, rows, step)))
+    done = [_pool(threads).submit(run, first, min(first + step, rows)) for first in range(0, rows, step)]
+    wait(done)
+    for future in done:
+        future.result()
+
+
+# Kernels that failed to load from numba's cache or to compile in this process: their types take the torch path.
+_FAILED: set[str] = set()
+
+
+def _ran(name: str, rows: int, run) -> bool:
+    """run(first, stop) over all rows (_by_rows) with the kernel `name`; False where that kernel cannot be loaded
+    or compiled here (logged once), so that the caller's torch path writes the whole output instead."""
+    if name in _FAILED:
+        return False
+    try:
+        _by_rows(rows, run)
+    except Exception as e:  # a damaged or foreign cache entry, a failed compilation: the torch path gives the same bits
+        _FAILED.add(name)
+        log.warning("The one-pass CPU kernel for %s could not be loaded or compiled (%s: %s); the torch path is used "
+                    "for it. Removing the __pycache__ folder beside %s makes numba compile it again.",
+                    name, type(e).__name__, e, Path(__file__).with_name("numba_kernels.py"))
+        return False
+    return True
 
 
 def _out(out: torch.Tensor, width: int) -> np.ndarray:
@@ -113,8 +158,7 @@ def gguf(type_name: str, blocks: torch.Tensor, out: torch.Tensor) -> bool:
     if not _runs(blocks.device, out.dtype) or type_name not in _kernels().GGUF:
         return False
     kernel, b, o, halves = _kernels().GGUF[type_name], blocks.numpy(), _out(out, out.numel() // blocks.shape[0]), _halves()
-    _by_rows(b.shape[0], lambda first, stop: kernel(b[first:stop], o[first:stop], halves))
-    return True
+    return _ran(f"{type_name} dequantization", b.shape[0], lambda first, stop: kernel(b[first:stop], o[first:stop], halves))
 
 
 # The conversion a quantizer's fields are written with, where it is not fp16 (every block type's scales, F16's values)
@@ -136,8 +180,8 @@ def gguf_quantize(type_name: str, blocks: torch.Tensor, out: torch.Tensor) -> bo
     kernel, o, fits = kernels.QUANTIZE[type_name], out.numpy(), []
     if blocks.dtype == torch.bfloat16:
         kernel = _widening(kernel, kernels.widen_bf16)
-    _by_rows(b.shape[0], lambda first, stop: fits.append(kernel(b[first:stop], o[first:stop])))
-    return all(fits)
+    ran = _ran(f"{type_name} quantization", b.shape[0], lambda first, stop: fits.append(kernel(b[first:stop], o[first:stop])))
+    return ran and all(fits)
 
 
 # bfloat16 values widened at a time: 256 KiB of float32 per thread, quantized while still in the core's cache.
@@ -173,8 +217,8 @@ def fp8(codes: torch.Tensor, fp8_dtype: torch.dtype, scale: torch.Tensor, out: t
         return False
     kernel, book = _kernels().fp8, _fp8_book(fp8_dtype)
     c, s, o = codes.contiguous().numpy(), scale.reshape(-1).contiguous().numpy(), _out(out, codes.shape[1])
-    _by_rows(c.shape[0], lambda first, stop: kernel(c[first:stop], s if s.shape[0] == 1 else s[first:stop], o[first:stop], book))
-    return True
+    return _ran("fp8", c.shape[0],
+                lambda first, stop: kernel(c[first:stop], s if s.shape[0] == 1 else s[first:stop], o[first:stop], book))
 
 
 def nvfp4(packed: torch.Tensor, tiled_scales: torch.Tensor, tensor_scale: torch.Tensor, e2m1: tuple, out: torch.Tensor) -> bool:
@@ -185,5 +229,4 @@ def nvfp4(packed: torch.Tensor, tiled_scales: torch.Tensor, tensor_scale: torch.
     scale = tensor_scale.to(torch.float32).reshape(1).numpy()
     kernel, book, values = _kernels().nvfp4, _fp8_book(tiled_scales.dtype), np.array(e2m1, np.float32)
     p, o = packed.contiguous().numpy(), _out(out, packed.shape[1] * 2)
-    _by_rows(p.shape[0], lambda first, stop: kernel(p[first:stop], tiled, scale, o[first:stop], book, values, first))
-    return True
+    return _ran("NVFP4", p.shape[0], lambda first, stop: kernel(p[first:stop], tiled, scale, o[first:stop], book, values, first))

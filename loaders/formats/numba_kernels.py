@@ -8,8 +8,8 @@ Every kernel mirrors gguf's numpy reference (gguf.quants) operation by operation
 multiply-add: numba compiles without fast-math flags, so LLVM keeps each rounding), then converts to the
 output dtype with round-to-nearest-even, as torch's cast does. Outputs are passed as float32 arrays, as
 uint16 arrays (fp16 bits) or as int16 arrays (bfloat16 bits): the array type picks the conversion when the
-kernel is compiled. Only fused.py imports this module, and only when a CPU dequantization or quantization asks
-for it.
+kernel is compiled. Only fused.py loads this module, under a name of its own (numba's cache records it), and only
+when a CPU dequantization or quantization asks for it; so it imports nothing of the pack.
 
 The kernels trust their inputs: numba does not check indexes, so fused.py checks every size first.
 """

@@ -161,10 +161,10 @@ def test_without_the_cpus_fp16_instruction_the_kernels_convert_by_ops():
         import gguf, numpy as np, torch
         from gguf import GGMLQuantizationType as Q
         from comfyui_flux2dev.devtools.tiny.gguf_blocks import random_blocks
-        from comfyui_flux2dev.loaders.formats import fused, numba_kernels
+        from comfyui_flux2dev.loaders.formats import fused
         from comfyui_flux2dev.loaders.formats.gguf_dequant import dequantize
 
-        assert not numba_kernels.HARDWARE_FP16 and fused.path("cpu", torch.float16) == "numba"
+        assert not fused._kernels().HARDWARE_FP16 and fused.path("cpu", torch.float16) == "numba"
         raw = random_blocks(Q.Q6_K, (64, 1024), np.random.default_rng(0))
         with np.errstate(all="ignore"):
             want = gguf.quants.dequantize(raw, Q.Q6_K).astype(np.float16)
@@ -227,7 +227,7 @@ _EVERY_KERNEL_ONCE = """
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
     from comfyui_flux2dev.loaders.formats import fused, gguf_quant, quant
     from comfyui_flux2dev.loaders.formats.gguf_dequant import dequantize
-    from comfyui_flux2dev.loaders.formats.numba_kernels import GGUF, QUANTIZE
+    GGUF, QUANTIZE = fused._kernels().GGUF, fused._kernels().QUANTIZE
     for name in GGUF:
         block_size, type_size = GGML_QUANT_SIZES[Q[name]]
         for dtype in (torch.float32, torch.float16, torch.bfloat16):

@@ -55,16 +55,20 @@ def test_requirements_txt_lists_exactly_the_pyproject_dependencies():
 
 
 @pytest.mark.server
-def test_the_demo_writes_an_image(tmp_path):
+def test_the_demo_writes_an_image_every_time(tmp_path):
     """The README's first command runs the dev tools' demo: its own headless server, the pack's three loaders. As
-    the README runs it: from a folder of the user's, writing into the default (relative) folder there."""
+    the README runs it: from a folder of the user's, writing into the default (relative) folder there; and again,
+    as a user does, with ComfyUI started from another temporary folder (the pack's modules named by another path)
+    and the kernels' machine code the first run cached."""
     from PIL import Image
 
-    out = subprocess.run([sys.executable, "-P", "-m", "comfyui_flux2dev.devtools", "demo"], cwd=tmp_path,
-                         capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr[-4000:]
-    image = Image.open(tmp_path / "demo-out" / "flux2dev-demo.png")
-    assert image.size == (256, 256) and image.mode == "RGB"
+    for run in range(2):
+        (tmp_path / "demo-out" / "flux2dev-demo.png").unlink(missing_ok=True)
+        out = subprocess.run([sys.executable, "-P", "-m", "comfyui_flux2dev.devtools", "demo"], cwd=tmp_path,
+                             capture_output=True, text=True)
+        assert out.returncode == 0, f"run {run + 1}: {out.stderr[-4000:]}"
+        image = Image.open(tmp_path / "demo-out" / "flux2dev-demo.png")
+        assert image.size == (256, 256) and image.mode == "RGB"
 
 
 def test_the_wheel_ships_every_module_of_the_pack_and_no_dev_tool(tmp_path):
