@@ -34,18 +34,31 @@ def pytest_configure(config):
 
 
 # Tests that run a model or a packed op take the `device` fixture: they run on the CPU always and on CUDA where
-# torch sees a GPU. Without one the CUDA variants are still collected and skipped with CUDA_MISSING as the reason,
-# so every run says how many wait for a GPU; devtools/gpu-check runs them (`-m cuda`) on a GPU machine.
+# torch sees a GPU. Without one the CUDA variants are left out of the run (one line says how many);
+# devtools/gpu-check runs them (`-m cuda`) on a GPU machine.
 @pytest.fixture(params=["cpu", cuda_param("cuda")])
 def device(request) -> torch.device:
-    """Where the test runs its model or op: the CPU, then CUDA (skipped, saying why, where torch sees no GPU)."""
+    """Where the test runs its model or op: the CPU, then CUDA where torch sees a GPU."""
     return torch.device(request.param)
 
 
+def _leave_out_cuda_variants(config, items) -> None:
+    if torch.cuda.is_available():
+        return
+    left_out = [item for item in items if item.get_closest_marker("cuda")]
+    if left_out:
+        items[:] = [item for item in items if not item.get_closest_marker("cuda")]
+        config.hook.pytest_deselected(items=left_out)
+        config.stash[_CUDA_LEFT_OUT] = len(left_out)
+
+
+_CUDA_LEFT_OUT = pytest.StashKey[int]()
+
+
 def pytest_terminal_summary(terminalreporter):
-    waiting = [r for r in terminalreporter.stats.get("skipped", []) if CUDA_MISSING in str(r.longrepr)]
-    if waiting:
-        terminalreporter.write_line(f"{len(waiting)} skipped: {CUDA_MISSING}")
+    left_out = terminalreporter.config.stash.get(_CUDA_LEFT_OUT, 0)
+    if left_out:
+        terminalreporter.write_line(f"{left_out} CUDA variants left out: {CUDA_MISSING}")
 
 
 def _comfyui_root() -> Path:
@@ -151,6 +164,7 @@ HOST_FIXTURES = ("comfy_host", "comfy_server", "server_on_device")
 
 @pytest.hookimpl(tryfirst=True)  # before -m selects by markers
 def pytest_collection_modifyitems(config, items):
+    _leave_out_cuda_variants(config, items)
     for item in items:
         if any(f in getattr(item, "fixturenames", ()) for f in HOST_FIXTURES) or item.get_closest_marker("server"):
             item.add_marker(pytest.mark.host)

@@ -12,7 +12,8 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from comfyui_flux2dev.devtools import bench
 from helpers import GGUF_QUANTIZED_TYPES
 
-pytestmark = pytest.mark.host  # the conditioning cache rows run the host in a child
+# The quick bench runs once per CI run, here, on the first host: its conditioning cache rows run that host in a
+# child, and the host's own behaviour is what the `host` tests check on every tree.
 
 
 @pytest.fixture(scope="module")
