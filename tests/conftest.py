@@ -157,6 +157,56 @@ def _gpu_server_session(tiny_root, server_extras):
         yield server
 
 
+# The quick tier (`bash tests/run quick`, marked `quick`): every layer's core path on the smallest fixtures, for a
+# developer to run after every change; `bash tests/run` runs everything. Each entry is a file or a test id prefix.
+QUICK = (
+    "tests/formats/test_gguf_file.py",
+    "tests/formats/test_gguf_dequant.py",
+    "tests/formats/test_gguf_quant.py",
+    "tests/formats/test_safetensors_file.py",
+    "tests/formats/test_fused_dequant.py",
+    "tests/tokenizer/test_tokenizers.py",
+    "tests/tokenizer/test_chat.py",
+    "tests/models/test_encoder.py",
+    "tests/models/test_transformer.py",
+    "tests/models/test_gguf_transformer.py",
+    "tests/models/test_vae.py",
+    "tests/models/test_guard.py",
+    "tests/models/test_pipeline.py",
+    "tests/cache/test_conditioning_cache.py::test_entries_round_trip_and_a_foreign_or_damaged_file_is_a_miss",
+    "tests/cache/test_conditioning_cache.py::test_a_hit_is_bit_equal_to_a_fresh_encode_and_reads_no_weights",
+    "tests/convert/test_convert_transformer.py",
+    "tests/convert/test_tensor_files.py",
+    "tests/host/test_host_compat.py",
+    "tests/host/test_dequant_scratch.py",
+    "tests/host/test_lazy_encoder.py",
+    "tests/nodes/test_graphs.py::test_official_graph_writes_an_image_with_each_encoder_layout[cpu-mistral_3_small_flux2_bf16",
+    "tests/pack/test_bad_inputs.py",
+    "tests/pack/test_imports.py",
+)
+
+
+def _in_entry(nodeid: str, entry: str) -> bool:
+    """Whether a test id falls under a QUICK entry: the file, the test, or (an entry ending inside [...]) its
+    parameters that start so."""
+    return nodeid == entry or nodeid.startswith((entry + "::", entry + "[")) or ("[" in entry and nodeid.startswith(entry))
+
+
+def _mark_quick_tier(config, items) -> None:
+    """Marks the QUICK entries' tests; an entry that names a collected file but matches none of its tests is an
+    error, so that a renamed test cannot leave the quick tier unnoticed."""
+    unmatched = set(QUICK)
+    for item in items:
+        for entry in QUICK:
+            if _in_entry(item.nodeid, entry):
+                item.add_marker(pytest.mark.quick)
+                unmatched.discard(entry)
+    collected = {item.nodeid.split("::")[0] for item in items}
+    stale = sorted(entry for entry in unmatched if entry.split("::")[0] in collected)
+    if stale:
+        raise pytest.UsageError(f"tests/conftest.py QUICK names tests that no longer exist: {stale}")
+
+
 # A test that runs ComfyUI (in process or as a server) asks for one of these, directly or through its fixtures;
 # it is marked `host` and runs once per host tree (.ci/run), the others once in all.
 HOST_FIXTURES = ("comfy_host", "comfy_server", "server_on_device")
@@ -165,6 +215,7 @@ HOST_FIXTURES = ("comfy_host", "comfy_server", "server_on_device")
 @pytest.hookimpl(tryfirst=True)  # before -m selects by markers
 def pytest_collection_modifyitems(config, items):
     _leave_out_cuda_variants(config, items)
+    _mark_quick_tier(config, items)
     for item in items:
         if any(f in getattr(item, "fixturenames", ()) for f in HOST_FIXTURES) or item.get_closest_marker("server"):
             item.add_marker(pytest.mark.host)
