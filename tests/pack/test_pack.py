@@ -1,5 +1,7 @@
 """The pack as a package: installed, beside the libraries it could shadow, and loaded by the real host."""
 
+import pathlib
+import re
 import subprocess
 import sys
 
@@ -56,7 +58,7 @@ def test_requirements_txt_lists_exactly_the_pyproject_dependencies():
 
 @pytest.mark.server
 def test_the_demo_writes_an_image_every_time(tmp_path):
-    """The README's first command runs the dev tools' demo: its own headless server, the pack's three loaders. As
+    """The README's demo command runs the dev tools' demo: its own headless server, the pack's three loaders. As
     the README runs it: from a folder of the user's, writing into the default (relative) folder there; and again,
     as a user does, with ComfyUI started from another temporary folder (the pack's modules named by another path)
     and the kernels' machine code the first run cached."""
@@ -93,3 +95,28 @@ def test_the_wheel_ships_every_module_of_the_pack_and_no_dev_tool(tmp_path):
     shipped = {n.removeprefix("comfyui_flux2dev/") for n in zipfile.ZipFile(wheel).namelist() if n.endswith(".py")}
     pack = {n for n in listed if n.endswith(".py") and n.split("/")[0] not in ("devtools", "tests")}
     assert shipped == pack
+
+
+def _anchor(heading: str) -> str:
+    """The anchor GitHub gives a heading: lower case, punctuation dropped, spaces as hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_every_relative_link_in_the_readme_and_docs_points_at_a_file_and_heading_that_exist():
+    root = pathlib.Path(__file__).resolve().parents[2]
+    pages = [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+    broken = []
+    for page in pages:
+        text = re.sub(r"```.*?```", "", page.read_text(encoding="utf-8"), flags=re.S)
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", target):
+                continue
+            path, _, anchor = target.partition("#")
+            linked = (page.parent / path).resolve() if path else page
+            if not linked.exists():
+                broken.append(f"{page.name}: {target} (no such file)")
+            elif anchor and linked.suffix == ".md":
+                headings = re.findall(r"^#+ (.+)$", linked.read_text(encoding="utf-8"), flags=re.M)
+                if anchor not in {_anchor(h) for h in headings}:
+                    broken.append(f"{page.name}: {target} (no such heading)")
+    assert len(pages) > 1 and not broken, broken
