@@ -16,7 +16,7 @@ PROG = "python -m comfyui_flux2dev.devtools"
 PROGRAMS = {
     "fuzz": ("fuzz.harness", "mutation fuzzing of every parser and loader entry point"),
     "workflows": ("example_workflows", "write the example workflows (UI and API form) from their definitions"),
-    "screenshot": ("frontend", "the README's pictures of the frontend and the templates' thumbnails"),
+    "screenshot": ("frontend", "the pictures in docs/ of the frontend and the templates' thumbnails"),
     "gpu-check": ("gpu_check", "the GPU check's steps (measure, sample, report); devtools/gpu-check runs them all"),
 }
 

@@ -1,11 +1,11 @@
 """ComfyUI's real web frontend in headless Chromium: its node search, its Templates browser and its Missing
-Models check, for the tests, and the README's pictures and the templates' thumbnails:
+Models check, for the tests, and the pictures in docs/ and the templates' thumbnails:
 
     apt-get install chromium && pip install playwright
     COMFYUI_ROOT=/path/to/ComfyUI python -P -m comfyui_flux2dev.devtools screenshot [--docs FOLDER]
 
 The pictures are taken on a headless ComfyUI with the pack and the tiny models (so the menus list files);
-the README's are of ComfyUI 0.33's frontend."""
+those in docs/ are of ComfyUI 0.33's frontend."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ CHROMIUM_ARGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-q
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 THUMBNAIL = 512  # the Templates browser shows square cards
-SEARCHES = ("load flux", "flux2 vae", "gguf", "text encoder")  # the README's search picture shows the first
+SEARCHES = ("load flux", "flux2 vae", "gguf", "text encoder")  # docs/node-search.png shows the first
 
 
 def unavailable() -> str | None:
@@ -200,7 +200,7 @@ def take_all(docs: Path) -> list[Path]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m comfyui_flux2dev.devtools screenshot", description=__doc__.splitlines()[0])
-    parser.add_argument("--docs", type=Path, default=DOCS, help="the folder for the README's pictures")
+    parser.add_argument("--docs", type=Path, default=DOCS, help="the folder for the pictures (docs/)")
     args = parser.parse_args(argv)
     reason = unavailable()
     if reason:

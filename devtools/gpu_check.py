@@ -1,5 +1,5 @@
 """The GPU check's steps (devtools/gpu-check runs them on a GPU machine, each inside `bash tests/run devtools`, so
-on the host tree it names; README: Development). Each writes JSON into the check's folder; `report` turns those
+on the host tree it names; docs/development.md). Each writes JSON into the check's folder; `report` turns those
 and the tests' JUnit files into report.md:
 
 - measure: dequantization GB/s per GGUF type and packed format, against the device's copy bandwidth and against

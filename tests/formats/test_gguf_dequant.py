@@ -51,7 +51,7 @@ def _assert_bits_equal(got: torch.Tensor, want: np.ndarray) -> None:
 
 
 def test_the_kernel_table_holds_the_listed_types_and_no_others():
-    """The types the pack's kernels dequantize are the ones it lists (README, tests/helpers.py), each one gguf
+    """The types the pack's kernels dequantize are the ones it lists (docs/dequantization.md, helpers.py), each one gguf
     knows: a kernel added must be listed, and one dropped fails the tests below."""
     assert [q.name for q in TORCH_TYPES] == [*GGUF_FLOAT_TYPES, *GGUF_QUANTIZED_TYPES]
     assert all(n in Q.__members__ for n in GGUF_FLOAT_TYPES + GGUF_QUANTIZED_TYPES)
