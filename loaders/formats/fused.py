@@ -34,27 +34,34 @@ _VIEWS = {torch.float32: torch.float32, torch.float16: torch.uint16, torch.bfloa
 KERNELS_MODULE = "flux2dev_numba_kernels_"
 
 
-@functools.cache
-def _kernels():
-    """numba_kernels, or None (with the reason logged once) where numba cannot be imported.
+def load_by_digest(source: Path, prefix: str, prepare=None):
+    """The module at `source` (which imports nothing of the pack), in sys.modules under `prefix` and a digest of its
+    source, executed once per process; prepare(module) runs once after that.
 
     numba's cached machine code records the name of the module it was compiled in and imports that name again
     when a later process loads it, while ComfyUI names a custom node's modules by the folder's path and the
-    command line names them comfyui_flux2dev. So the kernels are loaded under a name of their own, the same in
-    every process for the same source, whatever the pack's folder is called or wherever it has moved."""
-    source = Path(__file__).with_name("numba_kernels.py")
+    command line names them comfyui_flux2dev. Under this name the cache serves every process, whatever the pack's
+    folder is called or wherever it has moved."""
+    name = prefix + hashlib.sha256(source.read_bytes()).hexdigest()[:16]
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, source)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        try:
+            spec.loader.exec_module(module)
+            if prepare is not None:
+                prepare(module)
+        except BaseException:
+            del sys.modules[name]
+            raise
+    return sys.modules[name]
+
+
+@functools.cache
+def _kernels():
+    """numba_kernels, or None (with the reason logged once) where numba cannot be imported."""
     try:
-        name = KERNELS_MODULE + hashlib.sha256(source.read_bytes()).hexdigest()[:16]
-        if name not in sys.modules:
-            spec = importlib.util.spec_from_file_location(name, source)
-            module = importlib.util.module_from_spec(spec)
-            sys.modules[name] = module
-            try:
-                spec.loader.exec_module(module)
-            except BaseException:
-                del sys.modules[name]
-                raise
-        return sys.modules[name]
+        return load_by_digest(Path(__file__).with_name("numba_kernels.py"), KERNELS_MODULE)
     except Exception as e:  # a missing numba, or one built for another numpy: any failure means the torch path
         log.warning("The one-pass CPU dequantizers need numba (%s: %s); the slower torch path is used.",
                     type(e).__name__, e)
