@@ -1,0 +1,134 @@
+"""GGUF K-quant quantization (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K), bit-identical with ggml's reference quantizers
+(quantize_row_q*_K_ref: what llama-quantize writes without an importance matrix), as gguf_quant.py is for the
+legacy types: float rows in, GGUF bytes [rows, row bytes] out.
+
+The quantizers are kquant_kernels.py, a line-by-line port of ggml's C: compiled by numba where it can run (loaded
+under a name of its own, as fused.py loads numba_kernels.py, so numba's cache finds it again whatever the pack's
+folder is called), else run as plain Python over numpy float32 scalars, which gives the same bytes far slower.
+
+Values that are not finite, and values beyond float16's range, are refused as gguf_quant.py refuses them: far beyond
+it ggml's float32 sums overflow and it writes NaN scales or all-zero blocks, which load and then spoil every image.
+A block whose fp16 scales still came out infinite or NaN is refused too."""
+
+from __future__ import annotations
+
+import functools
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as Q
+
+from ...errors import UnsupportedFormatError
+from . import kquant_kernels
+from .dequant_steps import dequant_threads, output
+from .fused import load_by_digest
+from .gguf_quant import NotQuantizable, _check, quantized_buffer
+
+log = logging.getLogger(__name__)
+
+# Type -> the byte offsets of its fp16 scale fields in a block (d, and dmin where it has one)
+SCALE_FIELDS = {Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
+K_TYPES = tuple(SCALE_FIELDS)
+# kquant_kernels' module name in sys.modules when compiled, followed by a digest of its source
+KERNELS_MODULE = "flux2dev_kquant_kernels_"
+# Rows are quantized a chunk at a time: converted to float32 (where they are not), checked, and spread over threads.
+CHUNK_VALUES = 1 << 18
+
+
+@functools.cache
+def _compiled():
+    """kquant_kernels compiled by numba (a copy of the module, its functions replaced by compiled ones), or None
+    (logged once) where numba cannot be imported."""
+    try:
+        from numba import njit
+
+        # compiled once per machine into __pycache__ beside the source; the GIL released while a kernel runs
+        return load_by_digest(Path(kquant_kernels.__file__), KERNELS_MODULE,
+                              lambda module: module.compile_all(njit(nogil=True, cache=True)))
+    except Exception as e:  # a missing numba, or one built for another numpy: the plain path gives the same bytes
+        log.warning("The compiled K-quant quantizers need numba (%s: %s); the far slower plain Python path is used.",
+                    type(e).__name__, e)
+        return None
+
+
+# Types whose compiled kernel failed to load or compile in this process: they take the plain path.
+_FAILED: set[Q] = set()
+
+
+def path(qtype) -> str:
+    """Which quantizer runs for `qtype` here: "numba" or "python"."""
+    return "numba" if Q(qtype) not in _FAILED and _compiled() is not None else "python"
+
+
+def _plain(kernel):
+    def run(blocks: np.ndarray, out: np.ndarray) -> None:
+        with np.errstate(all="ignore"):  # ggml's float32 arithmetic overflows on purpose (fp16 rounding, huge values)
+            kernel(blocks, out)
+
+    return run
+
+
+def _kernel(qtype: Q):
+    name = kquant_kernels.KERNELS[qtype.name]
+    module = _compiled() if qtype not in _FAILED else None
+    return getattr(module, name) if module is not None else _plain(getattr(kquant_kernels, name))
+
+
+@functools.cache
+def _pool(threads: int) -> ThreadPoolExecutor:
+    return ThreadPoolExecutor(threads, thread_name_prefix="flux2dev-kquant")
+
+
+def _run(qtype: Q, blocks: np.ndarray, out: np.ndarray) -> None:
+    """Every block quantized into out, on up to half the cores; the compiled kernel, or where it fails to load or
+    compile (logged once), the plain one."""
+    threads, n = dequant_threads(), blocks.shape[0]
+    step = max(1, -(-n // threads))
+    kernel = _kernel(qtype)
+    try:
+        for done in [_pool(threads).submit(kernel, blocks[k : k + step], out[k : k + step]) for k in range(0, n, step)]:
+            done.result()
+    except Exception as e:
+        if path(qtype) == "python":
+            raise
+        _FAILED.add(qtype)
+        log.warning("The compiled %s quantizer could not be loaded or compiled (%s: %s); the plain Python path is "
+                    "used for it.", qtype.name, type(e).__name__, e)
+        _kernel(qtype)(blocks, out)
+
+
+def _check_scales(qtype: Q, out: np.ndarray) -> None:
+    """Refuses blocks whose fp16 scale fields are infinite or NaN (exponent bits all set)."""
+    for at in SCALE_FIELDS[qtype]:
+        if ((out[:, at + 1] & 0x7C) == 0x7C).any():
+            raise NotQuantizable(f"its {qtype.name} scales are beyond float16's range (values too large)")
+
+
+def quantize(values: torch.Tensor, qtype, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The GGUF bytes of `values` (a float tensor on the CPU, any float dtype, last dimension the rows) in the K type
+    `qtype`: uint8 [rows, row bytes], written into `out` where given (contiguous, of that shape). Raises
+    NotQuantizable for values the type cannot hold (not finite, or beyond float16), and ValueError for rows that do
+    not hold whole blocks."""
+    qtype = Q(qtype)
+    if qtype not in SCALE_FIELDS:
+        raise UnsupportedFormatError(f"The K-quant quantizer writes {', '.join(q.name for q in K_TYPES)}, "
+                                     f"not {qtype.name}.")
+    block_size, type_size = GGML_QUANT_SIZES[qtype]
+    columns = values.shape[-1] if values.dim() else 1
+    if columns % block_size:
+        raise ValueError(f"rows of {columns} values do not hold whole {qtype.name} blocks of {block_size}")
+    rows = values.reshape(-1, columns)
+    shape = (rows.shape[0], columns // block_size * type_size)
+    out = quantized_buffer(qtype, *rows.shape) if out is None else output(out, shape, torch.uint8, torch.device("cpu"))
+    step = max(1, CHUNK_VALUES // columns)
+    for start in range(0, rows.shape[0], step):
+        chunk = rows[start : start + step].to(torch.float32).contiguous()
+        _check(max(chunk.amax().item(), -chunk.amin().item()), limited=True)
+        target = out[start : start + step].numpy().reshape(-1, type_size)
+        _run(qtype, chunk.numpy().reshape(-1, block_size), target)
+        _check_scales(qtype, target)
+    return out
