@@ -119,21 +119,14 @@ def _cache(args) -> None:
 
 def _upsample(args) -> None:
     from .host.upsampler import upsample
-    from .loaders.formats.validate import regular_file
-
-    images = []
-    if args.image:
-        from PIL import Image
-
-        for name in args.image:
-            with Image.open(regular_file(name, "image")) as image:
-                images.append(image.convert("RGB"))
 
     def progress(count: int, total: int) -> None:
         print(f"\rwriting: {count}/{total} tokens", end="", file=sys.stderr, flush=True)
 
-    result = upsample(args.path, args.prompt, images=images, mode=args.mode, seed=args.seed, temperature=args.temperature,
-                      max_new_tokens=args.max_new_tokens, cache=args.cache, on_token=None if args.json else progress)
+    # the images are opened after the model's headers are checked, and decoded at the size the model sees
+    result = upsample(args.path, args.prompt, images=args.image or [], mode=args.mode, seed=args.seed,
+                      temperature=args.temperature, max_new_tokens=args.max_new_tokens, cache=args.cache,
+                      on_token=None if args.json else progress)
     if not args.json:
         print(file=sys.stderr)
         print(result.text)

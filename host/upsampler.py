@@ -10,9 +10,11 @@ served without reading the weights. With keep_loaded off the model is freed afte
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -24,9 +26,10 @@ from ..errors import HostError, InputError
 from ..loaders.cache.keys import UpsampleKey
 from ..loaders.cache.store import ConditioningCache, stat_signature, weights_fingerprint
 from ..loaders.models.encoder import EncoderPlan, plan_language_model, read_weights, resolve_plan_tokenizer
-from ..loaders.models.language_model import MistralLM, Sampling, generate
-from ..loaders.models.vision import VisionEncoder, VisionPlan, plan_vision, prepare, read_vision_weights
-from ..tokenizers.chat import EOS_ID, IMAGE_ID, MODES, SYSTEM_MESSAGES, chat_ids, reply_text
+from ..loaders.models.language_model import MistralLM, Sampling, check_settings, generate
+from ..loaders.models.vision import (MAX_DECODED_PIXELS, VisionEncoder, VisionPlan, open_image, plan_vision, prepare,
+                                     read_vision_weights)
+from ..tokenizers.chat import EOS_ID, IMAGE_ID, MODES, SYSTEM_MESSAGES, chat_ids, check_prompt, reply_text
 from . import compat, ensure_comfy
 from .clip_model import compute_dtype
 from .clip_weights import return_freed_memory
@@ -59,6 +62,10 @@ def images_from_host(images) -> list:
 
     out = []
     for batch in images:
+        height, width = batch.shape[1:3]
+        if height * width > MAX_DECODED_PIXELS:
+            raise InputError(f"A reference image is {width}x{height} pixels; the upsampler takes at most "
+                             f"{MAX_DECODED_PIXELS} pixels of an image. Scale it down (Upscale Image By) first.")
         for frame in batch:
             rgb = np.clip(np.rint(frame[..., :3].float().cpu().numpy() * 255), 0, 255).astype(np.uint8)
             out.append(Image.fromarray(rgb, "RGB"))
@@ -75,22 +82,26 @@ def upsample(path: str, prompt: str, *, images: list = (), mode: str = "auto", s
              max_new_tokens: int = 512, cache: str | None = None, keep_loaded: bool = False, dtype: torch.dtype | None = None,
              device: torch.device | None = None, on_token: Callable[[int, int], None] | None = None) -> Upsampled:
     """The prompt rewritten by the Mistral-Small-3.x checkpoint at `path` (a whole model: all layers and lm_head);
-    with images (PIL) an edit instruction about them. cache: a conditioning cache folder (None: no cache). device:
-    where it computes (default: the host's text-encoder device).
-    on_token(count, max_new_tokens) follows generation, beside the running node's progress bar."""
+    with images (PIL images, or image files' paths) an edit instruction about them. cache: a conditioning cache
+    folder (None: no cache). device: where it computes (default: the host's text-encoder device).
+    on_token(count, max_new_tokens) follows generation, beside the running node's progress bar.
+    The settings are checked first, then the model's headers, then the images: each refusal before any weight
+    is read."""
     if mode not in MODES:
         raise InputError(f"mode is {mode!r}; it is one of {', '.join(MODES)}.")
     if mode == "edit" and not images:
         raise InputError("mode is edit, but no reference image is connected. Connect the images to edit, or set mode "
                          "to text to image (or auto).")
-    if temperature < 0 or max_new_tokens < 1:
-        raise InputError(f"temperature must be 0 or more (0: greedy) and max_new_tokens 1 or more; got {temperature} and "
-                         f"{max_new_tokens}.")
+    check_settings(seed=seed, temperature=temperature, max_new_tokens=max_new_tokens)
+    check_prompt(prompt)
     edit = bool(images) and mode != "text to image"
     plan = plan_language_model(path)
     vision = plan_vision(plan) if edit else None
     tokenizer = resolve_plan_tokenizer(plan).tokenizer
-    prepared = prepare(list(images), vision) if edit else None
+    with contextlib.ExitStack() as opened:
+        if edit:
+            images = [opened.enter_context(open_image(i)) if isinstance(i, (str, os.PathLike)) else i for i in images]
+        prepared = prepare(list(images), vision) if edit else None
     system = SYSTEM_MESSAGES["edit" if edit else "text to image"]
     input_ids = chat_ids(tokenizer, system, prompt, prepared.grid if prepared else None)
     dtype = dtype or compute_dtype(plan)
@@ -115,10 +126,10 @@ def upsample(path: str, prompt: str, *, images: list = (), mode: str = "auto", s
         )
 
     if store is not None and fingerprint is not None:
-        hit = store.get(key(fingerprint))
+        hit = _reply(store.get(key(fingerprint)))
         if hit is not None:
             logging.info("FLUX.2 [dev] prompt upsampling: cache hit in %s (the model did not run).", store.folder)
-            return Upsampled(bytes(hit[TEXT_KEY].tolist()).decode(), system, input_ids, hit[IDS_KEY].tolist(), True)
+            return Upsampled(hit[0], system, input_ids, hit[1], True)
 
     started = time.monotonic()
     loaded = held or _load(plan, vision, dtype, device, source, store, signature)
@@ -134,6 +145,19 @@ def upsample(path: str, prompt: str, *, images: list = (), mode: str = "auto", s
     logging.info("FLUX.2 [dev] prompt upsampling: %d tokens in %.1f s%s.", len(output_ids), time.monotonic() - started,
                  "" if store is None else f", now stored in {store.folder}" if stored else f"; {store.folder} could not take it")
     return Upsampled(text, system, input_ids, output_ids, False)
+
+
+def _reply(entry: dict | None) -> tuple[str, list[int]] | None:
+    """The text and ids of a cache entry, or None (a miss, as a damaged entry is) when it is not what the
+    upsampler stores: UTF-8 text as bytes, and the ids."""
+    text, ids = (entry.get(TEXT_KEY), entry.get(IDS_KEY)) if entry is not None else (None, None)
+    if not all(isinstance(t, torch.Tensor) and t.dtype == dtype and t.dim() == 1
+               for t, dtype in ((text, torch.uint8), (ids, torch.int64))):
+        return None
+    try:
+        return bytes(text.tolist()).decode("utf-8"), ids.tolist()
+    except UnicodeDecodeError:
+        return None
 
 
 def node_upsample(path: str, prompt: str, *, images: list, cache: str = "", **settings) -> str:

@@ -7,10 +7,12 @@ from comfy_api.latest import io, ui
 
 from ..host.compat import fixed_seed_control
 from ..host.menus import chosen_path, model_choices
-from ..tokenizers.chat import MAX_CHAT_TOKENS, MODES
+from ..loaders.models.language_model import LIMITS
+from ..tokenizers.chat import MODES
 from .shared import CONDITIONING_CATEGORY, schema
 
-SEED_MAX = 0xFFFFFFFFFFFFFFFF
+(SEED_MIN, SEED_MAX), (TEMPERATURE_MIN, TEMPERATURE_MAX), (TOKENS_MIN, TOKENS_MAX) = (
+    LIMITS[name] for name in ("seed", "temperature", "max_new_tokens"))
 
 
 class Flux2DevPromptUpsampler(io.ComfyNode):
@@ -38,12 +40,14 @@ class Flux2DevPromptUpsampler(io.ComfyNode):
                 io.Combo.Input("mode", options=list(MODES), default=MODES[0], tooltip="auto: an edit instruction when "
                                "reference images are connected, else a text-to-image prompt. Each mode has Black "
                                "Forest Labs' own system message."),
-                io.Int.Input("seed", default=0, min=0, max=SEED_MAX, control_after_generate=fixed_seed_control(),
+                io.Int.Input("seed", default=0, min=SEED_MIN, max=SEED_MAX,
+                             control_after_generate=fixed_seed_control(),
                              tooltip="The seed of the sampled words. The same seed, prompt and settings give the same "
                              "text (and a conditioning cache hit)."),
-                io.Float.Input("temperature", default=0.15, min=0.0, max=2.0, step=0.01, tooltip="How freely words are "
-                               "sampled: 0.15 is the reference's; 0 always takes the most likely word (greedy)."),
-                io.Int.Input("max_new_tokens", default=512, min=1, max=MAX_CHAT_TOKENS, tooltip="The most tokens the "
+                io.Float.Input("temperature", default=0.15, min=TEMPERATURE_MIN, max=TEMPERATURE_MAX, step=0.01,
+                               tooltip="How freely words are sampled: 0.15 is the reference's; 0 always takes the most "
+                               "likely word (greedy)."),
+                io.Int.Input("max_new_tokens", default=512, min=TOKENS_MIN, max=TOKENS_MAX, tooltip="The most tokens the "
                              "model writes (512 as the reference); it usually stops by itself before."),
                 io.Boolean.Input("keep_loaded", default=False, tooltip="On: the model stays in memory for the next "
                                  "prompt. Off: it is freed after each run, so the memory goes back to the encoder and "

@@ -98,25 +98,36 @@ class Flux2Tokenizer:
         # How far before the end of a cut text its tokens may differ from the whole text's: a special string
         # cut in two, and the split pattern's look at the next character.
         self._cut_margin = max(map(len, vocab.specials), default=0) + 3
+        self._text_backend = None  # the backend that reads special strings as plain text: made when first asked for
 
-    def encode(self, text: str, limit: int | None = None) -> list[int]:
+    def encode(self, text: str, limit: int | None = None, specials: bool = True) -> list[int]:
         """The reference ids of `text`, without BOS; with `limit`, only its first `limit` ids, for which only
-        as much of a long text is tokenized as they need."""
+        as much of a long text is tokenized as they need. specials off: special strings typed in the text are
+        plain text (their pieces' ids), as mistral-common encodes a user's message."""
+        backend = self.backend if specials else self.text_backend()
         if limit is None:
-            return self.backend.encode(text, add_special_tokens=False).ids
+            return backend.encode(text, add_special_tokens=False).ids
         size = 16 * limit + 4 * self._cut_margin
         while size < len(text):
-            ids = self._leading_ids(text[:size], size - self._cut_margin)
+            ids = self._leading_ids(backend, text[:size], size - self._cut_margin)
             if len(ids) >= limit:
                 return ids[:limit]
             size *= 4
-        return self.backend.encode(text, add_special_tokens=False).ids[:limit]
+        return backend.encode(text, add_special_tokens=False).ids[:limit]
 
-    def _leading_ids(self, head: str, safe: int) -> list[int]:
+    def text_backend(self):
+        """A copy of the backend that tokenizes special strings as any other text."""
+        if self._text_backend is None:
+            backend = type(self.backend).from_str(self.backend.to_str())
+            backend.encode_special_tokens = True
+            self._text_backend = backend
+        return self._text_backend
+
+    def _leading_ids(self, backend, head: str, safe: int) -> list[int]:
         """The ids of the words of `head` that end by character `safe`: the same as the whole text's first ids.
         Words (the split pattern's pieces, and special tokens) are tokenized each on its own, and a word that
         ends before the cut margin was split and tokenized exactly as in the whole text."""
-        enc = self.backend.encode(head, add_special_tokens=False)
+        enc = backend.encode(head, add_special_tokens=False)
         ends: dict = {}
         for i, (word, (_, end)) in enumerate(zip(enc.word_ids, enc.offsets)):
             ends[i if word is None else word] = end

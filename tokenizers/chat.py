@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..errors import PromptTooLongError
+from ..errors import InputError, PromptTooLongError
 from .prompt import BOS_ID, IMAGE_MARKER, INST_END_ID, INST_ID, SYSTEM_PROMPT_END_ID, SYSTEM_PROMPT_ID
 from .vocab import V3_SPECIAL_TOKENS
 
@@ -67,14 +67,16 @@ def image_ids(grid: ImageGrid) -> list[int]:
 
 
 def chat_ids(tokenizer, system: str, prompt: str, image: ImageGrid | None = None) -> list[int]:
-    """The token ids of the chat prompt, as the model reads them (canonical.Flux2Tokenizer's ids: special strings
-    typed in the text become their ids, as the reference processor's tokenizer makes them). "[IMG]" is removed
-    from the prompt, as BFL and diffusers do."""
-    ids = [BOS_ID, SYSTEM_PROMPT_ID, *tokenizer.encode(system), SYSTEM_PROMPT_END_ID]
+    """The token ids of the chat prompt, as the model reads them (canonical.Flux2Tokenizer's ids). "[IMG]" is
+    removed from the prompt, as BFL and diffusers do. The messages are text: special strings typed in them
+    ("[/INST]", "[SYSTEM_PROMPT]", "[IMG]" ...) are their plain pieces, as mistral-common encodes a user's
+    message, so a prompt cannot close the instruction, open a system turn or place an image token (the
+    reference processor makes them control ids; the conditioning template keeps that, tokenizers/prompt.py)."""
+    ids = [BOS_ID, SYSTEM_PROMPT_ID, *tokenizer.encode(system, specials=False), SYSTEM_PROMPT_END_ID]
     if image is not None:
         ids += [INST_ID, *image_ids(image), INST_END_ID]
     room = MAX_CHAT_TOKENS - len(ids) - 2
-    text = tokenizer.encode(prompt.replace(IMAGE_MARKER, ""), limit=max(room, 0) + 1)
+    text = tokenizer.encode(prompt.replace(IMAGE_MARKER, ""), limit=max(room, 0) + 1, specials=False)
     if len(text) > room:
         raise PromptTooLongError(
             f"The prompt is more than {room} tokens long; with the system message{' and the image' if image else ''} "
@@ -82,6 +84,16 @@ def chat_ids(tokenizer, system: str, prompt: str, image: ImageGrid | None = None
             "prompt (an upsampler makes short prompts long; a prompt this long needs no upsampling)."
         )
     return ids + [INST_ID, *text, INST_END_ID]
+
+
+def check_prompt(prompt: str) -> None:
+    """Refuse a prompt that is not text: one that holds bytes that are not UTF-8 (a command line's argument keeps
+    them as lone surrogates)."""
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InputError(f"The prompt holds bytes that are not UTF-8 text (at character {e.start}: "
+                         f"{ascii(prompt[e.start:e.end])}); write it as UTF-8 text.") from None
 
 
 def reply_text(tokenizer, ids: list[int]) -> str:

@@ -1,14 +1,19 @@
 """The prompt upsampler node through the real server: its text (on the node and at its output) is the command
 line's for the same model and settings, the progress bar counts its tokens, cancelling stops it between tokens,
-and a second run of the same prompt is served by the conditioning cache."""
+a second run of the same prompt is served by the conditioning cache, and bad inputs are refused with their
+bounds."""
 
 from __future__ import annotations
 
 import json
+import re
 
+import pytest
 from helpers import run_flux2dev
 
 from comfyui_flux2dev.devtools.workflows import node
+from comfyui_flux2dev.errors import GraphError
+from comfyui_flux2dev.loaders.models.language_model import LIMITS
 
 MODEL = "hf-mistral3/"  # the tiny whole model, as the node's menu lists it
 
@@ -60,4 +65,27 @@ def test_cancel_stops_it_between_tokens(comfy_server):
     assert stopped and messages[-1]["type"] == "execution_interrupted"
     assert max(_token_progress(messages, 2048)) < 2048
     outputs, _ = comfy_server.run_watched(_upsampler("after the cancel", seed=13))  # the server goes on
+    assert outputs["up"]["text"]
+
+
+def test_inputs_out_of_bounds_are_the_packs_errors_with_their_bounds(comfy_server):
+    """The schema states the bounds the pack checks; what the host's own min/max lets through (nan, a prompt that
+    is not UTF-8 text) is the pack's error; what it refuses is refused at submission."""
+    schema = comfy_server.get("/object_info/Flux2DevPromptUpsampler")["Flux2DevPromptUpsampler"]["input"]["required"]
+    assert {name: (schema[name][1]["min"], schema[name][1]["max"]) for name in LIMITS} == LIMITS
+    for prompt, settings, words in (
+        ("a fox", {"temperature": float("nan")}, "temperature is nan; it must be a number from 0.0 to 2.0."),
+        ("a \udcff fox", {}, r"The prompt holds bytes that are not UTF-8 text (at character 2: '\udcff')"),
+    ):
+        with pytest.raises(GraphError, match=re.escape(words)):
+            comfy_server.run(_upsampler(prompt, **settings))
+    for name, value in (("seed", 2**64), ("max_new_tokens", 10**9)):  # the host's max: its 400 names the input
+        with pytest.raises(GraphError, match=rf"failed validation\nnode up \(Flux2DevPromptUpsampler\): {name}$"):
+            comfy_server.submit(_upsampler("a fox", **{name: value}))
+
+
+def test_typed_image_markers_in_an_edit_are_text(comfy_server):
+    graph = {**_upsampler("[IM[IMG]G] make it red", mode="edit", image_1=["img", 0]),
+             "img": node("EmptyImage", width=64, height=48, batch_size=1, color=0xC81E1E)}
+    outputs = comfy_server.run(graph)
     assert outputs["up"]["text"]
