@@ -5,7 +5,8 @@ between releases; REQUIRED lists each one (a test scans host/ and nodes/ for eve
 finds it here), and `missing_internals()` (run by one test) names whatever a new release dropped, instead of
 many tests failing deep inside a load. What only some releases have is in OPTIONAL, with the release that
 brought it, and is used through the functions below, each tagged with the releases it tells apart, which
-fall back to the older behaviour where the host lacks it.
+fall back to the older behaviour where the host lacks it. SIGNATURES and RESULTS name the parameters the pack passes
+host functions and the results it unpacks, which `unfit_calls()` (run by one test) checks by signature and source.
 """
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ import importlib
 import inspect
 import json
 import logging
+import sys
+import textwrap
+from pathlib import Path
 
 from . import ensure_comfy
 
@@ -92,6 +96,25 @@ OPTIONAL = (
     ("a seed's control-after-generate default", "comfy_api.latest:io.ControlAfterGenerate", "0.33.0"),
     ("the dtype a model computes in", "comfy.model_base:BaseModel.get_dtype_inference", "0.33.0"),
 )
+# (what the pack passes them for, "module:attribute.path", the keyword parameters it passes or reads, the first
+# release that takes them all): the names REQUIRED finds may still have lost a parameter in a new release.
+SIGNATURES = (
+    ("the lazy encoder's CLIP, built with the patcher class its caller asks for", "comfy.sd:CLIP.__init__",
+     ("target", "embedding_directory", "tokenizer_data", "parameters", "model_options", "disable_dynamic"), "0.33.0"),
+    ("packed layers' patched weights, which the host asks for by return_weight to save a model",
+     "comfy.model_patcher:ModelPatcher.patch_weight_to_device", ("key", "device_to", "return_weight"), "0.33.0"),
+    ("running real tokens apart from left pads, at their own positions, in comfy padding",
+     "comfy.text_encoders.llama:Llama2_.forward",
+     ("embeds", "num_tokens", "intermediate_output", "final_layer_norm_intermediate", "dtype", "position_ids"),
+     "0.3.75"),
+    ("a transformer's weights assigned, not copied, as the dynamic-VRAM patcher wants",
+     "comfy.model_base:BaseModel.load_model_weights", ("sd", "unet_prefix", "assign"), "0.33.0"),
+)
+# (what the pack unpacks it for, "module:attribute.path", the number of values it unpacks from its result)
+RESULTS = (
+    ("the left-padding mask the pack puts in place of the host's",
+     "comfy.text_encoders.flux:Mistral3_24BModel.process_tokens", 4),
+)
 
 
 def _lookup(spec: str):
@@ -116,6 +139,40 @@ def missing_internals() -> list[str]:
         except (ImportError, AttributeError) as e:
             missing.append(f"{spec} ({what}): {e}")
     return missing
+
+
+def unfit_calls() -> list[str]:
+    """One line per host function in SIGNATURES that lacks a parameter the pack passes (from its release on), and
+    per one in RESULTS whose result the pack cannot unpack; empty when all fit."""
+    ensure_comfy()
+    release = _release(host_version())
+    found = [unfit_signature(_lookup(spec), spec, what, parameters)
+             for what, spec, parameters, since in SIGNATURES if release >= _release(since)]
+    found += [unfit_result(_lookup(spec), spec, what, size) for what, spec, size in RESULTS]
+    return [line for line in found if line]
+
+
+def unfit_signature(fn, spec: str, what: str, parameters) -> str | None:
+    """What `fn` (the host's `spec`) lacks of the keyword parameters the pack passes it for `what`; None when it
+    takes them all by name (a **kwargs alone does not count: call_with_known drops what the signature omits)."""
+    accepted = inspect.signature(fn).parameters
+    missing = [p for p in parameters if p not in accepted]
+    if not missing:
+        return None
+    return (f"{spec} takes no parameter {', '.join(missing)}; the pack passes it for {what}. "
+            f"Its parameters here: {', '.join(accepted)}")
+
+
+def unfit_result(fn, spec: str, what: str, size: int) -> str | None:
+    """Whether every return of `fn` (the host's `spec`, read from its source) is a tuple of the `size` values the
+    pack unpacks for `what`; None when so, else what it returns instead."""
+    tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    returned = {len(node.value.elts) if isinstance(node.value, ast.Tuple) else "something other than a tuple"
+                for node in ast.walk(tree) if isinstance(node, ast.Return)}
+    if returned == {size}:
+        return None
+    shown = ", ".join(f"{r} values" if isinstance(r, int) else r for r in sorted(returned, key=str)) or "nothing"
+    return f"{spec} returns {shown}; the pack unpacks {size} values from it for {what}"
 
 
 def _release(version: str) -> tuple[int, ...]:
@@ -288,14 +345,17 @@ def _vocabulary_stub() -> bytes:
 @functools.cache
 def prompt_pieces():
     """prompt -> the texts the running host's own FLUX.2 tokenizer tokenizes (its template, escapes, weight and
-    embedding syntax applied), or None where the host's tokenizer cannot be built (0.3.75 under transformers
-    5.15 and newer: its MistralConverter call lacks vocab_file; 0.33 has its own BPE)."""
+    embedding syntax applied), or None where the host's tokenizer cannot be built, whatever its builder raises
+    (0.3.75 under transformers 5.15 and newer: its MistralConverter call lacks vocab_file; 0.33 has its own BPE):
+    comfy padding then follows the pack's copy of that syntax."""
     ensure_comfy()
     import comfy.text_encoders.flux
 
     try:
         host = comfy.text_encoders.flux.Flux2Tokenizer(tokenizer_data={"tekken_model": _vocabulary_stub()})
-    except TypeError:
+    except Exception as e:  # the host's builder, not the pack: any failure of it leaves the pack's own syntax
+        logging.info("FLUX.2 [dev]: ComfyUI's own FLUX.2 tokenizer cannot be built here (%s: %s); comfy padding "
+                     "follows the pack's copy of its prompt syntax.", type(e).__name__, e)
         return None
     recorder = host.mistral3_24b.tokenizer = _PieceRecorder()
 
@@ -305,6 +365,19 @@ def prompt_pieces():
         return recorder.pieces
 
     return pieces
+
+
+def server_routes() -> tuple[object, list[str]] | None:
+    """(the running server's route table, the names it loaded the pack's folder under: a link's own name, not its
+    target's), or None outside a server (the command line, the tests in process). Read from the modules main.py
+    imported before loading the pack, never imported here: the server does not import outside main.py."""
+    server, nodes = sys.modules.get("server"), sys.modules.get("nodes")
+    instance = getattr(getattr(server, "PromptServer", None), "instance", None)
+    if instance is None or not hasattr(nodes, "LOADED_MODULE_DIRS"):
+        return None
+    pack = Path(__file__).resolve().parents[1]
+    names = [name for name, folder in nodes.LOADED_MODULE_DIRS.items() if Path(folder).resolve() == pack]
+    return instance.routes, names
 
 
 def set_reload(patcher, factory, args: tuple) -> None:

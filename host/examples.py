@@ -1,16 +1,21 @@
-"""The example workflows' inputs: the edit example's reference images, shipped in example_workflows/inputs/,
-copied into ComfyUI's input folder (where its Load Image node lists pictures) under their own names. A file
-already there under such a name is left as it is."""
+"""The example workflows' inputs and thumbnails. The edit example's reference images, shipped in
+example_workflows/inputs/, are copied into ComfyUI's input folder (where its Load Image node lists pictures) under
+their own names; a file already there under such a name is left as it is. The templates' thumbnails are served
+where the frontend asks for them."""
 
 from __future__ import annotations
 
+import functools
 import logging
 from pathlib import Path
 
 from ..loaders.formats.files import write_new_file
-from . import ensure_comfy
+from . import compat, ensure_comfy
 
-INPUTS = Path(__file__).resolve().parents[1] / "example_workflows" / "inputs"
+FOLDER = Path(__file__).resolve().parents[1] / "example_workflows"
+INPUTS = FOLDER / "inputs"
+# template title -> its thumbnail, the only files the pack's route serves
+THUMBNAILS = {path.stem: path for path in sorted(FOLDER.glob("*.jpg"))}
 
 
 def install_example_inputs() -> list[str]:
@@ -30,3 +35,30 @@ def install_example_inputs() -> list[str]:
     if copied:
         logging.info("FLUX.2 [dev]: copied the image edit example's pictures into %s: %s", target, ", ".join(copied))
     return copied
+
+
+@functools.cache
+def serve_thumbnails() -> None:
+    """Serve the templates' thumbnails where the frontend asks for them, GET /api/workflow_templates/<pack>/<title>.jpg
+    (its getTemplateThumbnailUrl for a pack's templates): ComfyUI 0.38 serves only the .json files of a pack's
+    example_workflows there; older releases serve the whole folder, as this route does (the route is added once,
+    and only inside a running server)."""
+    found = compat.server_routes()
+    if found is not None:
+        add_thumbnail_routes(*found)
+
+
+def add_thumbnail_routes(routes, names) -> None:
+    """Add the thumbnails' route to a server's route table (the host serves each of its routes under /api too),
+    for each name the host loaded the pack under."""
+    for name in names:
+        routes.get(f"/workflow_templates/{name}/{{title}}.jpg")(_send_thumbnail)
+
+
+async def _send_thumbnail(request):
+    from aiohttp import web
+
+    path = THUMBNAILS.get(request.match_info["title"])
+    if path is None:
+        raise web.HTTPNotFound()
+    return web.FileResponse(path)

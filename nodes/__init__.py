@@ -22,7 +22,8 @@ NODES = (
 
 class Flux2DevExtension(ComfyExtension):
     async def get_node_list(self):
-        from ..host.examples import install_example_inputs
+        from ..host.examples import install_example_inputs, serve_thumbnails
 
         install_example_inputs()  # here, not in on_load: ComfyUI 0.3.75 never calls on_load
+        serve_thumbnails()
         return list(NODES)
