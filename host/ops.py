@@ -12,6 +12,8 @@ the thread's scratch buffer (forward_weight), not a new tensor.
 - packed_patcher(...): the host's patcher, whichever class it is, except that patches (LoRAs) of packed weights are applied to
   the dequantized weight at forward time instead of being baked into the stored weight, which would
   unpack it. In low-VRAM mode the host itself adds them as weight functions, which run at the same place.
+  The host's hook LoRAs (CreateHookLora and the like), which it would write into the stored weight while a
+  hook is active, go the same way: applied to the dequantized weight while the hook is active.
 The host's memory accounting reads the parameters and scales, which are the stored bytes.
 """
 
@@ -86,6 +88,7 @@ class PackedLayer:
         self.weight_shape = tuple(self.weight.shape)  # the logical shape; a packed weight is stored in another
         self.companions: tuple[str, ...] = ()  # names of the weight's companions: non-empty when it is packed
         self.lazy_patches: list = []  # weight patches PackedPatching did not bake in
+        self.hook_patches: list = []  # the active hooks' weight patches (HookPatch), set by PackedPatching
         self.weight_function = []
         self.bias_function = []
 
@@ -133,13 +136,17 @@ class PackedLayer:
                 value = f(value)
         return value.to(dtype)
 
+    def weight_patches(self) -> list:
+        """Every patch of the weight: LoRAs (the patcher's, then the host's weight functions), then hooks'."""
+        return self.lazy_patches + compat.patch_functions(self, "weight") + self.hook_patches
+
     def weight_bias(self, device: torch.device, dtype: torch.dtype):
         """The weight and bias for one op, used at once (a packed weight may be the scratch buffer): patches
         work on a copy, so they never write into it."""
         weight = _to_device(self.weight, device)
         if self.companions:
             weight = forward_weight(weight, self._companions(device), self.settings.dequant_dtype or dtype, self.weight_shape)
-        weight = self._patched(weight, self.lazy_patches + compat.patch_functions(self, "weight"), dtype)
+        weight = self._patched(weight, self.weight_patches(), dtype)
         bias = None if self.bias is None else self._patched(_to_device(self.bias, device), compat.patch_functions(self, "bias"), dtype)
         return weight, bias
 
@@ -158,7 +165,7 @@ class PackedConv(PackedLayer):
 class PackedEmbedding(PackedLayer):
     def forward_comfy_cast_weights(self, input, out_dtype=None):
         dtype = out_dtype or self.settings.dequant_dtype or torch.float32
-        if quant.GGUF_TYPE in self.companions and not (self.lazy_patches or self.weight_function):
+        if quant.GGUF_TYPE in self.companions and not self.weight_patches():
             # GGUF rows are whole blocks: gather the packed rows first, dequantize only those
             rows = _to_device(self.weight[input.reshape(-1).to(self.weight.device)], input.device)
             values = self._dequantized(rows, (rows.shape[0], self.embedding_dim), input.device, dtype)
@@ -209,6 +216,34 @@ def _packed_layer(model, key: str):
     return layer if isinstance(layer, PackedLayer) and name == "weight" and layer.companions else None
 
 
+class _LoadedWeight(dict):
+    """The host's `original_weights` for one packed weight: its dequantized values as loaded, made only when a
+    patch reads them (the host's model_as_lora hooks)."""
+
+    def __init__(self, layer: PackedLayer, like: torch.Tensor):
+        super().__init__()
+        self.layer, self.like = layer, like
+
+    def __missing__(self, key):
+        layer, device = self.layer, self.like.device
+        stored = _to_device(layer.weight, device)
+        return [(layer._dequantized(stored, layer.weight_shape, device, self.like.dtype), None)]
+
+
+class HookPatch:
+    """The active hooks' patches of one packed weight, applied by the host's LoRA arithmetic to the dequantized
+    weight where the host's hook path would write them into the stored one."""
+
+    def __init__(self, layer: PackedLayer, key: str, patches: list):
+        self.layer, self.key, self.patches = layer, key, patches
+
+    def __call__(self, weight: torch.Tensor) -> torch.Tensor:
+        import comfy.lora
+
+        return comfy.lora.calculate_weight(self.patches, weight, self.key, intermediate_dtype=weight.dtype,
+                                           original_weights=_LoadedWeight(self.layer, weight))
+
+
 class PackedPatching:
     """Mixed into the host's patcher class: where the host would bake a patch into a stored weight, a packed
     weight gets it as a lazy patch, applied after dequantization; float weights are patched the host's way."""
@@ -233,6 +268,31 @@ class PackedPatching:
             weight = layer._dequantized(_to_device(layer.weight, device), layer.weight_shape, device, layer.settings.patch_dtype)
             return layer._patched(weight, patches, layer.settings.patch_dtype)
         layer.lazy_patches = patches
+
+    def patch_hook_weight_to_device(self, hooks, combined_patches, key, original_weights, memory_counter):
+        layer = _packed_layer(self.model, key)
+        if layer is None or key not in combined_patches:
+            return super().patch_hook_weight_to_device(hooks, combined_patches, key, original_weights, memory_counter)
+        import comfy.hooks
+
+        patch = HookPatch(layer, key, combined_patches[key])
+        layer.hook_patches = [patch]
+        if self.hook_mode == comfy.hooks.EnumHookMode.MaxSpeed:
+            # The host's cache of hooked weights holds the patch: patch_cached_hook_weights sets it again.
+            self.cached_hook_patches.setdefault(hooks, {})[key] = (patch, None)
+
+    def patch_cached_hook_weights(self, cached_weights, key, memory_counter):
+        layer = _packed_layer(self.model, key)
+        if layer is None:
+            return super().patch_cached_hook_weights(cached_weights, key, memory_counter)
+        layer.hook_patches = [cached_weights[key][0]]
+
+    def unpatch_hooks(self, whitelist_keys_set=None):
+        # As the host's own: the weights named, or every weight when none are.
+        for name, layer in self.model.named_modules():
+            if isinstance(layer, PackedLayer) and (not whitelist_keys_set or f"{name}.weight" in whitelist_keys_set):
+                layer.hook_patches = []
+        return super().unpatch_hooks(whitelist_keys_set)
 
     def unpatch_model(self, device_to=None, unpatch_weights=True):
         if unpatch_weights:
