@@ -3,7 +3,10 @@ ggml-quants.c), ported line by line: float32 blocks [n, 256] -> GGUF blocks [n, 
 
 Every float operation is a float32 one in the C source's order (an int is converted where C converts it), so the
 bytes equal ggml's for any input: ggml's own nearest_int (the 12582912.f trick, whatever its argument),
-its own fp16 conversions, the byte truncations of its uint8 and int8 stores. The code is plain Python over numpy
+its own fp16 conversions, the byte truncations of its uint8 and int8 stores. The searches for each block's groups
+(make_qx_quants, make_q3_quants, make_qkx2_quants) run side by side, a group a lane of one scratch array, each lane
+C's operations in C's order, so that numba turns the loops over the lanes into vector instructions (no fast-math, no
+fused multiply-add: every rounding as C's). The code is plain Python over numpy
 float32 scalars that numba also compiles: kquants.py runs it compiled (compile_all() below, on a copy of this module),
 or as it is where numba cannot run (the same arithmetic, some thousand times slower). So it imports nothing of the
 pack and no numba."""
@@ -17,6 +20,14 @@ _U32 = np.uint32
 _MAGIC = _F32(12582912.0)  # 1.5 * 2^23: adding it rounds a float32 to an integer, half to even
 _GROUP_MAX_EPS = _F32(1e-15)
 QK_K = 256
+# The searches' scratch, one float32 array: a row of _LANES lanes per quantity, then [value, lane] planes of the
+# values, their weights (w), w times the value (wx) and their codes. One array, at offsets known when compiled: the
+# compiler sees that no two rows overlap, and runs the loops over the lanes as vector instructions.
+_LANES = 16
+(_LOW, _HIGH, _SUM_W, _SUM_X, _FIRST_LOW, _ISCALE, _SUM_L, _SUM_L2, _SUM_XL, _D, _SCALE, _MIN, _ERROR, _BEST_ERROR,
+ _BEST_SCALE, _BEST_ISCALE, _BEST_LOW, _PEAK, _AMAX, _CHANGED) = range(0, 20 * _LANES, _LANES)
+_XS, _WS, _WX, _LEVELS = range(20 * _LANES, (20 + 4 * 32) * _LANES, 32 * _LANES)
+SCRATCH = (20 + 4 * 32) * _LANES
 
 
 def _bits(f):
@@ -73,143 +84,184 @@ def _clamp(v, low, high):
     return max(low, min(high, v))
 
 
-def _peak(n, x):
-    """The first value of x[:n] with the largest magnitude (0 where all are 0), and that magnitude."""
-    peak, amax = _F32(0.0), _F32(0.0)
+def _peaks(n, groups, x, s):
+    """Each group's values into the XS plane; its first value of the largest magnitude (0 where all are 0) in PEAK,
+    that magnitude in AMAX; w = x * x and wx = w * x in the WS and WX planes."""
+    for g in range(groups):
+        s[_PEAK + g], s[_AMAX + g] = _F32(0.0), _F32(0.0)
     for i in range(n):
-        ax = abs(x[i])
-        if ax > amax:
-            amax, peak = ax, x[i]
-    return peak, amax
+        for g in range(groups):
+            v = x[n * g + i]
+            s[_XS + _LANES * i + g] = v
+            s[_WS + _LANES * i + g] = v * v
+            s[_WX + _LANES * i + g] = v * v * v
+            larger = abs(v) > s[_AMAX + g]
+            s[_PEAK + g] = v if larger else s[_PEAK + g]
+            s[_AMAX + g] = abs(v) if larger else s[_AMAX + g]
 
 
-def _make_qx_quants(n, nmax, x, L):
-    """make_qx_quants(n, nmax, x, L, rmse_type=1, qw=NULL): the scale; codes in L, nmax added."""
-    peak, amax = _peak(n, x)
-    if amax < _GROUP_MAX_EPS:
-        for i in range(n):
-            L[i] = 0
-        return _F32(0.0)
-    iscale = _F32(-nmax) / peak
-    sumlx, suml2 = _F32(0.0), _F32(0.0)
+def _qx_sums(n, groups, nmax, s):
+    """make_qx_quants' sums for the scales in ISCALE: sum of wx * l in SUM_XL, of w * l * l in SUM_L2."""
+    for g in range(groups):
+        s[_SUM_XL + g], s[_SUM_L2 + g] = _F32(0.0), _F32(0.0)
     for i in range(n):
-        l = _clamp(_nearest_int(iscale * x[i]), -nmax, nmax - 1)
-        L[i] = l + nmax
-        w = x[i] * x[i]
-        sumlx += w * x[i] * _F32(l)
-        suml2 += w * _F32(l) * _F32(l)
-    scale = sumlx / suml2 if suml2 != _F32(0.0) else _F32(0.0)
-    best = scale * sumlx
+        for g in range(groups):
+            l = _F32(_clamp(_nearest_int(s[_ISCALE + g] * s[_XS + _LANES * i + g]), -nmax, nmax - 1))
+            s[_SUM_XL + g] += s[_WX + _LANES * i + g] * l
+            s[_SUM_L2 + g] += s[_WS + _LANES * i + g] * l * l
+
+
+def _make_qx_quants(n, groups, nmax, x, L, scales, s):
+    """make_qx_quants(n, nmax, x, L, rmse_type=1, qw=NULL) for each of `groups` groups of n values (group g:
+    x[n * g:n * g + n] and the same part of L): its scale in scales[g], its codes (nmax added) in L. The groups are
+    searched side by side, a lane each, as in make_qkx2_quants."""
+    _peaks(n, groups, x, s)
+    for g in range(groups):
+        s[_ISCALE + g] = s[_BEST_ISCALE + g] = _F32(-nmax) / s[_PEAK + g]
+    _qx_sums(n, groups, nmax, s)
+    for g in range(groups):
+        sumlx, suml2 = s[_SUM_XL + g], s[_SUM_L2 + g]
+        s[_SCALE + g] = sumlx / suml2 if suml2 != _F32(0.0) else _F32(0.0)
+        s[_BEST_ERROR + g] = s[_SCALE + g] * sumlx
     for step in range(-9, 10):
         if step == 0:
             continue
-        iscale = -(_F32(nmax) + _F32(0.1) * _F32(step)) / peak
-        sumlx, suml2 = _F32(0.0), _F32(0.0)
-        for i in range(n):
-            l = _clamp(_nearest_int(iscale * x[i]), -nmax, nmax - 1)
-            w = x[i] * x[i]
-            sumlx += w * x[i] * _F32(l)
-            suml2 += w * _F32(l) * _F32(l)
-        if suml2 > _F32(0.0) and sumlx * sumlx > best * suml2:
-            for i in range(n):
-                L[i] = nmax + _clamp(_nearest_int(iscale * x[i]), -nmax, nmax - 1)
+        for g in range(groups):
+            s[_ISCALE + g] = -(_F32(nmax) + _F32(0.1) * _F32(step)) / s[_PEAK + g]
+        _qx_sums(n, groups, nmax, s)
+        for g in range(groups):
+            sumlx, suml2 = s[_SUM_XL + g], s[_SUM_L2 + g]
+            better = (suml2 > _F32(0.0)) & (sumlx * sumlx > s[_BEST_ERROR + g] * suml2)
             scale = sumlx / suml2
-            best = scale * sumlx
-    return scale
-
-
-def _make_q3_quants(n, nmax, x, L):
-    """make_q3_quants(n, nmax, x, L, do_rmse=true): the scale; codes in L, nmax added."""
-    peak, amax = _peak(n, x)
-    if amax < _GROUP_MAX_EPS:
+            s[_SCALE + g] = scale if better else s[_SCALE + g]
+            s[_BEST_ERROR + g] = scale * sumlx if better else s[_BEST_ERROR + g]
+            s[_BEST_ISCALE + g] = s[_ISCALE + g] if better else s[_BEST_ISCALE + g]
+    for g in range(groups):
+        zero = s[_AMAX + g] < _GROUP_MAX_EPS
+        scales[g] = _F32(0.0) if zero else s[_SCALE + g]
         for i in range(n):
-            L[i] = 0
-        return _F32(0.0)
-    iscale = _F32(-nmax) / peak
-    sumlx, suml2 = _F32(0.0), _F32(0.0)
+            code = nmax + _clamp(_nearest_int(s[_BEST_ISCALE + g] * s[_XS + _LANES * i + g]), -nmax, nmax - 1)
+            L[n * g + i] = 0 if zero else code
+
+
+def _make_q3_quants(n, groups, nmax, x, L, scales, s):
+    """make_q3_quants(n, nmax, x, L, do_rmse=true) for each of `groups` groups of n values, side by side as in
+    make_qx_quants. A pass over a group that changes no code would change none again: C stops there, and a
+    group that is done here passes again unchanged while the others go on."""
+    _peaks(n, groups, x, s)
+    for g in range(groups):
+        s[_ISCALE + g] = _F32(-nmax) / s[_PEAK + g]
+        s[_SUM_XL + g], s[_SUM_L2 + g] = _F32(0.0), _F32(0.0)
     for i in range(n):
-        l = _clamp(_nearest_int(iscale * x[i]), -nmax, nmax - 1)
-        L[i] = l
-        w = x[i] * x[i]
-        sumlx += w * x[i] * _F32(l)
-        suml2 += w * _F32(l) * _F32(l)
+        for g in range(groups):
+            l = _F32(_clamp(_nearest_int(s[_ISCALE + g] * s[_XS + _LANES * i + g]), -nmax, nmax - 1))
+            s[_LEVELS + _LANES * i + g] = l
+            s[_SUM_XL + g] += s[_WX + _LANES * i + g] * l
+            s[_SUM_L2 + g] += s[_WS + _LANES * i + g] * l * l
     for _ in range(5):
-        changed = 0
+        for g in range(groups):
+            s[_CHANGED + g] = _F32(0.0)
         for i in range(n):
-            w = x[i] * x[i]
-            slx = sumlx - w * x[i] * _F32(L[i])
-            if slx > _F32(0.0):
-                sl2 = suml2 - w * _F32(L[i]) * _F32(L[i])
-                new_l = _clamp(_nearest_int(x[i] * sl2 / slx), -nmax, nmax - 1)
-                if new_l != L[i]:
-                    slx += w * x[i] * _F32(new_l)
-                    sl2 += w * _F32(new_l) * _F32(new_l)
-                    if sl2 > _F32(0.0) and slx * slx * suml2 > sumlx * sumlx * sl2:
-                        L[i] = new_l
-                        sumlx, suml2 = slx, sl2
-                        changed += 1
-        if changed == 0:
+            for g in range(groups):
+                v, w, wx, li = s[_XS + _LANES * i + g], s[_WS + _LANES * i + g], s[_WX + _LANES * i + g], \
+                    s[_LEVELS + _LANES * i + g]
+                sumlx, suml2 = s[_SUM_XL + g], s[_SUM_L2 + g]
+                slx = sumlx - wx * li
+                sl2 = suml2 - w * li * li
+                new_l = _F32(_clamp(_nearest_int(v * sl2 / slx), -nmax, nmax - 1))
+                new_slx = slx + wx * new_l
+                new_sl2 = sl2 + w * new_l * new_l
+                take = ((slx > _F32(0.0)) & (new_l != li) & (new_sl2 > _F32(0.0))
+                        & (new_slx * new_slx * suml2 > sumlx * sumlx * new_sl2))
+                s[_LEVELS + _LANES * i + g] = new_l if take else li
+                s[_SUM_XL + g] = new_slx if take else sumlx
+                s[_SUM_L2 + g] = new_sl2 if take else suml2
+                s[_CHANGED + g] += _F32(1.0) if take else _F32(0.0)
+        changed = _F32(0.0)
+        for g in range(groups):
+            changed += s[_CHANGED + g]
+        if changed == _F32(0.0):
             break
+    for g in range(groups):
+        zero = s[_AMAX + g] < _GROUP_MAX_EPS
+        suml2 = s[_SUM_L2 + g]
+        scales[g] = s[_SUM_XL + g] / suml2 if suml2 > _F32(0.0) and not zero else _F32(0.0)
+        for i in range(n):
+            code = nmax + np.int32(s[_LEVELS + _LANES * i + g])
+            L[n * g + i] = 0 if zero else code
+
+
+def _make_qkx2_quants(n, groups, nmax, x, weights, L, scales, mins, rmin, rdelta, nstep, use_mad, s):
+    """make_qkx2_quants for each of `groups` groups of n values (group g: x[n * g:n * g + n] and the same part of
+    weights and L): its scale in scales[g], the min to subtract in mins[g], its codes 0..nmax in L. The groups are
+    searched side by side, a lane each (C's float32 operations in C's order in every lane), so that the loops over
+    the lanes run as vector instructions; s is the scratch (SCRATCH values)."""
     for i in range(n):
-        L[i] += nmax
-    return sumlx / suml2 if suml2 > _F32(0.0) else _F32(0.0)
-
-
-def _make_qkx2_quants(n, nmax, x, weights, L, Laux, rmin, rdelta, nstep, use_mad):
-    """make_qkx2_quants: (the scale, the min to subtract); codes 0..nmax in L."""
-    low, high = x[0], x[0]
-    sum_w = weights[0]
-    sum_x = sum_w * x[0]
+        for g in range(groups):
+            s[_XS + _LANES * i + g], s[_WS + _LANES * i + g] = x[n * g + i], weights[n * g + i]
+    for g in range(groups):
+        s[_LOW + g] = s[_HIGH + g] = s[_SUM_W + g] = s[_SUM_X + g] = _F32(0.0)
+    for g in range(groups):
+        s[_LOW + g], s[_HIGH + g], s[_SUM_W + g] = s[_XS + g], s[_XS + g], s[_WS + g]
+        s[_SUM_X + g] = s[_SUM_W + g] * s[_XS + g]
     for i in range(1, n):
-        if x[i] < low:
-            low = x[i]
-        if x[i] > high:
-            high = x[i]
-        w = weights[i]
-        sum_w += w
-        sum_x += w * x[i]
-    if low > _F32(0.0):
-        low = _F32(0.0)
-    if high == low:
-        for i in range(n):
-            L[i] = 0
-        return _F32(0.0), -low
-    iscale = _F32(nmax) / (high - low)
-    scale = _F32(1.0) / iscale
-    best_error = _F32(0.0)
+        for g in range(groups):
+            v, w = s[_XS + _LANES * i + g], s[_WS + _LANES * i + g]
+            s[_LOW + g] = v if v < s[_LOW + g] else s[_LOW + g]
+            s[_HIGH + g] = v if v > s[_HIGH + g] else s[_HIGH + g]
+            s[_SUM_W + g] += w
+            s[_SUM_X + g] += w * v
+    for g in range(groups):
+        low = _F32(0.0) if s[_LOW + g] > _F32(0.0) else s[_LOW + g]
+        s[_LOW + g] = s[_FIRST_LOW + g] = s[_BEST_LOW + g] = low
+        iscale = _F32(nmax) / (s[_HIGH + g] - low)  # a group of equal values divides by 0: answered at the end
+        s[_BEST_ISCALE + g], s[_BEST_SCALE + g], s[_BEST_ERROR + g] = iscale, _F32(1.0) / iscale, _F32(0.0)
     for i in range(n):
-        L[i] = _clamp(_nearest_int(iscale * (x[i] - low)), 0, nmax)
-        diff = scale * _F32(L[i]) + low - x[i]
-        diff = abs(diff) if use_mad else diff * diff
-        best_error += weights[i] * diff
+        for g in range(groups):
+            v = s[_XS + _LANES * i + g]
+            l = _F32(_clamp(_nearest_int(s[_BEST_ISCALE + g] * (v - s[_LOW + g])), 0, nmax))
+            diff = s[_BEST_SCALE + g] * l + s[_LOW + g] - v
+            diff = abs(diff) if use_mad else diff * diff
+            s[_BEST_ERROR + g] += s[_WS + _LANES * i + g] * diff
     for step in range(nstep + 1):
-        iscale = (rmin + rdelta * _F32(step) + _F32(nmax)) / (high - low)
-        sum_l, sum_l2, sum_xl = _F32(0.0), _F32(0.0), _F32(0.0)
+        for g in range(groups):
+            s[_ISCALE + g] = (rmin + rdelta * _F32(step) + _F32(nmax)) / (s[_HIGH + g] - s[_LOW + g])
+            s[_SUM_L + g], s[_SUM_L2 + g], s[_SUM_XL + g], s[_ERROR + g] = _F32(0.0), _F32(0.0), _F32(0.0), _F32(0.0)
         for i in range(n):
-            l = _clamp(_nearest_int(iscale * (x[i] - low)), 0, nmax)
-            Laux[i] = l
-            w = weights[i]
-            sum_l += w * _F32(l)
-            sum_l2 += w * _F32(l) * _F32(l)
-            sum_xl += w * _F32(l) * x[i]
-        D = sum_w * sum_l2 - sum_l * sum_l
-        if D > _F32(0.0):
-            this_scale = (sum_w * sum_xl - sum_x * sum_l) / D
-            this_min = (sum_l2 * sum_x - sum_l * sum_xl) / D
-            if this_min > _F32(0.0):
-                this_min = _F32(0.0)
-                this_scale = sum_xl / sum_l2
-            cur_error = _F32(0.0)
-            for i in range(n):
-                diff = this_scale * _F32(Laux[i]) + this_min - x[i]
+            for g in range(groups):
+                v, w = s[_XS + _LANES * i + g], s[_WS + _LANES * i + g]
+                l = _F32(_clamp(_nearest_int(s[_ISCALE + g] * (v - s[_LOW + g])), 0, nmax))
+                s[_LEVELS + _LANES * i + g] = l
+                s[_SUM_L + g] += w * l
+                s[_SUM_L2 + g] += w * l * l
+                s[_SUM_XL + g] += w * l * v
+        for g in range(groups):
+            sum_w, sum_x = s[_SUM_W + g], s[_SUM_X + g]
+            sum_l, sum_l2, sum_xl = s[_SUM_L + g], s[_SUM_L2 + g], s[_SUM_XL + g]
+            D = s[_D + g] = sum_w * sum_l2 - sum_l * sum_l
+            scale = (sum_w * sum_xl - sum_x * sum_l) / D  # used only where D > 0
+            least = (sum_l2 * sum_x - sum_l * sum_xl) / D
+            s[_SCALE + g] = sum_xl / sum_l2 if least > _F32(0.0) else scale
+            s[_MIN + g] = _F32(0.0) if least > _F32(0.0) else least
+        for i in range(n):
+            for g in range(groups):
+                diff = s[_SCALE + g] * s[_LEVELS + _LANES * i + g] + s[_MIN + g] - s[_XS + _LANES * i + g]
                 diff = abs(diff) if use_mad else diff * diff
-                cur_error += weights[i] * diff
-            if cur_error < best_error:
-                for i in range(n):
-                    L[i] = Laux[i]
-                best_error = cur_error
-                scale, low = this_scale, this_min
-    return scale, -low
+                s[_ERROR + g] += s[_WS + _LANES * i + g] * diff
+        for g in range(groups):
+            better = (s[_D + g] > _F32(0.0)) & (s[_ERROR + g] < s[_BEST_ERROR + g])
+            s[_BEST_ERROR + g] = s[_ERROR + g] if better else s[_BEST_ERROR + g]
+            s[_BEST_SCALE + g] = s[_SCALE + g] if better else s[_BEST_SCALE + g]
+            s[_BEST_ISCALE + g] = s[_ISCALE + g] if better else s[_BEST_ISCALE + g]
+            s[_BEST_LOW + g] = s[_LOW + g] if better else s[_BEST_LOW + g]  # the min the winner's codes came from
+            s[_LOW + g] = s[_MIN + g] if better else s[_LOW + g]
+    for g in range(groups):
+        flat = s[_HIGH + g] == s[_FIRST_LOW + g]
+        scales[g] = _F32(0.0) if flat else s[_BEST_SCALE + g]
+        mins[g] = -s[_FIRST_LOW + g] if flat else -s[_LOW + g]
+        for i in range(n):
+            code = _clamp(_nearest_int(s[_BEST_ISCALE + g] * (s[_XS + _LANES * i + g] - s[_BEST_LOW + g])), 0, nmax)
+            L[n * g + i] = 0 if flat else code
 
 
 def _pack_crumbs(o, at, L):
@@ -221,16 +273,15 @@ def _pack_crumbs(o, at, L):
 
 
 def q2_k(blocks, out):
-    L, Laux = np.empty(QK_K, np.int32), np.empty(16, np.int32)
-    weights, scales, mins = np.empty(16, np.float32), np.empty(16, np.float32), np.empty(16, np.float32)
+    L, weights, scratch = np.empty(QK_K, np.int32), np.empty(QK_K, np.float32), np.empty(SCRATCH, np.float32)
+    scales, mins = np.empty(16, np.float32), np.empty(16, np.float32)
     for i in range(blocks.shape[0]):
         x, o = blocks[i], out[i]
         max_scale, max_min = _F32(0.0), _F32(0.0)
+        for k in range(QK_K):
+            weights[k] = abs(x[k])
+        _make_qkx2_quants(16, 16, 3, x, weights, L, scales, mins, _F32(-0.5), _F32(0.1), 15, True, scratch)
         for j in range(16):
-            for l in range(16):
-                weights[l] = abs(x[16 * j + l])
-            scales[j], mins[j] = _make_qkx2_quants(16, 3, x[16 * j:16 * j + 16], weights, L[16 * j:16 * j + 16],
-                                                   Laux, _F32(-0.5), _F32(0.1), 15, True)
             if scales[j] > max_scale:
                 max_scale = scales[j]
             if mins[j] > max_min:
@@ -262,12 +313,12 @@ def q2_k(blocks, out):
 
 
 def q3_k(blocks, out):
-    L, scales = np.empty(QK_K, np.int32), np.empty(16, np.float32)
+    L, scales, scratch = np.empty(QK_K, np.int32), np.empty(16, np.float32), np.empty(SCRATCH, np.float32)
     for i in range(blocks.shape[0]):
         x, o = blocks[i], out[i]
         max_scale, amax = _F32(0.0), _F32(0.0)
+        _make_q3_quants(16, 16, 4, x, L, scales, scratch)
         for j in range(16):
-            scales[j] = _make_q3_quants(16, 4, x[16 * j:16 * j + 16], L[16 * j:16 * j + 16])
             scale = abs(scales[j])
             if scale > amax:
                 amax, max_scale = scale, scales[j]
@@ -296,26 +347,35 @@ def q3_k(blocks, out):
                 L[16 * j + ii] = _clamp(_nearest_int(x[16 * j + ii] / dj), -4, 3) + 4
         # the third bit of code j at bit j / 32 of hmask byte j % 32
         for m in range(32):
-            o[m] = 0
-        for j in range(QK_K):
-            if L[j] > 3:
-                o[j % 32] = np.uint8(np.int32(o[j % 32]) | (1 << (j // 32)))
-                L[j] -= 4
+            hmask = 0
+            for k in range(8):
+                hmask |= (L[32 * k + m] >> 2) << k
+                L[32 * k + m] &= 3
+            o[m] = np.uint8(hmask)
         _pack_crumbs(o, 32, L)
 
 
-def _q45_k(x, o, nmax, rmin, nstep, L, Laux, weights, scales, mins):
-    """Q4_K and Q5_K's common part: d, dmin and the 6-bit scales and mins at o[0:16], the codes in L."""
+def _q45_search(blocks, i, nmax, rmin, nstep, values, weights, L, scales, mins, scratch):
+    """Q4_K and Q5_K's searches of blocks i and i + 1 side by side (16 groups of 32 values: a lane each), or of block
+    i twice where it is the last: the values and their weights in `values` and `weights` [512], the scales and mins
+    in scales[16] and mins[16] (block i's first), the codes in L[512]."""
+    for h in range(2):
+        x = blocks[min(i + h, blocks.shape[0] - 1)]
+        for j in range(8):
+            sum_x2 = _F32(0.0)
+            for l in range(32):
+                sum_x2 += x[32 * j + l] * x[32 * j + l]
+            av_x = np.sqrt(sum_x2 / _F32(32.0))
+            for l in range(32):
+                values[QK_K * h + 32 * j + l] = x[32 * j + l]
+                weights[QK_K * h + 32 * j + l] = av_x + abs(x[32 * j + l])
+    _make_qkx2_quants(32, 16, nmax, values, weights, L, scales, mins, rmin, _F32(0.1), nstep, False, scratch)
+
+
+def _q45_k(x, o, nmax, L, scales, mins):
+    """Q4_K and Q5_K's common part once searched: d, dmin and the 6-bit scales and mins at o[0:16], the codes in L."""
     max_scale, max_min = _F32(0.0), _F32(0.0)
     for j in range(8):
-        sum_x2 = _F32(0.0)
-        for l in range(32):
-            sum_x2 += x[32 * j + l] * x[32 * j + l]
-        av_x = np.sqrt(sum_x2 / _F32(32.0))
-        for l in range(32):
-            weights[l] = av_x + abs(x[32 * j + l])
-        scales[j], mins[j] = _make_qkx2_quants(32, nmax, x[32 * j:32 * j + 32], weights, L[32 * j:32 * j + 32],
-                                               Laux, rmin, _F32(0.1), nstep, False)
         if scales[j] > max_scale:
             max_scale = scales[j]
         if mins[j] > max_min:
@@ -348,47 +408,48 @@ def _q45_k(x, o, nmax, rmin, nstep, L, Laux, weights, scales, mins):
 
 
 def q4_k(blocks, out):
-    L, Laux = np.empty(QK_K, np.int32), np.empty(32, np.int32)
-    weights, scales, mins = np.empty(32, np.float32), np.empty(8, np.float32), np.empty(8, np.float32)
-    for i in range(blocks.shape[0]):
-        o = out[i]
-        _q45_k(blocks[i], o, 15, _F32(-1.0), 20, L, Laux, weights, scales, mins)
+    codes, values = np.empty(2 * QK_K, np.int32), np.empty(2 * QK_K, np.float32)
+    weights = np.empty(2 * QK_K, np.float32)
+    scales, mins, scratch = np.empty(16, np.float32), np.empty(16, np.float32), np.empty(SCRATCH, np.float32)
+    for b in range(blocks.shape[0]):
+        if b % 2 == 0:
+            _q45_search(blocks, b, 15, _F32(-1.0), 20, values, weights, codes, scales, mins, scratch)
+        h, o = b % 2, out[b]
+        L = codes[QK_K * h:QK_K * h + QK_K]
+        _q45_k(blocks[b], o, 15, L, scales[8 * h:8 * h + 8], mins[8 * h:8 * h + 8])
         for j in range(0, QK_K, 64):
             for l in range(32):
                 o[16 + j // 2 + l] = np.uint8(L[j + l] | (L[j + l + 32] << 4))
 
 
 def q5_k(blocks, out):
-    L, Laux = np.empty(QK_K, np.int32), np.empty(32, np.int32)
-    weights, scales, mins = np.empty(32, np.float32), np.empty(8, np.float32), np.empty(8, np.float32)
-    for i in range(blocks.shape[0]):
-        o = out[i]
-        _q45_k(blocks[i], o, 31, _F32(-0.5), 15, L, Laux, weights, scales, mins)
+    codes, values = np.empty(2 * QK_K, np.int32), np.empty(2 * QK_K, np.float32)
+    weights = np.empty(2 * QK_K, np.float32)
+    scales, mins, scratch = np.empty(16, np.float32), np.empty(16, np.float32), np.empty(SCRATCH, np.float32)
+    for b in range(blocks.shape[0]):
+        if b % 2 == 0:
+            _q45_search(blocks, b, 31, _F32(-0.5), 15, values, weights, codes, scales, mins, scratch)
+        h, o = b % 2, out[b]
+        L = codes[QK_K * h:QK_K * h + QK_K]
+        _q45_k(blocks[b], o, 31, L, scales[8 * h:8 * h + 8], mins[8 * h:8 * h + 8])
         # the fifth bit of codes n + j and n + j + 32 (n = 0, 64, ...) at bits n / 32 and n / 32 + 1 of qh byte j
         for j in range(32):
-            o[16 + j] = 0
-        for n in range(0, QK_K, 64):
-            for j in range(32):
+            qh = 0
+            for n in range(0, QK_K, 64):
                 l1, l2 = L[n + j], L[n + j + 32]
-                qh = np.int32(o[16 + j])
-                if l1 > 15:
-                    l1 -= 16
-                    qh |= 1 << (n // 32)
-                if l2 > 15:
-                    l2 -= 16
-                    qh |= 2 << (n // 32)
-                o[16 + j] = np.uint8(qh)
-                o[48 + n // 2 + j] = np.uint8(l1 | (l2 << 4))
+                qh |= ((l1 >> 4) << (n // 32)) | ((l2 >> 4) << (n // 32 + 1))
+                o[48 + n // 2 + j] = np.uint8((l1 & 15) | ((l2 & 15) << 4))
+            o[16 + j] = np.uint8(qh)
 
 
 def q6_k(blocks, out):
-    L, scales = np.empty(QK_K, np.int32), np.empty(16, np.float32)
+    L, scales, scratch = np.empty(QK_K, np.int32), np.empty(16, np.float32), np.empty(SCRATCH, np.float32)
     for i in range(blocks.shape[0]):
         x, o = blocks[i], out[i]
         max_scale, max_abs_scale = _F32(0.0), _F32(0.0)
+        _make_qx_quants(16, 16, 32, x, L, scales, scratch)
         for ib in range(16):
-            scale = _make_qx_quants(16, 32, x[16 * ib:16 * ib + 16], L[16 * ib:16 * ib + 16])
-            scales[ib] = scale
+            scale = scales[ib]
             if abs(scale) > max_abs_scale:
                 max_abs_scale, max_scale = abs(scale), scale
         if max_abs_scale < _GROUP_MAX_EPS:
@@ -418,8 +479,10 @@ def q6_k(blocks, out):
 # GGUF type name -> the function that quantizes its blocks
 KERNELS = {"Q2_K": "q2_k", "Q3_K": "q3_k", "Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k"}
 # Every function of this module, in the order they call each other (a callee compiled before its callers)
-_FUNCTIONS = ("_bits", "_from_bits", "_nearest_int", "_fp16", "_fp32", "_put_fp16", "_i8", "_clamp", "_peak",
-              "_make_qx_quants", "_make_q3_quants", "_make_qkx2_quants", "_pack_crumbs", "_q45_k", *KERNELS.values())
+_FUNCTIONS = ("_bits", "_from_bits", "_nearest_int", "_fp16", "_fp32", "_put_fp16", "_i8", "_clamp", "_peaks",
+              "_qx_sums", "_make_qx_quants", "_make_q3_quants", "_make_qkx2_quants", "_pack_crumbs", "_q45_search",
+              "_q45_k",
+              *KERNELS.values())
 
 
 def compile_all(njit) -> None:

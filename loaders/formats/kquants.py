@@ -46,9 +46,10 @@ def _compiled():
     try:
         from numba import njit
 
-        # compiled once per machine into __pycache__ beside the source; the GIL released while a kernel runs
+        # compiled once per machine into __pycache__ beside the source; the GIL released while a kernel runs; a
+        # float division by zero gives C's infinity or NaN (the searches divide where C's never reach), not an error
         return load_by_digest(Path(kquant_kernels.__file__), KERNELS_MODULE,
-                              lambda module: module.compile_all(njit(nogil=True, cache=True)))
+                              lambda module: module.compile_all(njit(nogil=True, cache=True, error_model="numpy")))
     except Exception as e:  # a missing numba, or one built for another numpy: the plain path gives the same bytes
         log.warning("The compiled K-quant quantizers need numba (%s: %s); the far slower plain Python path is used.",
                     type(e).__name__, e)
@@ -83,10 +84,10 @@ def _pool(threads: int) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(threads, thread_name_prefix="flux2dev-kquant")
 
 
-def _run(qtype: Q, blocks: np.ndarray, out: np.ndarray) -> None:
-    """Every block quantized into out, on up to half the cores; the compiled kernel, or where it fails to load or
+def _run(qtype: Q, blocks: np.ndarray, out: np.ndarray, threads: int) -> None:
+    """Every block quantized into out, on up to `threads` threads; the compiled kernel, or where it fails to load or
     compile (logged once), the plain one."""
-    threads, n = dequant_threads(), blocks.shape[0]
+    n = blocks.shape[0]
     step = max(1, -(-n // threads))
     kernel = _kernel(qtype)
     try:
@@ -108,9 +109,11 @@ def _check_scales(qtype: Q, out: np.ndarray) -> None:
             raise NotQuantizable(f"its {qtype.name} scales are beyond float16's range (values too large)")
 
 
-def quantize(values: torch.Tensor, qtype, *, out: torch.Tensor | None = None) -> torch.Tensor:
+def quantize(values: torch.Tensor, qtype, *, out: torch.Tensor | None = None,
+             threads: int | None = None) -> torch.Tensor:
     """The GGUF bytes of `values` (a float tensor on the CPU, any float dtype, last dimension the rows) in the K type
-    `qtype`: uint8 [rows, row bytes], written into `out` where given (contiguous, of that shape). Raises
+    `qtype`: uint8 [rows, row bytes], written into `out` where given (contiguous, of that shape), on `threads` threads
+    (half the cores where not given). Raises
     NotQuantizable for values the type cannot hold (not finite, or beyond float16), and ValueError for rows that do
     not hold whole blocks."""
     qtype = Q(qtype)
@@ -129,6 +132,6 @@ def quantize(values: torch.Tensor, qtype, *, out: torch.Tensor | None = None) ->
         chunk = rows[start : start + step].to(torch.float32).contiguous()
         _check(max(chunk.amax().item(), -chunk.amin().item()), limited=True)
         target = out[start : start + step].numpy().reshape(-1, type_size)
-        _run(qtype, chunk.numpy().reshape(-1, block_size), target)
+        _run(qtype, chunk.numpy().reshape(-1, block_size), target, threads or dequant_threads())
         _check_scales(qtype, target)
     return out

@@ -91,10 +91,12 @@ def _cases():
     # heavy tails and values on small grids (ties of rounding and of magnitude)
     yield "heavy-tails", (rng.standard_cauchy((8, 256)) * 0.1).astype(np.float32)
     yield "grid", (rng.integers(-8, 8, (8, 256)) * np.float32(0.25)).astype(np.float32)
+    # an odd number of blocks: Q4_K and Q5_K search two blocks side by side, the last one alone
+    yield "odd-blocks", (rng.standard_normal((3, 768)) * 0.02).astype(np.float32)
 
 
 # The plain path is slow (tens of ms a block): it runs on the edges, the grid and a row of 3072.
-_PLAIN_CASES = {"edges", "flux2-3072", "grid"}
+_PLAIN_CASES = {"edges", "flux2-3072", "grid", "odd-blocks"}
 
 
 @pytest.mark.parametrize("qtype", K_TYPES, ids=lambda q: q.name)
