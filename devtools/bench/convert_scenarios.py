@@ -9,11 +9,14 @@ page cache; the transformer conversion streams the same way (loaders/convert/ten
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
 import json
 import os
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -56,6 +59,66 @@ def bench_quantize(quick: bool) -> list[dict]:
         rows.append({"type": qtype.name, "shape": list(shape), "pack_s": pack_s, "reference_s": reference_s,
                      "copy_s": copy_s, "values": values.size, "out_bytes": out.numel(), "exact": bool(exact)})
     return rows
+
+
+@contextlib.contextmanager
+def one_thread():
+    """Torch's intra-op threads set to one inside the block."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+# [out, in] of the K-quant rows: a FLUX.2 [dev] attention projection (3072 x 3072); quick: 64 of its rows.
+_KQUANT_SHAPES = {True: (64, 3072), False: (3072, 3072)}
+# ggml's own K-quant quantizers, built into the test environment by the tests' module (a clone has tests/).
+GGML_REFERENCE = Path(__file__).resolve().parents[2] / "tests" / "ggml_reference.py"
+
+
+def _ggml_reference():
+    """(tests/ggml_reference.py's module, with its library built, or None; why not, or None)."""
+    try:
+        spec = importlib.util.spec_from_file_location("flux2dev_ggml_reference", GGML_REFERENCE)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        module.build()
+        return module, None
+    except FileNotFoundError:
+        return None, f"{GGML_REFERENCE} is not there (it is in a clone only)"
+    except Exception as e:  # the module's Unavailable (no compiler, no network) or a library that does not load
+        return None, f"{type(e).__name__}: {e}"
+
+
+def bench_kquant(quick: bool) -> dict:
+    """Per K type: values per second of the pack's quantizer (kquants.quantize into one reused output) and of ggml's
+    compiled reference quantizer (quantize_row_q*_K_ref, -O2) on the same float32 weights of a FLUX.2 shape, both on
+    one thread, and whether their bytes are equal. Where the reference cannot be built, the rows have the pack's
+    figures only and `reference_missing` says why."""
+    import gguf
+
+    from ...loaders.formats import kquants
+
+    shape = _KQUANT_SHAPES[quick]
+    repeats = 3 if quick else 5
+    values = (np.random.default_rng(4).standard_normal(shape) * 0.02).astype(np.float32)
+    tensor = torch.from_numpy(values)
+    reference, missing = _ggml_reference()
+    rows = []
+    for qtype in kquants.K_TYPES:
+        out = kquants.quantize(tensor, qtype, threads=1)  # the first call also loads the compiled kernels: not timed
+        with one_thread():  # the range check's torch reductions too
+            pack_s = best(lambda: kquants.quantize(tensor, qtype, out=out, threads=1), repeats)
+        row = {"type": qtype.name, "shape": list(shape), "values": values.size, "path": kquants.path(qtype),
+               "pack_s": pack_s}
+        if reference is not None:
+            ggml = lambda: reference.reference(qtype.name, values, gguf.GGML_QUANT_SIZES[qtype][1])  # noqa: E731
+            row.update(reference_s=best(ggml, repeats), exact=bool(np.array_equal(out.numpy(), ggml())))
+        rows.append(row)
+    return {"rows": rows, "reference": f"ggml (llama-cpp-python {reference.VERSION})" if reference else None,
+            "reference_missing": missing}
 
 
 def _child_convert(src: str, out: str, dtype: str) -> dict:
@@ -111,6 +174,27 @@ def format_quantize(rows: list[dict]) -> str:
                      f"{pack_gbps:>10.1f} {copy_gbps:>10.1f} {pack_gbps / copy_gbps:>8.0%}  {'yes' if r['exact'] else 'NO'}")
     ratios = [r["reference_s"] / r["pack_s"] for r in rows]
     lines.append(f"lowest ratio {min(ratios):.1f}x, geometric mean {float(np.exp(np.mean(np.log(ratios)))):.1f}x")
+    return "\n".join(lines)
+
+
+def format_kquant(result: dict) -> str:
+    rows = result["rows"]
+    lines = [f"K-quant quantization of float32 weights on one thread, the same input for both (pack: kquants.quantize "
+             f"by its {rows[0]['path']} path;\nggml: its compiled quantize_row_q*_K_ref, the bytes llama-quantize writes)",
+             f"{'type':<6} {'shape':>12} {'pack Mval/s':>12} {'ggml Mval/s':>12} {'ratio':>7}  exact"]
+    for r in rows:
+        pack = f"{r['type']:<6} {'x'.join(map(str, r['shape'])):>12} {r['values'] / r['pack_s'] / 1e6:>12.1f}"
+        if "reference_s" not in r:
+            lines.append(f"{pack} {'-':>12} {'-':>7}  -")
+            continue
+        lines.append(f"{pack} {r['values'] / r['reference_s'] / 1e6:>12.1f} {r['reference_s'] / r['pack_s']:>6.2f}x  "
+                     f"{'yes' if r['exact'] else 'NO'}")
+    if result["reference"] is None:
+        lines.append(f"ggml: not measured, {result['reference_missing']}")
+    else:
+        ratios = [r["reference_s"] / r["pack_s"] for r in rows]
+        mean = float(np.exp(np.mean(np.log(ratios))))
+        lines.append(f"lowest ratio {min(ratios):.2f}x ggml, geometric mean {mean:.2f}x")
     return "\n".join(lines)
 
 

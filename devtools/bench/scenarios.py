@@ -27,7 +27,7 @@ from ..tiny.gguf_blocks import random_blocks, write_and_close
 from ...tokenizers.ladder import bundled_tekken_path
 from ...tokenizers.vocab import byte_level_string
 from ..tiny.geometry import test_models_env
-from .convert_scenarios import bench_conversion, bench_quantize
+from .convert_scenarios import bench_conversion, bench_kquant, bench_quantize
 from .encode_scenarios import bench_conditioning_cache
 from .upsample_scenarios import bench_upsampling
 from .meters import Measured, best, competing_load, evict, machine, timings
@@ -519,6 +519,7 @@ def run_all(quick: bool) -> dict:
         "refusal": bench_refusal(quick),
         "long_prompt": bench_long_prompt(quick),
         "quantize": bench_quantize(quick),
+        "kquant": bench_kquant(quick),
         "conversion": bench_conversion(quick),
         "upsampling": bench_upsampling(quick),
     }

@@ -28,7 +28,7 @@ def _positive(x) -> bool:
 def test_documented_keys(results):
     assert set(results) == {"machine", "dequant", "forward_dequant", "forward_dequant_slow_memory", "contention", "header",
                             "tokenizer", "encoder_load", "load", "conditioning_cache", "refusal", "long_prompt", "quantize",
-                            "conversion", "upsampling"}
+                            "kquant", "conversion", "upsampling"}
     assert {"cpu_count", "torch_threads", "torch_version", "platform", "date"} <= set(results["machine"])
     assert {"first_s", "second_s", "rung"} <= set(results["tokenizer"])
     assert {"file_bytes", "peak_rss_bytes", "seconds", "header_parses", "synthetic_read"} <= set(results["load"])
@@ -135,6 +135,17 @@ def test_quantize_rows_are_exact_for_every_written_type_and_conversions_are_meas
     for r in rows:
         assert _positive(r["largest_bytes"]) and r["largest_bytes"] < r["file_bytes"] and _positive(r["seconds"])
         assert r["peak_rss_bytes"] >= 0 and r["read_bytes"] >= 0
+
+
+def test_kquant_rows_are_bit_identical_with_ggml_on_one_thread(results):
+    """Each K type's row has the pack's compiled quantizer and ggml's reference on the same input, with equal bytes."""
+    k = results["kquant"]
+    assert [r["type"] for r in k["rows"]] == ["Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K"]
+    assert all(r["path"] == "numba" and _positive(r["pack_s"]) for r in k["rows"])
+    if k["reference"] is None:
+        pytest.skip(k["reference_missing"])
+    assert all(r["exact"] is True and _positive(r["reference_s"]) for r in k["rows"]), k["rows"]
+    assert "K-quant quantization of float32 weights on one thread" in bench.format_report(results)
 
 
 def test_header_and_report(results):
