@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import signal
 import sys
 from pathlib import Path
 
@@ -181,25 +182,31 @@ class _Lora(argparse.Action):
 def _convert_transformer(args) -> None:
     from .loaders.convert.transformer import convert_transformer
 
-    patch = None
-    if args.loras:
-        from .host.lora_bake import lora_patch
+    bake = None
+    if args.loras:  # each LoRA's header is checked here, before the transformer is read and the host imported
+        from .host.lora_bake import LoraBake
 
-        patch = lora_patch(args.loras)
+        bake = LoraBake(args.loras)
     with _progress("writing the transformer, tensors"):
-        done = convert_transformer(args.path, args.out, qtype=args.type, force=args.force, patch=patch)
+        done = convert_transformer(args.path, args.out, qtype=args.type, force=args.force, patch=bake)
     types = ", ".join(f"{n} {t}" for t, n in done["types"].items())
     baked = f", {len(args.loras)} LoRA(s) baked in" if args.loras else ""
     print(f"wrote {done['path']}: {done['tensors']} tensors ({types}){baked}, {done['bytes'] / 2**20:.1f} MiB, "
           f"from a {done['layout']} FLUX.2 {done['variant']} transformer")
+    if bake is not None:
+        from .host.lora_bake import summary
+
+        for one in bake.baked:
+            print(summary(one))
 
 
 def _compare(args) -> None:
-    from .loaders.convert.identity import compare_weights, weights_at
+    from .loaders.convert.identity import check_comparable, compare_weights, weights_at
     from .loaders.formats.files import first_look
 
     first_look(args.other)
     a, b = weights_at(args.path), weights_at(args.other)
+    check_comparable(a, b)  # from the headers, before the host is imported and any weight compared
     prompts = _read_prompts(args) if args.prompts else None
     if a.kind in ("encoder", "transformer"):  # the figures run the models: the host is needed, so it is found first
         from .host import ensure_comfy
@@ -364,18 +371,36 @@ def _convert_commands(sub) -> None:
     p.set_defaults(run=_compare)
 
 
+class Terminated(BaseException):
+    """SIGTERM, raised where the command is, so that its cleanup runs as on Ctrl-C."""
+
+
+def _terminated(signum, frame):
+    raise Terminated
+
+
+# how a command was stopped -> (what the message calls it, the exit status: 128 + the signal's number)
+STOPPED = {KeyboardInterrupt: ("Ctrl-C (SIGINT)", 130), Terminated: ("SIGTERM", 143)}
+
+
 def run(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> int:
     """Parse and run one command under the command line's contract: a model path is looked at first, and any
     failure is one sentence on stderr and exit status 2 (--debug: the traceback)."""
     args = parser.parse_args(argv)
+    before = signal.signal(signal.SIGTERM, _terminated)  # so SIGTERM removes what a command was writing, as Ctrl-C does
     try:
         if getattr(args, "path", None):  # a bad file is refused here, before torch and the host are imported
             from .loaders.formats.files import first_look
 
             first_look(args.path)
         args.run(args)
-    except (KeyboardInterrupt, SystemExit):
+    except SystemExit:
         raise
+    except tuple(STOPPED) as e:
+        how, status = STOPPED[type(e)]
+        written = f"; nothing was written under {args.out}" if args.command.startswith("convert") else ""
+        print(f"{parser.prog} {args.command}: stopped by {how}{written}.", file=sys.stderr)
+        return status
     except BaseException as e:  # noqa: BLE001  (the command's contract: one sentence, exit 2; a Rust panic too)
         if args.debug:
             raise
@@ -386,6 +411,8 @@ def run(parser: argparse.ArgumentParser, argv: list[str] | None = None) -> int:
                     "command with --debug and report what it prints.")
         print(f"{parser.prog} {args.command}: {' '.join(text.split())}", file=sys.stderr)
         return 2
+    finally:
+        signal.signal(signal.SIGTERM, before)
     return 0
 
 

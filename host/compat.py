@@ -58,6 +58,8 @@ REQUIRED = (
     ("the pruned FLUX.2 text encoder", "comfy.text_encoders.flux:flux2_te"),
     ("reading LoRAs into a model's patches, in every format the host takes", "comfy.sd:load_lora_for_models"),
     ("the host's LoRA arithmetic, applied to a weight", "comfy.lora:calculate_weight"),
+    ("the LoRA key names the host maps onto a model, which the bake names the unapplied ones from",
+     "comfy.lora:model_lora_keys_unet"),
     ("loading a model onto the device the host computes on", "comfy.model_management:load_models_gpu"),
     ("a model's weight dtype", "comfy.model_base:BaseModel.get_dtype"),
     ("the Mistral encoder class the pack masks left padding in", "comfy.text_encoders.flux:Mistral3_24BModel.process_tokens"),

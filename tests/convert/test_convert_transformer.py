@@ -184,3 +184,41 @@ def test_a_lora_of_another_model_is_refused(comfy_host, tiny_root, tmp_path):
         convert_transformer(str(tiny_root / SOURCES["bfl"][0]), str(tmp_path / "out.gguf"), qtype="Q4_0",
                             patch=lora_patch([(str(tmp_path / "sdxl.safetensors"), 1.0)]))
     assert not (tmp_path / "out.gguf").exists()
+
+
+def test_a_bake_says_which_layers_it_applied_and_refuses_a_lora_that_applies_to_nothing(comfy_host, tiny_root,
+                                                                                         converted, tmp_path):
+    """Of one LoRA: a layer that fits its weight, one shaped for another weight, one of a text encoder. Of
+    another: a single layer whose shape fits some weight of the transformer, but not its own."""
+    from safetensors.torch import save_file
+
+    from comfyui_flux2dev.host.lora_bake import LoraBake, summary
+
+    up, down = "lora_up", "lora_down"
+    mixed = {**_lora_pair("diffusion_model.double_blocks.0.img_attn.qkv", up, down, 3 * HIDDEN, HIDDEN, 1),
+             **_lora_pair("diffusion_model.double_blocks.1.img_attn.qkv", up, down, 3 * HIDDEN, 128, 2),
+             **_lora_pair("lora_te_text_model_encoder_layers_0_mlp_fc1", up, down, HIDDEN, HIDDEN, 3)}
+    save_file(mixed, str(tmp_path / "mixed.safetensors"))
+    bake = LoraBake([(str(tmp_path / "mixed.safetensors"), 1.0)])
+    out = tmp_path / "baked.gguf"
+    convert_transformer(str(tiny_root / SOURCES["bfl"][0]), str(out), qtype="Q8_0", patch=bake)
+    (baked,) = bake.baked
+    assert (baked.layers, baked.applied) == (3, ["double_blocks.0.img_attn.qkv.weight"])
+    assert baked.misfit == [("double_blocks.1.img_attn.qkv.weight", [3 * HIDDEN, HIDDEN])]
+    assert baked.unmatched == ["lora_te_text_model_encoder_layers_0_mlp_fc1"]
+    assert summary(baked) == (
+        f"LoRA {tmp_path / 'mixed.safetensors'} (strength 1): 1 of its 3 layer(s) baked in; not applied: 1 shaped "
+        "unlike its weight (double_blocks.1.img_attn.qkv.weight is [768, 256]); 1 naming no weight of the transformer "
+        "(lora_te_text_model_encoder_layers_0_mlp_fc1)")
+    found, plain = _tensors(str(out)), _tensors(converted[("bfl", "Q8_0")])
+    patched = "double_blocks.0.img_attn.qkv.weight"
+    assert not np.array_equal(found[patched][1], plain[patched][1])
+    assert all(np.array_equal(found[k][1], plain[k][1]) for k in plain if k != patched)
+
+    save_file(_lora_pair("diffusion_model.double_blocks.0.img_attn.proj", up, down, 3 * HIDDEN, HIDDEN, 4),
+              str(tmp_path / "misfit.safetensors"))
+    with pytest.raises(WrongModelError, match=r"none of its 1 layer\(s\) applies \(1 shaped unlike its weight "
+                                              r"\(double_blocks\.0\.img_attn\.proj\.weight is \[256, 256\]\)\)"):
+        convert_transformer(str(tiny_root / SOURCES["bfl"][0]), str(tmp_path / "out.gguf"), qtype="Q8_0",
+                            patch=LoraBake([(str(tmp_path / "misfit.safetensors"), 1.0)]))
+    assert not (tmp_path / "out.gguf").exists()

@@ -1,0 +1,134 @@
+"""A LoRA to bake into a transformer, judged from its safetensors header before ComfyUI is imported: its layers
+(the up/down pairs and full differences ComfyUI's LoRA loader reads), each pair whole and of one rank, each
+alpha one number, and whether any layer is shaped for the transformer's weights at all. The host's loader then
+maps the names (host/lora_bake.py)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from ...errors import CorruptFileError, UnsupportedFormatError, WrongModelError
+from ..formats.safetensors_file import SafetensorsFiles
+
+# The (up, down) key endings of the LoRA spellings ComfyUI's loader reads, longest first so that no ending is
+# taken for a shorter one it ends with; the layer's name is what comes before.
+PAIRS = tuple(sorted((
+    (".lora_up.weight", ".lora_down.weight"),  # kohya, generic
+    ("_lora.up.weight", "_lora.down.weight"),  # diffusers (old)
+    (".lora_B.weight", ".lora_A.weight"),  # PEFT / diffusers
+    (".lora.up.weight", ".lora.down.weight"),  # diffusers
+    (".lora_B", ".lora_A"),  # mochi
+    (".lora_linear_layer.up.weight", ".lora_linear_layer.down.weight"),  # transformers
+    (".lora_B.default.weight", ".lora_A.default.weight"),  # PEFT adapters named "default"
+), key=lambda pair: -len(pair[0])))
+DIFF = ".diff"  # a full difference of the weight's shape
+ALPHA = ".alpha"  # one number: the pair's product is scaled by alpha / rank
+FLOATS = ("F64", "F32", "F16", "BF16")
+ALPHA_DTYPES = (*FLOATS, "I64", "I32", "I8", "U8")  # alpha is read as a number: any numeric type, one value
+
+
+@dataclass
+class LoraFile:
+    """A LoRA's layers by name: the shape of the difference each makes to its weight (None when that shape
+    takes the host's arithmetic to tell: a LoCon mid weight), and how many tensors are of kinds the host may
+    read that are no pair or difference (LoHa, LoKr ...)."""
+
+    path: str
+    layers: dict[str, tuple[int, ...] | None] = field(default_factory=dict)
+    others: int = 0
+
+
+def _ending(name: str) -> tuple[str, str, bool] | None:
+    """(layer, pair ending, whether it is the up half) of a pair's key, or None."""
+    for up, down in PAIRS:
+        for end, is_up in ((up, True), (down, False)):
+            if name.endswith(end) and len(name) > len(end):
+                return name[: -len(end)], end, is_up
+    return None
+
+
+def read_lora(path: str) -> LoraFile:
+    """The layers of the LoRA at `path`, every pair and alpha checked; the pack's error naming the key that
+    is not what a LoRA holds."""
+    if not str(path).lower().endswith(".safetensors"):
+        raise UnsupportedFormatError(
+            f"{path}: LoRAs are read from .safetensors files only (GGUF files hold models, and pickled .pt/.ckpt/.bin "
+            "files can run code when opened). Give the LoRA's .safetensors file."
+        )
+    files = SafetensorsFiles([str(path)])
+    infos = files.infos
+    lora = LoraFile(str(path))
+    used = set()
+    for name, info in sorted(infos.items()):
+        found = _ending(name)
+        if found is None or not found[2]:
+            continue
+        layer, end = found[0], found[1]
+        down_name = layer + dict(PAIRS)[end]
+        if down_name not in infos:
+            raise CorruptFileError(f"{path}: the LoRA holds {name} but not its other half {down_name}; the file is "
+                                   "damaged or not a LoRA. Download it again.")
+        down = infos[down_name]
+        for key, part in ((name, info), (down_name, down)):
+            if part.dtype not in FLOATS or len(part.shape) < 2 or 0 in part.shape:
+                raise CorruptFileError(f"{path}: the LoRA's {key} is {part.dtype} {list(part.shape)}, not a matrix of "
+                                       "floats; the file is damaged or not a LoRA.")
+        rank = math.prod(info.shape[1:])
+        if rank != down.shape[0]:
+            raise CorruptFileError(f"{path}: the LoRA's {name} {list(info.shape)} and {down_name} {list(down.shape)} "
+                                   "are not of one rank; the file is damaged.")
+        mid = layer + ".lora_mid.weight"
+        lora.layers[layer] = None if mid in infos else (info.shape[0], math.prod(down.shape[1:]))
+        used.update((name, down_name, mid))
+    for name, info in sorted(infos.items()):
+        if name in used or name.endswith(ALPHA):
+            continue
+        found = _ending(name)
+        if found is not None:  # a down half whose up half is not there
+            up = found[0] + next(u for u, d in PAIRS if d == found[1])
+            raise CorruptFileError(f"{path}: the LoRA holds {name} but not its other half {up}; the file is "
+                                   "damaged or not a LoRA. Download it again.")
+        if name.endswith(DIFF) and info.dtype in FLOATS:
+            lora.layers[name[: -len(DIFF)]] = tuple(info.shape)
+        elif not name.endswith(".dora_scale"):
+            lora.others += 1
+    for name in (n for n in infos if n.endswith(ALPHA)):
+        _check_alpha(files, name, path)
+    if not lora.layers and not lora.others:
+        raise WrongModelError(f"{path} holds no LoRA layer (no up/down pair, no difference); it is not a LoRA.")
+    return lora
+
+
+def _check_alpha(files: SafetensorsFiles, name: str, path: str) -> None:
+    info = files.infos[name]
+    if info.dtype not in ALPHA_DTYPES or math.prod(info.shape) != 1:
+        raise CorruptFileError(f"{path}: the LoRA's {name} is {info.dtype} {list(info.shape)}, not one number; "
+                               "the file is damaged or was written wrongly.")
+    value = files.read(name).double().item()
+    if not math.isfinite(value):
+        raise CorruptFileError(f"{path}: the LoRA's {name} is {value}, not a finite number; the file is damaged.")
+
+
+def fits(delta: tuple[int, ...], weight: tuple[int, ...]) -> bool:
+    """Whether a difference of shape `delta` can land in a weight of shape `weight`: the whole weight, or a run
+    of its rows (the host puts diffusers' separate q, k and v into slices of a fused weight)."""
+    return len(delta) == len(weight) and delta[1:] == weight[1:] and delta[0] <= weight[0]
+
+
+def check_fits(lora: LoraFile, shapes: dict[str, tuple[int, ...]], model: str) -> None:
+    """Refuse a LoRA none of whose layers is shaped for any weight of the transformer (`shapes`; `model` names it):
+    a LoRA of another model, told from the headers alone."""
+    known = {layer: delta for layer, delta in lora.layers.items() if delta is not None}
+    if lora.others or len(known) < len(lora.layers):
+        return  # some layer's shape is the host's to tell
+    targets = set(shapes.values())
+    if any(fits(delta, weight) for delta in known.values() for weight in targets):
+        return
+    widths = sorted({delta[-1] for delta in known.values()})
+    ours = sorted({weight[-1] for weight in targets if len(weight) > 1})
+    raise WrongModelError(
+        f"{lora.path} patches no weight of this {model} transformer: none of its {len(known)} layer(s) is shaped for "
+        f"it (they take inputs of width {', '.join(map(str, widths[:6]))}; its weights "
+        f"{', '.join(map(str, ours[:8]))}). It is a LoRA of another model; pick one made for {model}."
+    )
