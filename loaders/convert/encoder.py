@@ -27,7 +27,7 @@ from ...errors import UnsupportedFormatError
 from ..formats import progress, quant
 from ..models.encoder import planned_weights, plan_encoder, read_weight, resolve_plan_tokenizer
 from ..models.encoder_identify import LAYER_SHAPES
-from .output import check_output, output_file
+from .output import check_not_source, check_output, output_file
 from .tensor_files import safetensors_file
 
 FP8 = torch.float8_e4m3fn
@@ -76,6 +76,7 @@ def convert_encoder(src: str, out: str, *, dtype: str = "bf16", force: bool = Fa
         raise UnsupportedFormatError(f"The encoder is written as {' or '.join(DTYPES)}, not {dtype!r}.")
     target = check_output(out, force=force, suffix=".safetensors")
     plan = plan_encoder(src)
+    check_not_source(target, src)
     tekken = torch.frombuffer(bytearray(_tekken_document(plan)), dtype=torch.uint8)
     packed_dtype, plain_dtype = DTYPES[dtype]
     weights = planned_weights(plan)

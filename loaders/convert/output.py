@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 from ...errors import OutputError
-from ..formats.files import new_file
+from ..formats.files import new_file, remove_stale_partials
 
 FORCE_HINT = "give another name, or add --force to replace it"
 
@@ -32,10 +32,34 @@ def check_output(path: str | os.PathLike, *, force: bool, suffix: str) -> Path:
     return path
 
 
+def _identities(path: str | os.PathLike) -> set[tuple[int, int]]:
+    """(device, inode) of a name and of what it leads to, where there is anything."""
+    found = set()
+    for look in (os.lstat, os.stat):
+        with contextlib.suppress(OSError):
+            s = look(path)
+            found.add((s.st_dev, s.st_ino))
+    return found
+
+
+def check_not_source(target: Path, source: str | os.PathLike) -> None:
+    """Refuse to write over the source being converted: OUT the source file itself, or any file of a source
+    folder, by device and inode (through links and other names alike)."""
+    if not os.path.lexists(target):
+        return
+    source = Path(source)
+    files = [Path(top) / name for top, _, names in os.walk(source) for name in names] if source.is_dir() else [source]
+    theirs = set().union(*(_identities(f) for f in files))
+    if _identities(target) & theirs:
+        raise OutputError(f"{target} is the source being converted ({source}), or one of its files; writing it would "
+                          "replace the source with its own conversion, so it was left as it is. Give another name.")
+
+
 @contextlib.contextmanager
 def output_file(path: Path, *, force: bool) -> Iterator[BinaryIO]:
     """A file object writing `path` (checked by check_output). An OSError inside the block is the output's (the
     pack's readers turn their own into its errors): it ends as OutputError, and nothing is left under the name."""
+    remove_stale_partials(path)  # left by a conversion into the same name that was killed
     try:
         with new_file(path, replace=force) as f:
             yield f

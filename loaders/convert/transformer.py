@@ -38,7 +38,7 @@ from . import WRITTEN_TYPES
 from ..formats import progress, quant
 from ..formats.gguf_quant import NotQuantizable, fits, quantize, quantized_buffer, quantized_nbytes
 from ..models.transformer import TransformerPlan, plan_transformer
-from .output import check_output, output_file
+from .output import check_not_source, check_output, output_file
 from .tensor_files import gguf_file
 
 ARCHITECTURE = "flux"  # what FLUX GGUF files (city96's conversions and FLUX.2's among them) state
@@ -93,6 +93,7 @@ def convert_transformer(src: str, out: str, *, qtype: str, force: bool = False,
         raise UnsupportedFormatError(f"GGUF transformers are written as {', '.join(TYPES)}, not {qtype!r}.")
     target = check_output(out, force=force, suffix=".gguf")
     plan = plan_transformer(src)
+    check_not_source(target, src)
     apply = patch(plan) if patch is not None else None
     weights_type, file_type = TYPES[qtype]
     types = {key: tensor_type(key, shape, weights_type)[0] for key, (shape, _) in sorted(plan.tensors.items())}

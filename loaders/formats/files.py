@@ -11,9 +11,15 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
+
+try:
+    import fcntl
+except ImportError:  # Windows: no advisory locks, so no partial file is ever taken as stale
+    fcntl = None
 
 from ...errors import CorruptFileError, MissingWeightsError, UnsupportedFormatError
 from .validate import (
@@ -215,21 +221,48 @@ def first_look(path: str | Path) -> None:
         regular_file(path, "model file")
 
 
+def _partial_name(path: Path) -> Path:
+    """The fresh temporary name new_file writes `path` through (PARTIAL matches exactly these)."""
+    import secrets
+
+    return path.with_name(f".{path.name}.{secrets.token_hex(8)}.partial")
+
+
+PARTIAL = r"\.{name}\.[0-9a-f]{{16}}\.partial"  # _partial_name's names for a file `name`, as a pattern
+
+
+def _locked(fd: int, *, wait: bool) -> bool:
+    """An exclusive lock on an open file, held until it is closed (or its process ends, however it ends)."""
+    if fcntl is None:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+    except OSError:  # held by another process, or a file system without locks (then nothing is taken as stale)
+        return False
+    return True
+
+
 @contextlib.contextmanager
 def new_file(path: str | Path, *, replace: bool = False) -> Iterator[BinaryIO]:
     """A file to write `path` through: a fresh temporary file in the same folder, created exclusively (never
-    through a link), which becomes `path` only when the block ends without an error, after its bytes reached
-    the disk. It is linked into place, and a link never replaces what is at the name: FileExistsError when
-    something is there (checked first too, before any byte is written). With `replace`, it is renamed into
-    place instead, which replaces a file or a link at the name and never writes through the link. When the
-    block fails (a full disk, an interrupt), the temporary file is removed and nothing shows under `path`."""
-    import secrets
-
+    through a link) and locked while it is written, which becomes `path` only when the block ends without an
+    error, after its bytes reached the disk. It is linked into place, and a link never replaces what is at the
+    name: FileExistsError when something is there (checked first too, before any byte is written). With
+    `replace`, it is renamed into place instead, which replaces a file or a link at the name and never writes
+    through the link. When the block fails (a full disk, an interrupt), the temporary file is removed and
+    nothing shows under `path`; one left by a killed process is stale (remove_stale_partials)."""
     path = Path(path)
     if not replace and os.path.lexists(path):
         raise FileExistsError(errno.EEXIST, "something is already there", str(path))
-    temp = path.with_name(f".{path.name}.{secrets.token_hex(8)}.partial")
-    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_BINARY", 0), 0o644)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_BINARY", 0)
+    while True:
+        temp = _partial_name(path)
+        fd = os.open(temp, flags, 0o644)
+        _locked(fd, wait=True)
+        with contextlib.suppress(FileNotFoundError):  # a sweep may take it as stale between create and lock
+            if os.path.samestat(os.fstat(fd), os.lstat(temp)):
+                break
+        os.close(fd)
     try:
         with open(fd, "wb") as f:
             yield f
@@ -242,6 +275,38 @@ def new_file(path: str | Path, *, replace: bool = False) -> Iterator[BinaryIO]:
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(temp)
+
+
+def remove_stale_partials(path: str | Path) -> list[str]:
+    """Remove the temporary files new_file left for `path` in a process that was killed: only names of its
+    exact pattern for this name, only regular files of this user, and only those no process holds locked (a
+    write in progress keeps its lock). Where files cannot be locked (no fcntl), nothing is removed."""
+    import re
+
+    path = Path(path)
+    pattern = re.compile(PARTIAL.format(name=re.escape(path.name)))
+    removed = []
+    if fcntl is None or not path.parent.is_dir():
+        return removed
+    for name in os.listdir(path.parent):
+        if not pattern.fullmatch(name):
+            continue
+        found = path.parent / name
+        try:
+            fd = os.open(found, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+        except OSError:
+            continue
+        try:
+            mine = os.fstat(fd)
+            if stat.S_ISREG(mine.st_mode) and mine.st_uid == os.getuid() and _locked(fd, wait=False) \
+                    and os.path.samestat(mine, os.lstat(found)):
+                os.unlink(found)
+                removed.append(name)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+    return removed
 
 
 def write_new_file(path: str | Path, data: bytes) -> bool:

@@ -1,0 +1,174 @@
+"""`flux2dev convert` and `compare` stopped midway or given what cannot work: Ctrl-C and SIGTERM end in one line
+and no partial file; a partial file a killed conversion left is removed by the next conversion into that name,
+and nothing else is; OUT naming the source is refused; a LoRA that is malformed, no safetensors file or shaped
+for another model, and a [dev] compared with a Klein, are refused from headers alone, before ComfyUI is
+imported."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from helpers import run_flux2dev
+
+TRANSFORMER = "diffusion_models/flux2-dev-tiny.safetensors"
+KLEIN = "diffusion_models/flux2-klein-4b-tiny.safetensors"
+ENCODER = "text_encoders/mistral_3_small_flux2_bf16.safetensors"
+HIDDEN = 256  # the tiny [dev]'s width
+PARTIAL_END = ".0123456789abcdef.partial"  # a name of new_file's own pattern, with a fixed hex part
+
+# The command line, with the writer paused after its first tensor (a line on stdout says so) so that a signal
+# lands while the partial file is being written.
+PAUSED = """
+import sys, time
+from comfyui_flux2dev.loaders.convert import tensor_files
+from comfyui_flux2dev.cli import main
+write = tensor_files.TensorFile.write
+def paused(self, *args, **kwargs):
+    write(self, *args, **kwargs)
+    print("writing", flush=True)
+    time.sleep(60)
+tensor_files.TensorFile.write = paused
+sys.exit(main({argv!r}))
+"""
+
+# The command line, then whether ComfyUI was imported (the last line of stdout).
+COMFY_IMPORTED = """
+import sys
+from comfyui_flux2dev.cli import main
+status = main({argv!r})
+print("comfy" in sys.modules, [m for m in sys.modules if m.startswith("comfy.")][:3])
+sys.exit(status)
+"""
+
+
+def _python(script: str, **kwargs) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-P", "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, **kwargs)
+
+
+def _paused_convert(tiny_root, out: Path) -> subprocess.Popen:
+    argv = ["convert", "transformer", str(tiny_root / TRANSFORMER), str(out), "--type", "Q8_0"]
+    process = _python(PAUSED.format(argv=argv))
+    assert process.stdout.readline() == "writing\n", process.communicate(timeout=60)[1][-3000:]
+    return process
+
+
+def _partials(folder: Path) -> list[str]:
+    return sorted(n for n in os.listdir(folder) if n.endswith(".partial"))
+
+
+@pytest.mark.parametrize("stop, status, said", [(signal.SIGINT, 130, "Ctrl-C (SIGINT)"),
+                                               (signal.SIGTERM, 143, "SIGTERM")])
+def test_a_stopped_conversion_ends_in_one_line_and_leaves_no_partial_file(tiny_root, tmp_path, stop, status, said):
+    out = tmp_path / "out.gguf"
+    process = _paused_convert(tiny_root, out)
+    assert len(_partials(tmp_path)) == 1
+    process.send_signal(stop)
+    _, stderr = process.communicate(timeout=60)
+    assert process.returncode == status, stderr[-3000:]
+    assert stderr == f"flux2dev convert transformer: stopped by {said}; nothing was written under {out}.\n"
+    assert os.listdir(tmp_path) == []
+
+
+def test_the_next_conversion_removes_the_partial_file_a_killed_one_left_and_nothing_else(tiny_root, tmp_path):
+    out = tmp_path / "out.gguf"
+    process = _paused_convert(tiny_root, out)
+    process.send_signal(signal.SIGKILL)
+    process.communicate(timeout=60)
+    left = _partials(tmp_path)
+    assert len(left) == 1 and left[0].startswith(".out.gguf.")
+    # beside it: another name's partial file, names almost of the pattern, and one a live writer holds locked
+    foreign = [".other.gguf" + PARTIAL_END, ".out.gguf.0123.partial", ".out.gguf.0123456789abcdeg.partial",
+               "out.gguf" + PARTIAL_END, ".out.gguf" + PARTIAL_END + ".txt"]
+    for name in foreign:
+        (tmp_path / name).write_bytes(b"not the pack's to remove")
+    live = tmp_path / (".out.gguf.fedcba9876543210.partial")
+    live.write_bytes(b"a conversion in progress")
+    with open(live, "rb") as held:
+        fcntl.flock(held.fileno(), fcntl.LOCK_EX)
+        done = run_flux2dev("convert", "transformer", tiny_root / TRANSFORMER, out, "--type", "Q8_0")
+    assert done.returncode == 0, done.stderr
+    assert sorted(os.listdir(tmp_path)) == sorted(["out.gguf", live.name, *foreign])
+    assert all((tmp_path / name).read_bytes() == b"not the pack's to remove" for name in foreign)
+
+
+def test_force_with_out_naming_the_source_is_refused_and_the_source_kept(encoder, tmp_path):
+    before = encoder.read_bytes()
+    (tmp_path / "other-name.safetensors").hardlink_to(encoder)
+    (tmp_path / "link.safetensors").symlink_to(encoder)
+    for out in (encoder, tmp_path / "other-name.safetensors", tmp_path / "link.safetensors"):
+        done = run_flux2dev("convert", "encoder", encoder, out, "--dtype", "fp8", "--force")
+        assert done.returncode == 2 and "is the source being converted" in done.stderr, done.stderr
+        assert done.stderr.count("\n") == 1
+    assert encoder.read_bytes() == before and (tmp_path / "link.safetensors").is_symlink()
+    assert sorted(os.listdir(tmp_path)) == ["encoder.safetensors", "link.safetensors", "other-name.safetensors"]
+
+
+# --- refused from headers, before ComfyUI is imported ----------------------------------------------------------
+
+
+def _pair(prefix: str, out_features: int, in_features: int, up: str = "lora_up", down: str = "lora_down") -> dict:
+    g = torch.Generator().manual_seed(out_features + in_features)
+    return {f"{prefix}.{up}.weight": torch.randn(out_features, 4, generator=g),
+            f"{prefix}.{down}.weight": torch.randn(4, in_features, generator=g)}
+
+
+def _loras(folder: Path) -> dict[str, tuple[Path, str]]:
+    """Bad LoRAs for the tiny [dev] -> (file, what the refusal says)."""
+    from safetensors.torch import save_file
+
+    qkv = "diffusion_model.double_blocks.0.img_attn.qkv"
+    # a tiny Klein 4B's layers (width 128, MLP 384): no [dev] weight takes inputs of 384 or 512
+    klein = {**_pair(qkv, 3 * 128, 128), **_pair("diffusion_model.single_blocks.0.linear2", 128, 512),
+             **_pair("diffusion_model.double_blocks.0.img_mlp.2", 128, 384)}
+    diffusers = _pair("transformer.transformer_blocks.0.attn.to_k", HIDDEN, 100, "lora_B", "lora_A")
+    alpha = {**_pair(qkv, 3 * HIDDEN, HIDDEN), f"{qkv}.alpha": torch.tensor(list(b"16.0"), dtype=torch.uint8)}
+    up_alone = {f"{qkv}.lora_up.weight": torch.zeros(3 * HIDDEN, 4)}
+    down_alone = {f"{qkv}.lora_down.weight": torch.zeros(4, HIDDEN)}
+    ranks = {f"{qkv}.lora_up.weight": torch.zeros(3 * HIDDEN, 4), f"{qkv}.lora_down.weight": torch.zeros(8, HIDDEN)}
+    cases = {
+        "klein": (klein, "patches no weight of this FLUX.2 [dev] (tiny test model) transformer: none of its 3 "
+                         "layer(s) is shaped for it (they take inputs of width 128, 384, 512"),
+        "diffusers-shapes": (diffusers, "patches no weight of this FLUX.2 [dev]"),
+        "alpha-string": (alpha, f"the LoRA's {qkv}.alpha is U8 [4], not one number"),
+        "up-alone": (up_alone, f"holds {qkv}.lora_up.weight but not its other half {qkv}.lora_down.weight"),
+        "down-alone": (down_alone, f"holds {qkv}.lora_down.weight but not its other half {qkv}.lora_up.weight"),
+        "ranks": (ranks, "are not of one rank"),
+    }
+    out = {}
+    for name, (tensors, said) in cases.items():
+        save_file(tensors, str(folder / f"{name}.safetensors"))
+        out[name] = (folder / f"{name}.safetensors", said)
+    (folder / "model.gguf").write_bytes(b"GGUF" + bytes(60))
+    out["gguf"] = (folder / "model.gguf", "LoRAs are read from .safetensors files only")
+    return out
+
+
+def test_bad_loras_are_refused_in_one_line_before_comfyui_is_imported(tiny_root, tmp_path):
+    out = tmp_path / "out.gguf"
+    for name, (lora, said) in _loras(tmp_path).items():
+        argv = ["convert", "transformer", str(tiny_root / TRANSFORMER), str(out), "--type", "Q8_0", "--lora", str(lora)]
+        stdout, stderr = _python(COMFY_IMPORTED.format(argv=argv)).communicate(timeout=120)
+        lines = stderr.splitlines()
+        assert len(lines) == 1 and lines[0].startswith("flux2dev convert transformer: "), (name, stderr)
+        assert said in lines[0], (name, stderr)
+        assert "unexpectedly" not in stderr
+        assert stdout.splitlines()[-1] == "False []", (name, stdout)
+        assert not out.exists() and not _partials(tmp_path)
+
+
+def test_compare_of_dev_and_klein_is_refused_before_comfyui_is_imported(tiny_root):
+    argv = ["compare", str(tiny_root / TRANSFORMER), str(tiny_root / KLEIN)]
+    stdout, stderr = _python(COMFY_IMPORTED.format(argv=argv)).communicate(timeout=120)
+    assert stderr.splitlines() == [f"flux2dev compare: {tiny_root / TRANSFORMER} is a FLUX.2 dev transformer and "
+                                   f"{tiny_root / KLEIN} a klein-4b one; their outputs cannot be compared (they take "
+                                   "conditioning of different widths)."], stderr
+    assert stdout.splitlines()[-1] == "False []"
