@@ -241,6 +241,18 @@ def fits(qtype, shape) -> bool:
     return shape[-1] % GGML_QUANT_SIZES[Q(qtype)][0] == 0 if shape else False
 
 
+def rows_and_out(values: torch.Tensor, qtype: Q, out: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """`values` as rows [n, columns] (the last dimension), and the uint8 [n, row bytes] they are quantized into:
+    `out` where given (checked to be of that shape), else a new buffer; ValueError for rows of part blocks."""
+    block_size = GGML_QUANT_SIZES[qtype][0]
+    columns = values.shape[-1] if values.dim() else 1
+    if columns % block_size:
+        raise ValueError(f"rows of {columns} values do not hold whole {qtype.name} blocks of {block_size}")
+    rows = values.reshape(-1, columns)
+    shape = (rows.shape[0], row_bytes(qtype, columns))
+    return rows, quantized_buffer(qtype, *rows.shape) if out is None else output(out, shape, torch.uint8, torch.device("cpu"))
+
+
 def quantize(values: torch.Tensor, qtype, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """The GGUF bytes of `values` (a float tensor on the CPU, any float dtype, last dimension the rows) in
     `qtype`: uint8 [rows, row bytes], written into `out` where given (contiguous, of that shape). Raises
@@ -250,12 +262,8 @@ def quantize(values: torch.Tensor, qtype, *, out: torch.Tensor | None = None) ->
     if qtype not in _KERNELS:
         raise UnsupportedFormatError(f"The pack writes GGUF types {write_types()}, not {qtype.name}.")
     block_size, type_size = GGML_QUANT_SIZES[qtype]
-    columns = values.shape[-1] if values.dim() else 1
-    if columns % block_size:
-        raise ValueError(f"rows of {columns} values do not hold whole {qtype.name} blocks of {block_size}")
-    rows = values.reshape(-1, columns)
-    shape = (rows.shape[0], columns // block_size * type_size)
-    out = quantized_buffer(qtype, *rows.shape) if out is None else output(out, shape, torch.uint8, torch.device("cpu"))
+    rows, out = rows_and_out(values, qtype, out)
+    columns = rows.shape[1]
     if rows.is_contiguous() and fused.gguf_quantize(qtype.name, rows.view(-1, block_size), out.view(-1, type_size)):
         return out
     kernel = _KERNELS[qtype]

@@ -24,9 +24,9 @@ from gguf import GGMLQuantizationType as Q
 
 from ...errors import UnsupportedFormatError
 from . import kquant_kernels
-from .dequant_steps import dequant_threads, output
+from .dequant_steps import dequant_threads
 from .fused import load_by_digest
-from .gguf_quant import NotQuantizable, _check, quantized_buffer
+from .gguf_quant import NotQuantizable, _check, rows_and_out
 
 log = logging.getLogger(__name__)
 
@@ -121,12 +121,8 @@ def quantize(values: torch.Tensor, qtype, *, out: torch.Tensor | None = None,
         raise UnsupportedFormatError(f"The K-quant quantizer writes {', '.join(q.name for q in K_TYPES)}, "
                                      f"not {qtype.name}.")
     block_size, type_size = GGML_QUANT_SIZES[qtype]
-    columns = values.shape[-1] if values.dim() else 1
-    if columns % block_size:
-        raise ValueError(f"rows of {columns} values do not hold whole {qtype.name} blocks of {block_size}")
-    rows = values.reshape(-1, columns)
-    shape = (rows.shape[0], columns // block_size * type_size)
-    out = quantized_buffer(qtype, *rows.shape) if out is None else output(out, shape, torch.uint8, torch.device("cpu"))
+    rows, out = rows_and_out(values, qtype, out)
+    columns = rows.shape[1]
     step = max(1, CHUNK_VALUES // columns)
     for start in range(0, rows.shape[0], step):
         chunk = rows[start : start + step].to(torch.float32).contiguous()
