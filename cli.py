@@ -119,6 +119,12 @@ def _cache(args) -> None:
 
 
 def _upsample(args) -> None:
+    from .loaders.models.generation_settings import check_settings
+    from .tokenizers.chat import check_prompt
+
+    # a bad setting or prompt is refused at once, before torch and the host are imported (upsample checks again)
+    check_settings(seed=args.seed, temperature=args.temperature, max_new_tokens=args.max_new_tokens)
+    check_prompt(args.prompt)
     from .host.upsampler import upsample
 
     def progress(count: int, total: int) -> None:

@@ -105,6 +105,20 @@ def test_settings_out_of_bounds_are_refused_before_the_model_is_looked_at(comfy_
     assert planned == [] and reads == []
 
 
+def test_the_command_line_refuses_a_bad_setting_or_prompt_before_torch_is_imported(tiny_root):
+    """A refusal costs the command line's start alone (a tenth of a second), not torch's import (seconds)."""
+    from helpers import run_python
+
+    for (option, value), words in BOUNDS.items():
+        done = run_python("""
+            import sys
+            from comfyui_flux2dev import cli
+            code = cli.main(["upsample", *sys.argv[1:]])
+            print(code, "torch" in sys.modules)
+            """, tiny_root / "text_encoders" / "hf-mistral3", "--prompt", "a fox", option, value)
+        assert done.stdout.split() == ["2", "False"] and words in done.stderr, (option, done.stdout, done.stderr[-2000:])
+
+
 def test_bad_image_files_are_refused_after_the_model_and_before_any_weight(comfy_host, model, tiny_root, tmp_path,
                                                                            capsys, reads, decoded):
     for name, (content, error, words) in IMAGES.items():

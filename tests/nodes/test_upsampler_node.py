@@ -13,7 +13,7 @@ from helpers import run_flux2dev
 
 from comfyui_flux2dev.devtools.workflows import node
 from comfyui_flux2dev.errors import GraphError
-from comfyui_flux2dev.loaders.models.language_model import LIMITS
+from comfyui_flux2dev.loaders.models.generation_settings import LIMITS
 
 MODEL = "hf-mistral3/"  # the tiny whole model, as the node's menu lists it
 
