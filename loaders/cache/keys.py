@@ -44,7 +44,7 @@ class ConditioningKey(CacheKey):
 
 # Raise when the pack's generation changes (chat layout, image handling, sampling, the decoder's math): old
 # upsampled prompts then miss. tests/cache/test_encoding_version.py holds the digest of the code it guards.
-GENERATION_VERSION = 1
+GENERATION_VERSION = 2
 
 
 @dataclass(frozen=True)

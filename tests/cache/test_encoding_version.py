@@ -45,7 +45,8 @@ GUARDS = {
         values={"SYSTEM_MESSAGES": chat.SYSTEM_MESSAGES, "CHAT_MARKERS": chat.CHAT_MARKERS,
                 "MAX_CHAT_TOKENS": chat.MAX_CHAT_TOKENS, "MAX_PIXELS": vision.MAX_PIXELS,
                 "IMAGE_MEAN": vision.IMAGE_MEAN, "IMAGE_STD": vision.IMAGE_STD},
-        digests={1: "626f220d2ed1361c3b68d1f12144261a6bf18cb9710f87e4e8e94849b40933a4"},
+        digests={1: "626f220d2ed1361c3b68d1f12144261a6bf18cb9710f87e4e8e94849b40933a4",
+                 2: "4eb2a6c23b142585db6596a4ffe21273c9f7f778221d715e539df65849487a99"},
     ),
 }
 
