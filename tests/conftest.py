@@ -100,6 +100,17 @@ def encoder(tiny_root, tmp_path) -> Path:
     return path
 
 
+@pytest.fixture
+def reads(monkeypatch) -> list[str]:
+    """The tensors read from safetensors files while the test runs."""
+    from comfyui_flux2dev.loaders.formats.safetensors_file import SafetensorsFiles
+
+    read = []
+    original = SafetensorsFiles.read
+    monkeypatch.setattr(SafetensorsFiles, "read", lambda self, name: read.append(name) or original(self, name))
+    return read
+
+
 @pytest.fixture(scope="session")
 def tiny_manifest(tiny_root) -> list[dict]:
     from comfyui_flux2dev.devtools import tiny

@@ -55,17 +55,6 @@ def model(tiny_root):
 
 
 @pytest.fixture
-def reads(monkeypatch) -> list[str]:
-    """The tensors read from safetensors files while the test runs."""
-    from comfyui_flux2dev.loaders.formats.safetensors_file import SafetensorsFiles
-
-    read = []
-    original = SafetensorsFiles.read
-    monkeypatch.setattr(SafetensorsFiles, "read", lambda self, name: read.append(name) or original(self, name))
-    return read
-
-
-@pytest.fixture
 def decoded(monkeypatch) -> list[tuple[int, int]]:
     """The sizes image files are decoded at while the test runs (PIL's own decoding, watched)."""
     sizes = []

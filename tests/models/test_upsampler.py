@@ -171,17 +171,6 @@ def test_sampled_text_is_the_same_twice_and_in_a_fresh_process(comfy_host, encod
     assert fresh["input_ids"] == first.input_ids and fresh["system_message"] == first.system_message
 
 
-@pytest.fixture
-def reads(monkeypatch) -> list[str]:
-    """The tensors read from safetensors files while the test runs."""
-    from comfyui_flux2dev.loaders.formats.safetensors_file import SafetensorsFiles
-
-    read = []
-    original = SafetensorsFiles.read
-    monkeypatch.setattr(SafetensorsFiles, "read", lambda self, name: read.append(name) or original(self, name))
-    return read
-
-
 def _without(tmp_path, *names: str) -> Path:
     """A whole model in one file (ComfyUI's key layout, 40 layers) lacking the given tensors."""
     from safetensors.torch import save_file
