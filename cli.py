@@ -122,16 +122,21 @@ def _upsample(args) -> None:
     from .loaders.models.generation_settings import check_settings
     from .tokenizers.chat import check_prompt
 
-    # a bad setting or prompt is refused at once, before torch and the host are imported (upsample checks again)
+    # a bad setting, prompt or image file is refused at once, before torch and the host are imported (upsample
+    # checks the settings again); the images are decoded once, joined at the size the model sees
     check_settings(seed=args.seed, temperature=args.temperature, max_new_tokens=args.max_new_tokens)
     check_prompt(args.prompt)
+    images = args.image or []
+    if images and args.mode != "text to image":
+        from .loaders.models.images import reference_image
+
+        images = [reference_image(images)]
     from .host.upsampler import upsample
 
     def progress(count: int, total: int) -> None:
         print(f"\rwriting: {count}/{total} tokens", end="", file=sys.stderr, flush=True)
 
-    # the images are opened after the model's headers are checked, and decoded at the size the model sees
-    result = upsample(args.path, args.prompt, images=args.image or [], mode=args.mode, seed=args.seed,
+    result = upsample(args.path, args.prompt, images=images, mode=args.mode, seed=args.seed,
                       temperature=args.temperature, max_new_tokens=args.max_new_tokens, cache=args.cache,
                       on_token=None if args.json else progress)
     if not args.json:
@@ -186,13 +191,16 @@ class _Lora(argparse.Action):
 
 
 def _convert_transformer(args) -> None:
-    from .loaders.convert.transformer import convert_transformer
-
     bake = None
-    if args.loras:  # each LoRA's header is checked here, before the transformer is read and the host imported
+    if args.loras:  # each LoRA is checked against the transformer's headers here, before torch is imported
+        from .loaders.convert.lora import check_loras
+
+        check_loras([path for path, _ in args.loras], args.path)
         from .host.lora_bake import LoraBake
 
         bake = LoraBake(args.loras)
+    from .loaders.convert.transformer import convert_transformer
+
     with _progress("writing the transformer, tensors"):
         done = convert_transformer(args.path, args.out, qtype=args.type, force=args.force, patch=bake)
     types = ", ".join(f"{n} {t}" for t, n in done["types"].items())
@@ -207,12 +215,14 @@ def _convert_transformer(args) -> None:
 
 
 def _compare(args) -> None:
-    from .loaders.convert.identity import check_comparable, compare_weights, weights_at
     from .loaders.formats.files import first_look
+    from .loaders.models.inspect import check_comparable
 
     first_look(args.other)
+    check_comparable(args.path, args.other)  # from the headers, before torch is imported and any weight compared
+    from .loaders.convert.identity import compare_weights, weights_at
+
     a, b = weights_at(args.path), weights_at(args.other)
-    check_comparable(a, b)  # from the headers, before the host is imported and any weight compared
     prompts = _read_prompts(args) if args.prompts else None
     if a.kind in ("encoder", "transformer"):  # the figures run the models: the host is needed, so it is found first
         from .host import ensure_comfy

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import WrongModelError
-from ..loaders.convert.lora import LoraFile, check_fits, read_lora
+from ..loaders.convert.lora import LoraFile, check_applies, read_lora
 from ..loaders.formats.safetensors_file import SafetensorsFiles
 from ..loaders.models.transformer import LoadedTransformer, TransformerPlan
 from . import compat, ensure_comfy
@@ -94,7 +94,7 @@ class LoraBake:
     def __call__(self, plan: TransformerPlan):
         shapes = {key: shape for key, (shape, _) in plan.tensors.items()}
         for lora, _ in self.loras:
-            check_fits(lora, shapes, plan.variant.name)
+            check_applies(lora, shapes, plan.variant.name)
         ensure_comfy()
         import comfy.lora
         import comfy.sd

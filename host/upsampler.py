@@ -10,11 +10,9 @@ served without reading the weights. With keep_loaded off the model is freed afte
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import json
 import logging
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -28,8 +26,8 @@ from ..loaders.cache.store import ConditioningCache, stat_signature, weights_fin
 from ..loaders.models.encoder import EncoderPlan, plan_language_model, read_weights, resolve_plan_tokenizer
 from ..loaders.models.generation_settings import check_settings
 from ..loaders.models.language_model import MistralLM, Sampling, generate
-from ..loaders.models.vision import (MAX_DECODED_PIXELS, VisionEncoder, VisionPlan, open_image, plan_vision, prepare,
-                                     read_vision_weights)
+from ..loaders.models.images import MAX_DECODED_PIXELS, reference_image
+from ..loaders.models.vision import VisionEncoder, VisionPlan, plan_vision, prepare, read_vision_weights
 from ..tokenizers.chat import EOS_ID, IMAGE_ID, MODES, SYSTEM_MESSAGES, chat_ids, check_prompt, reply_text
 from . import compat, ensure_comfy
 from .clip_model import compute_dtype
@@ -99,10 +97,7 @@ def upsample(path: str, prompt: str, *, images: list = (), mode: str = "auto", s
     plan = plan_language_model(path)
     vision = plan_vision(plan) if edit else None
     tokenizer = resolve_plan_tokenizer(plan).tokenizer
-    with contextlib.ExitStack() as opened:
-        if edit:
-            images = [opened.enter_context(open_image(i)) if isinstance(i, (str, os.PathLike)) else i for i in images]
-        prepared = prepare(list(images), vision) if edit else None
+    prepared = prepare([reference_image(images)], vision) if edit else None
     system = SYSTEM_MESSAGES["edit" if edit else "text to image"]
     input_ids = chat_ids(tokenizer, system, prompt, prepared.grid if prepared else None)
     dtype = dtype or compute_dtype(plan)

@@ -23,10 +23,11 @@ from pathlib import Path
 
 import torch
 
-from ...errors import UnknownModelError, VariantMismatchError, WrongModelError
+from ...errors import WrongModelError
 from ..cache.store import ContentDigest, tensors_digest
 from ..formats import progress, quant
 from ..formats.gguf_quant import WRITE_TYPES, fits, quantize
+from ..models.inspect import check_comparable
 
 IDENTICAL = "identical"
 EQUAL = "equal after dequantization"
@@ -186,21 +187,10 @@ def verdict(a: dict, b: dict, name: str, shape_a, shape_b) -> dict:
     return {"name": name, "verdict": DIFFER, **_figures(dense_a, dense_b)}
 
 
-def check_comparable(a: Weights, b: Weights) -> None:
-    """Refuse, from the headers alone, two models whose outputs cannot be compared: of two kinds, or transformers
-    of two FLUX.2 variants."""
-    if a.kind != b.kind:
-        raise UnknownModelError(f"{a.path} is a {a.kind} and {b.path} a {b.kind}; compare two models of one kind.")
-    variants = a.description.get("variant"), b.description.get("variant")
-    if variants[0] != variants[1]:
-        raise VariantMismatchError(f"{a.path} is a FLUX.2 {variants[0]} transformer and {b.path} a {variants[1]} one; "
-                                   "their outputs cannot be compared (they take conditioning of different widths).")
-
-
 def compare_weights(a: Weights, b: Weights) -> dict:
     """Every weight of A against B's of the same name, and each file's digest (tensors_digest over all its weights
     and companions); {"counts", "tensors", "summary"}."""
-    check_comparable(a, b)
+    check_comparable(a.path, b.path)
     digests = ContentDigest(), ContentDigest()
     rows = []
     for name in progress.tracked(sorted(set(a.shapes) | set(b.shapes))):

@@ -1,15 +1,17 @@
-"""A LoRA to bake into a transformer, judged from its safetensors header before ComfyUI is imported: its layers
-(the up/down pairs and full differences ComfyUI's LoRA loader reads), each pair whole and of one rank, each
-alpha one number, and whether any layer is shaped for the transformer's weights at all. The host's loader then
-maps the names (host/lora_bake.py)."""
+"""A LoRA to bake into a transformer, judged from its safetensors header before torch and ComfyUI are imported:
+its layers (the up/down pairs and full differences ComfyUI's LoRA loader reads), each pair whole and of one
+rank, each alpha one number, and whether any layer is shaped for, and named after, a weight of the transformer at
+all. The host's loader then maps the names (host/lora_bake.py)."""
 
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass, field
 
 from ...errors import CorruptFileError, UnsupportedFormatError, WrongModelError
 from ..formats.safetensors_file import SafetensorsFiles
+from ..models.transformer_layout import bfl_shapes, module_names
 
 # The (up, down) key endings of the LoRA spellings ComfyUI's loader reads, longest first so that no ending is
 # taken for a shorter one it ends with; the layer's name is what comes before.
@@ -25,7 +27,8 @@ PAIRS = tuple(sorted((
 DIFF = ".diff"  # a full difference of the weight's shape
 ALPHA = ".alpha"  # one number: the pair's product is scaled by alpha / rank
 FLOATS = ("F64", "F32", "F16", "BF16")
-ALPHA_DTYPES = (*FLOATS, "I64", "I32", "I8", "U8")  # alpha is read as a number: any numeric type, one value
+# alpha is read as a number: any numeric type, one value (its struct format; bf16 is float32's upper half)
+ALPHA_FORMATS = {"F64": "<d", "F32": "<f", "F16": "<e", "BF16": "<f", "I64": "<q", "I32": "<i", "I8": "<b", "U8": "<B"}
 
 
 @dataclass
@@ -102,10 +105,11 @@ def read_lora(path: str) -> LoraFile:
 
 def _check_alpha(files: SafetensorsFiles, name: str, path: str) -> None:
     info = files.infos[name]
-    if info.dtype not in ALPHA_DTYPES or math.prod(info.shape) != 1:
+    if info.dtype not in ALPHA_FORMATS or math.prod(info.shape) != 1:
         raise CorruptFileError(f"{path}: the LoRA's {name} is {info.dtype} {list(info.shape)}, not one number; "
                                "the file is damaged or was written wrongly.")
-    value = files.read(name).double().item()
+    raw = files.read_bytes(name)
+    (value,) = struct.unpack(ALPHA_FORMATS[info.dtype], b"\0\0" + raw if info.dtype == "BF16" else raw)
     if not math.isfinite(value):
         raise CorruptFileError(f"{path}: the LoRA's {name} is {value}, not a finite number; the file is damaged.")
 
@@ -116,19 +120,40 @@ def fits(delta: tuple[int, ...], weight: tuple[int, ...]) -> bool:
     return len(delta) == len(weight) and delta[1:] == weight[1:] and delta[0] <= weight[0]
 
 
-def check_fits(lora: LoraFile, shapes: dict[str, tuple[int, ...]], model: str) -> None:
-    """Refuse a LoRA none of whose layers is shaped for any weight of the transformer (`shapes`; `model` names it):
-    a LoRA of another model, told from the headers alone."""
+def _flat(name: str) -> str:
+    return name.replace(".", "").replace("_", "").lower()
+
+
+def check_applies(lora: LoraFile, shapes: dict[str, tuple[int, ...]], model: str) -> None:
+    """Refuse a LoRA of another model, told from the headers alone: none of its layers is shaped for any weight
+    of the transformer (`shapes`, BFL keys; `model` names it), or none is named after one in any spelling (a
+    layer's name, without dots and underscores, ends with a weight's BFL or diffusers module name)."""
     known = {layer: delta for layer, delta in lora.layers.items() if delta is not None}
     if lora.others or len(known) < len(lora.layers):
         return  # some layer's shape is the host's to tell
     targets = set(shapes.values())
-    if any(fits(delta, weight) for delta in known.values() for weight in targets):
-        return
-    widths = sorted({delta[-1] for delta in known.values()})
-    ours = sorted({weight[-1] for weight in targets if len(weight) > 1})
-    raise WrongModelError(
-        f"{lora.path} patches no weight of this {model} transformer: none of its {len(known)} layer(s) is shaped for "
-        f"it (they take inputs of width {', '.join(map(str, widths[:6]))}; its weights "
-        f"{', '.join(map(str, ours[:8]))}). It is a LoRA of another model; pick one made for {model}."
-    )
+    if not any(fits(delta, weight) for delta in known.values() for weight in targets):
+        widths = sorted({delta[-1] for delta in known.values()})
+        ours = sorted({weight[-1] for weight in targets if len(weight) > 1})
+        raise WrongModelError(
+            f"{lora.path} patches no weight of this {model} transformer: none of its {len(known)} layer(s) is shaped "
+            f"for it (they take inputs of width {', '.join(map(str, widths[:6]))}; its weights "
+            f"{', '.join(map(str, ours[:8]))}). It is a LoRA of another model; pick one made for {model}."
+        )
+    modules = {_flat(name) for name in module_names(shapes)}
+    if not any(flat[i:] in modules for flat in map(_flat, known) for i in range(len(flat))):
+        shown = ", ".join(sorted(known)[:3]) + (" ..." if len(known) > 3 else "")
+        raise WrongModelError(
+            f"{lora.path} patches no weight of this {model} transformer: none of its {len(known)} layer(s) is named "
+            f"after one ({shown}). It is a LoRA of another model (or of a text encoder alone); pick one made for "
+            f"{model}."
+        )
+
+
+def check_loras(paths: list[str], transformer: str) -> None:
+    """Each LoRA at `paths` read and checked against the transformer at `transformer`, from headers alone,
+    before torch is imported."""
+    loras = [read_lora(path) for path in paths]
+    variant, shapes = bfl_shapes(transformer)
+    for lora in loras:
+        check_applies(lora, shapes, variant.name)

@@ -194,10 +194,20 @@ class SafetensorsFiles:
         import torch
 
         out = torch.empty(info.nbytes, dtype=torch.uint8)
+        self._read_into(name, out.numpy())
+        return out.view(torch_dtype(info.dtype)).reshape(info.shape)
+
+    def read_bytes(self, name: str) -> bytes:
+        """A tensor's stored bytes, without torch (for the few values read before it is imported)."""
+        out = bytearray(self.infos[name].nbytes)
+        self._read_into(name, out)
+        return bytes(out)
+
+    def _read_into(self, name: str, buffer) -> None:
+        info, path = self.infos[name], self._where[name]
         with reading(path, "safetensors file"), open(path, "rb", buffering=0) as f:
             if hasattr(os, "posix_fadvise"):
                 os.posix_fadvise(f.fileno(), info.start, info.nbytes, os.POSIX_FADV_RANDOM)
             f.seek(info.start)
-            if f.readinto(out.numpy()) != info.nbytes:
+            if f.readinto(buffer) != info.nbytes:
                 raise CorruptFileError(f"{path} ended inside tensor {name}; the file is truncated. Download it again.")
-        return out.view(torch_dtype(info.dtype)).reshape(info.shape)

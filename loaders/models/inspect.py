@@ -10,8 +10,7 @@ import os
 from collections import Counter
 from pathlib import Path
 
-from ...errors import ModelNotFoundError, WrongModelError
-from ..formats import quant
+from ...errors import ModelNotFoundError, UnknownModelError, VariantMismatchError, WrongModelError
 from ..formats.files import is_pipeline
 from .kinds import gguf_kind, kind_from_names, other_checkpoint
 from .pipeline import describe_pipeline
@@ -24,13 +23,15 @@ def _safetensors(path: Path) -> SafetensorsFiles:
 
 
 def _header_figures(files: SafetensorsFiles) -> dict:
+    from ..formats import quant
+
     formats = Counter(quant.labels(files).values())
     nbytes = sum(info.nbytes for info in files.infos.values())
     return {"reads": len(files.infos), "skips": 0, "formats": dict(formats), "memory_bytes": nbytes}
 
 
 def _transformer(path: Path) -> dict:
-    from .transformer import identify_transformer, transformer_files
+    from .transformer_layout import identify_transformer, transformer_files
 
     variant, geometry, layout = identify_transformer(path)
     figures = _header_figures(SafetensorsFiles([str(p) for p in transformer_files(path)]))
@@ -39,6 +40,7 @@ def _transformer(path: Path) -> dict:
 
 
 def _gguf_transformer(path: Path) -> dict:
+    from ..formats import quant
     from .gguf_transformer import load_gguf_transformer
 
     loaded = load_gguf_transformer(path)  # views of the mapped file: nothing is dequantized
@@ -108,3 +110,38 @@ def inspect_path(path) -> dict:
     if not os.path.lexists(path):  # a symlink loop is there, and gets the reader's own error
         raise ModelNotFoundError(f"{path} does not exist. Give a model file or folder that exists on this machine.")
     return DESCRIBERS[model_kind(path)](path)
+
+
+# The kinds compare takes, by what they are compared as.
+COMPARED_AS = {"encoder": "encoder", "transformer": "transformer", "gguf-transformer": "transformer", "vae": "vae"}
+
+
+def _variant(path: Path, kind: str) -> str | None:
+    from .transformer_layout import identify_gguf_transformer, identify_transformer
+
+    if kind == "transformer":
+        return identify_transformer(path)[0].key
+    if kind == "gguf-transformer":
+        from ..formats.gguf_file import open_gguf
+
+        with open_gguf(path) as gguf:
+            return identify_gguf_transformer(gguf)[0].key
+    return None
+
+
+def check_comparable(a, b) -> None:
+    """Refuse, from the headers alone and before torch is imported, two models whose outputs cannot be compared:
+    of two kinds, or transformers of two FLUX.2 variants. A path that is no model is left to the loaders' errors."""
+    kinds = []
+    for path in map(Path, (a, b)):
+        kind = model_kind(path) if os.path.lexists(path) else None
+        if kind not in COMPARED_AS:
+            return
+        kinds.append(kind)
+    if COMPARED_AS[kinds[0]] != COMPARED_AS[kinds[1]]:
+        raise UnknownModelError(f"{a} is a {COMPARED_AS[kinds[0]]} and {b} a {COMPARED_AS[kinds[1]]}; compare two "
+                                "models of one kind.")
+    variants = _variant(Path(a), kinds[0]), _variant(Path(b), kinds[1])
+    if variants[0] != variants[1]:
+        raise VariantMismatchError(f"{a} is a FLUX.2 {variants[0]} transformer and {b} a {variants[1]} one; their "
+                                   "outputs cannot be compared (they take conditioning of different widths).")

@@ -1,16 +1,10 @@
-"""The vision tower of Mistral-Small-3.x, for prompt upsampling's edits: the reference images as the model sees
-them, and their features in place of the chat's [IMG] tokens.
+"""The vision tower of Mistral-Small-3.x, for prompt upsampling's edits: the reference images (joined as
+images.py makes them) as the model sees them, and their features in place of the chat's [IMG] tokens.
 
-The images go the way of Black Forest Labs' reference (and diffusers'): several are joined side by side on
-white, centred vertically, into one; one over 768x768 pixels is scaled down to that area (Lanczos). Memory
-follows that cap, not the files: the images are decoded one at a time, a JPEG at the smallest scale the cap
-allows, and each one far over its share of the cap is box-reduced by a whole factor before it is joined (as
-PIL's own reducing_gap does); an image is refused before it is decoded when it would be over MAX_DECODED_PIXELS
-decoded. The Pixtral
-processor then fits it within the vision tower's image size and rounds each side up to whole merged patches
-(bicubic), and normalises it. The features come from transformers' own Pixtral vision model and Mistral3
-projector, built from the checkpoint's config.json and weights (HF folders and pipelines carry them; llama.cpp
-keeps them in a separate mmproj file, which the pack does not read)."""
+The Pixtral processor fits the joined image within the vision tower's image size and rounds each side up to
+whole merged patches (bicubic), and normalises it. The features come from transformers' own Pixtral vision model
+and Mistral3 projector, built from the checkpoint's config.json and weights (HF folders and pipelines carry them;
+llama.cpp keeps them in a separate mmproj file, which the pack does not read)."""
 
 from __future__ import annotations
 
@@ -18,34 +12,21 @@ import contextlib
 import hashlib
 import math
 import os
-import struct
-import warnings
-import zlib
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from ...errors import CorruptFileError, InputError, MissingWeightsError, UnsupportedFormatError
+from ...errors import InputError, MissingWeightsError, UnsupportedFormatError
 from ...tokenizers.chat import ImageGrid
 from ..formats import quant
 from ..formats.files import PIXTRAL_CONFIG, VISION_CONFIG
 from ..formats.validate import checked
 from .encoder import EncoderPlan
+from .images import joined
 
 PARTS = ("vision_tower.", "multi_modal_projector.")  # transformers' module names in Mistral3's model
 STORED_PREFIXES = ("model.", "")  # where a Mistral3 checkpoint stores them (transformers >= 4.52, older)
-MAX_PIXELS = 768 * 768  # the reference's cap on the joined image's area
-# The most pixels one image may have as decoded: PIL's own decompression-bomb bound (its default warning limit).
-MAX_DECODED_PIXELS = 89_478_485
-# An image at least this many times its share of the cap on each side is box-reduced by a whole factor first,
-# down to no less than this many times that share (PIL's thumbnail uses the same gap).
-REDUCING_GAP = 2
-# Modes Image.reduce takes; others are made RGB first.
-REDUCIBLE_MODES = ("L", "LA", "RGB", "RGBA", "RGBX", "CMYK", "I", "F", "La", "RGBa")
-BACKGROUND = (255, 255, 255)
-# What PIL raises for a file it cannot read or decode (a truncated PNG, a text file named .png, a bad header).
-UNREADABLE = (OSError, SyntaxError, ValueError, EOFError, IndexError, struct.error, zlib.error)
 # The Pixtral processor's normalisation (Mistral-Small-3.1's preprocessor_config.json, the processor's defaults).
 IMAGE_MEAN = (0.48145466, 0.4578275, 0.40821073)
 IMAGE_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -115,86 +96,6 @@ class PreparedImage:
     @property
     def size(self) -> tuple[int, int]:
         return tuple(self.pixels.shape[-2:])
-
-
-def open_image(path: str | os.PathLike) -> "PIL.Image.Image":  # noqa: F821
-    """The image file at `path`, opened (its header read, not its pixels): decoded by joined()."""
-    from PIL import Image
-
-    from ..formats.validate import regular_file
-
-    path = regular_file(path, "image")
-    try:
-        with warnings.catch_warnings():  # joined() applies its own bound to the size it decodes
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            return Image.open(path)
-    except Image.DecompressionBombError as e:
-        raise InputError(f"{path}: {e}; the upsampler decodes at most {MAX_DECODED_PIXELS} pixels of an image. "
-                         "Scale it down.") from None
-    except UNREADABLE as e:
-        raise CorruptFileError(f"{path}: not an image the upsampler can read ({e}); give a PNG, JPEG or WebP file "
-                               "that opens in an image viewer.") from None
-
-
-def _name(image) -> str:
-    return str(getattr(image, "filename", "") or "a reference image")
-
-
-def _decoded(image, share: tuple[float, float]) -> "PIL.Image.Image":  # noqa: F821
-    """One image decoded and reduced for its `share` of the capped joined image (its size there, in pixels)."""
-    from PIL import Image
-
-    gap = REDUCING_GAP
-    if share[0] * gap < image.width and share[1] * gap < image.height:  # a JPEG decodes at 1/2, 1/4 or 1/8
-        image.draft("RGB", (math.ceil(share[0] * gap), math.ceil(share[1] * gap)))
-    if image.width * image.height > MAX_DECODED_PIXELS:
-        raise InputError(f"{_name(image)} is {image.width}x{image.height} pixels; the upsampler decodes at most "
-                         f"{MAX_DECODED_PIXELS} pixels of an image as decoded (about 9459x9459; a large JPEG "
-                         "decodes at 1/2 to 1/8 of its size). Scale it down: the model sees at most 768x768 pixels "
-                         "of all the images together.")
-    try:
-        image.load()
-        if image.mode not in REDUCIBLE_MODES:
-            image = image.convert("RGB")
-        factor = int(min(image.width / share[0], image.height / share[1]) // gap)
-        if factor >= 2:
-            image = image.reduce(factor)
-        return image.convert("RGB")
-    except Image.DecompressionBombError as e:
-        raise InputError(f"{_name(image)}: {e}; the upsampler decodes at most {MAX_DECODED_PIXELS} pixels of an "
-                         "image. Scale it down.") from None
-    except UNREADABLE as e:
-        raise CorruptFileError(f"{_name(image)}: the image cannot be decoded ({e}); it is damaged or truncated. "
-                               "Save it again, or give another file.") from None
-
-
-def joined(images: list) -> "PIL.Image.Image":  # noqa: F821
-    """The reference's one image of several (PIL images, opened or decoded): side by side on white, centred
-    vertically, its area capped at MAX_PIXELS. Each is decoded in turn, at the size its share of the cap needs."""
-    from PIL import Image
-
-    for image in images:
-        if image.width < 1 or image.height < 1:
-            raise InputError(f"{_name(image)} is {image.width}x{image.height} pixels; an image has at least one "
-                             "pixel a side.")
-    width, height = sum(im.width for im in images), max(im.height for im in images)
-    scale = min(1.0, math.sqrt(MAX_PIXELS / (width * height)))
-    size = (int(width * scale), int(height * scale))
-    if min(size) < 1:
-        raise InputError(f"The reference images, joined side by side, are {width}x{height} pixels: scaled to the "
-                         f"model's {MAX_PIXELS} pixels, one side is under one pixel. Give images less long and thin.")
-    images = [_decoded(im, (im.width * scale, im.height * scale)) for im in images]
-    if len(images) == 1:
-        image = images[0]
-    else:
-        image = Image.new("RGB", (sum(im.width for im in images), max(im.height for im in images)), BACKGROUND)
-        x = 0
-        for im in images:
-            image.paste(im, (x, (image.height - im.height) // 2))
-            x += im.width
-    if scale < 1:
-        image = image.resize(size, Image.Resampling.LANCZOS)
-    return image
 
 
 def prepare(images: list, vision: VisionPlan) -> PreparedImage:

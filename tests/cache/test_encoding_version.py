@@ -16,7 +16,7 @@ import pytest
 
 from comfyui_flux2dev.host import clip_model, upsampler
 from comfyui_flux2dev.loaders.cache.keys import ENCODING_VERSION, GENERATION_VERSION
-from comfyui_flux2dev.loaders.models import language_model, vision
+from comfyui_flux2dev.loaders.models import images, language_model, vision
 from comfyui_flux2dev.tokenizers import chat, prompt
 
 # One row per version in loaders/cache/keys.py: what it stands for, the code it guards (functions and classes:
@@ -38,12 +38,12 @@ GUARDS = {
     "GENERATION_VERSION": dict(
         version=GENERATION_VERSION,
         means="what decides an upsampled prompt",
-        code=(chat.chat_ids, chat.image_ids, chat.reply_text, vision.joined, vision.prepare, vision.VisionEncoder,
+        code=(chat.chat_ids, chat.image_ids, chat.reply_text, images.joined, vision.prepare, vision.VisionEncoder,
               language_model.RMSNorm, language_model._rotate_half, language_model.KVCache, language_model.Attention,
               language_model.MLP, language_model.DecoderLayer, language_model.MistralLM, language_model.Sampling,
               language_model.generate, upsampler._run),
         values={"SYSTEM_MESSAGES": chat.SYSTEM_MESSAGES, "CHAT_MARKERS": chat.CHAT_MARKERS,
-                "MAX_CHAT_TOKENS": chat.MAX_CHAT_TOKENS, "MAX_PIXELS": vision.MAX_PIXELS,
+                "MAX_CHAT_TOKENS": chat.MAX_CHAT_TOKENS, "MAX_PIXELS": images.MAX_PIXELS,
                 "IMAGE_MEAN": vision.IMAGE_MEAN, "IMAGE_STD": vision.IMAGE_STD},
         digests={1: "626f220d2ed1361c3b68d1f12144261a6bf18cb9710f87e4e8e94849b40933a4",
                  2: "4eb2a6c23b142585db6596a4ffe21273c9f7f778221d715e539df65849487a99"},

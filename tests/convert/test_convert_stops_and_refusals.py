@@ -44,7 +44,7 @@ COMFY_IMPORTED = """
 import sys
 from comfyui_flux2dev.cli import main
 status = main({argv!r})
-print("comfy" in sys.modules, [m for m in sys.modules if m.startswith("comfy.")][:3])
+print("torch" in sys.modules, "comfy" in sys.modules, [m for m in sys.modules if m.startswith("comfy.")][:3])
 sys.exit(status)
 """
 
@@ -134,6 +134,8 @@ def _loras(folder: Path) -> dict[str, tuple[Path, str]]:
     up_alone = {f"{qkv}.lora_up.weight": torch.zeros(3 * HIDDEN, 4)}
     down_alone = {f"{qkv}.lora_down.weight": torch.zeros(4, HIDDEN)}
     ranks = {f"{qkv}.lora_up.weight": torch.zeros(3 * HIDDEN, 4), f"{qkv}.lora_down.weight": torch.zeros(8, HIDDEN)}
+    # shaped like the transformer's qkv weights, named after a text encoder's layers
+    names = _pair("lora_te_text_model_encoder_layers_0_self_attn_qkv", 3 * HIDDEN, HIDDEN)
     cases = {
         "klein": (klein, "patches no weight of this FLUX.2 [dev] (tiny test model) transformer: none of its 3 "
                          "layer(s) is shaped for it (they take inputs of width 128, 384, 512"),
@@ -142,6 +144,7 @@ def _loras(folder: Path) -> dict[str, tuple[Path, str]]:
         "up-alone": (up_alone, f"holds {qkv}.lora_up.weight but not its other half {qkv}.lora_down.weight"),
         "down-alone": (down_alone, f"holds {qkv}.lora_down.weight but not its other half {qkv}.lora_up.weight"),
         "ranks": (ranks, "are not of one rank"),
+        "names": (names, "none of its 1 layer(s) is named after one (lora_te_text_model_encoder_layers_0_self_attn_qkv)"),
     }
     out = {}
     for name, (tensors, said) in cases.items():
@@ -152,7 +155,7 @@ def _loras(folder: Path) -> dict[str, tuple[Path, str]]:
     return out
 
 
-def test_bad_loras_are_refused_in_one_line_before_comfyui_is_imported(tiny_root, tmp_path):
+def test_bad_loras_are_refused_in_one_line_before_torch_is_imported(tiny_root, tmp_path):
     out = tmp_path / "out.gguf"
     for name, (lora, said) in _loras(tmp_path).items():
         argv = ["convert", "transformer", str(tiny_root / TRANSFORMER), str(out), "--type", "Q8_0", "--lora", str(lora)]
@@ -161,14 +164,20 @@ def test_bad_loras_are_refused_in_one_line_before_comfyui_is_imported(tiny_root,
         assert len(lines) == 1 and lines[0].startswith("flux2dev convert transformer: "), (name, stderr)
         assert said in lines[0], (name, stderr)
         assert "unexpectedly" not in stderr
-        assert stdout.splitlines()[-1] == "False []", (name, stdout)
+        assert stdout.splitlines()[-1] == "False False []", (name, stdout)
         assert not out.exists() and not _partials(tmp_path)
 
 
-def test_compare_of_dev_and_klein_is_refused_before_comfyui_is_imported(tiny_root):
+def test_compare_of_dev_and_klein_or_of_two_kinds_is_refused_before_torch_is_imported(tiny_root):
     argv = ["compare", str(tiny_root / TRANSFORMER), str(tiny_root / KLEIN)]
     stdout, stderr = _python(COMFY_IMPORTED.format(argv=argv)).communicate(timeout=120)
     assert stderr.splitlines() == [f"flux2dev compare: {tiny_root / TRANSFORMER} is a FLUX.2 dev transformer and "
                                    f"{tiny_root / KLEIN} a klein-4b one; their outputs cannot be compared (they take "
                                    "conditioning of different widths)."], stderr
-    assert stdout.splitlines()[-1] == "False []"
+    assert stdout.splitlines()[-1] == "False False []"
+    vae = tiny_root / "vae" / "flux2-ae.safetensors"
+    stdout, stderr = _python(COMFY_IMPORTED.format(argv=["compare", str(tiny_root / TRANSFORMER), str(vae)])).communicate(
+        timeout=120)
+    assert stderr.splitlines() == [f"flux2dev compare: {tiny_root / TRANSFORMER} is a transformer and {vae} a vae; "
+                                   "compare two models of one kind."], stderr
+    assert stdout.splitlines()[-1] == "False False []"

@@ -22,7 +22,7 @@ from comfyui_flux2dev.loaders.formats.files import ENCODER_CONFIG, PIPELINE_INDE
 from comfyui_flux2dev.loaders.models.inspect import inspect_path
 from comfyui_flux2dev.loaders.models.pipeline import describe_pipeline
 from comfyui_flux2dev.loaders.formats.safetensors_file import SafetensorsFiles
-from comfyui_flux2dev.loaders.models.transformer import identify_transformer
+from comfyui_flux2dev.loaders.models.transformer_layout import identify_transformer
 from comfyui_flux2dev.loaders.models.vae import load_vae_state_dict
 from comfyui_flux2dev.loaders.formats.validate import JSON_LIMITS, checked
 

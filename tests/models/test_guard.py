@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from comfyui_flux2dev.errors import VariantMismatchError
-from comfyui_flux2dev.loaders.models.transformer import check_conditioning_width, geometry_from_shapes, variant_for_geometry
+from comfyui_flux2dev.loaders.models.transformer import check_conditioning_width
+from comfyui_flux2dev.loaders.models.transformer_layout import geometry_from_shapes, variant_for_geometry
 from comfyui_flux2dev.devtools.tiny.geometry import TINY_VARIANTS
 from comfyui_flux2dev.loaders.models.variants import VARIANTS
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from comfyui_flux2dev.errors import MissingWeightsError, UnknownModelError, WrongModelError
-from comfyui_flux2dev.loaders.models.transformer import geometry_from_shapes, identify_transformer, variant_for_geometry
+from comfyui_flux2dev.loaders.models.transformer_layout import geometry_from_shapes, identify_transformer, variant_for_geometry
 from comfyui_flux2dev.devtools.tiny.geometry import TINY_VARIANTS
 from comfyui_flux2dev.devtools.tiny.transformers import FP8_SPELLINGS
 

@@ -1,6 +1,6 @@
 """Prompt upsampling's inputs on the tiny whole model: each bad setting, prompt and image is the pack's own error
-stating its bounds, on the command line as in the library, and refused before any weight is read (the settings
-before the model is looked at, the images after its headers and before their pixels); typed control tokens are
+stating its bounds, on the command line as in the library, and refused before any weight is read (on the command line the settings, prompt
+and image files before torch is imported; in the library the images after the model's headers); typed control tokens are
 text in the chat; a cache entry that is not the upsampler's is a miss; images are decoded at the size the
 768x768 cap needs, not at their files' size."""
 
@@ -15,7 +15,8 @@ from PIL import Image, ImageFile
 
 from comfyui_flux2dev import cli
 from comfyui_flux2dev.errors import CorruptFileError, InputError, WrongModelError
-from comfyui_flux2dev.loaders.models.vision import MAX_DECODED_PIXELS, MAX_PIXELS, REDUCING_GAP, VisionPlan, prepare
+from comfyui_flux2dev.loaders.models.images import MAX_DECODED_PIXELS, MAX_PIXELS, REDUCING_GAP
+from comfyui_flux2dev.loaders.models.vision import VisionPlan, prepare
 
 BOUNDS = {  # a command line's setting -> the words of its refusal
     ("--temperature", "nan"): "temperature is nan; it must be a number from 0.0 to 2.0.",
@@ -94,11 +95,15 @@ def test_settings_out_of_bounds_are_refused_before_the_model_is_looked_at(comfy_
     assert planned == [] and reads == []
 
 
-def test_the_command_line_refuses_a_bad_setting_or_prompt_before_torch_is_imported(tiny_root):
+def test_the_command_line_refuses_a_bad_setting_prompt_or_image_before_torch_is_imported(tiny_root, tmp_path):
     """A refusal costs the command line's start alone (a tenth of a second), not torch's import (seconds)."""
     from helpers import run_python
 
-    for (option, value), words in BOUNDS.items():
+    cases = {(option, value): words for (option, value), words in BOUNDS.items()}
+    for name in ("truncated.png", "huge.png"):
+        (tmp_path / name).write_bytes(IMAGES[name][0])
+        cases["--image", str(tmp_path / name)] = IMAGES[name][2]
+    for (option, value), words in cases.items():
         done = run_python("""
             import sys
             from comfyui_flux2dev import cli
@@ -108,7 +113,7 @@ def test_the_command_line_refuses_a_bad_setting_or_prompt_before_torch_is_import
         assert done.stdout.split() == ["2", "False"] and words in done.stderr, (option, done.stdout, done.stderr[-2000:])
 
 
-def test_bad_image_files_are_refused_after_the_model_and_before_any_weight(comfy_host, model, tiny_root, tmp_path,
+def test_bad_image_files_are_refused_before_any_weight(comfy_host, model, tiny_root, tmp_path,
                                                                            capsys, reads, decoded):
     for name, (content, error, words) in IMAGES.items():
         (tmp_path / name).write_bytes(content)
@@ -116,7 +121,7 @@ def test_bad_image_files_are_refused_after_the_model_and_before_any_weight(comfy
         with pytest.raises(error, match="^" + str(tmp_path / name).replace("\\", "\\\\")):
             _upsample(model, "make it red", images=[tmp_path / name])
     assert reads == [] and decoded == [(64, 48)] * 2  # only the truncated one was decoded, the bombs never were
-    # the model is checked first: a pruned encoder with a bad image is refused for the model
+    # in the library the model is checked first: a pruned encoder with a bad image is refused for the model
     pruned = tiny_root / "text_encoders" / "mistral_3_small_flux2_bf16.safetensors"
     with pytest.raises(WrongModelError, match="pruned FLUX.2 encoder"):
         _upsample(pruned, "make it red", images=[tmp_path / "truncated.png"])
