@@ -8,11 +8,11 @@ import os
 import shutil
 from pathlib import Path
 
-from . import tiny
 from ..errors import HostError
 from ..host import COMFYUI_ROOT_ENV
-from .tiny.geometry import DECLARATION, test_models_env
+from . import tiny
 from .headless import HeadlessComfy
+from .tiny.geometry import DECLARATION, test_models_env
 from .workflows import node, official_dev_graph
 
 DEMO_PARTS = ("text_encoders", "unet", "vae")

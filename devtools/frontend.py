@@ -19,8 +19,8 @@ import tempfile
 import urllib.parse
 from pathlib import Path
 
-from .example_workflows import EXAMPLES, TEXT_TO_IMAGE, UI_FOLDER
 from ..loaders.models.variants import TEST_MODELS_ENV
+from .example_workflows import EXAMPLES, TEXT_TO_IMAGE, UI_FOLDER
 from .headless import PACK_FOLDER, HeadlessComfy
 from .tiny.geometry import DECLARATION
 

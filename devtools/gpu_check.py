@@ -387,8 +387,8 @@ def sample(server, quick: bool = False) -> dict:
 def sample_on_gpu(models: Path, log: Path) -> dict:
     """sample() through a headless ComfyUI (COMFYUI_ROOT's tree) started for the GPU, on the tiny models in `models`
     (written there when missing); the server's log goes to `log`."""
-    from . import tiny
     from ..host import COMFYUI_ROOT_ENV
+    from . import tiny
     from .demo import DEMO_PARTS
     from .headless import HeadlessComfy
     from .tiny.geometry import test_models_env

@@ -17,7 +17,6 @@ class Flux2DevTokenizer:
 
     def tokenize_with_weights(self, text: str, return_word_ids: bool = False, **kwargs):
         from ..tokenizers import prompt_ids
-
         from ..tokenizers.prompt import comfy_pieces
         from . import compat
 

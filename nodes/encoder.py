@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from comfy_api.latest import io
 
-from ..tokenizers import PADDING_MODES
-from .shared import CACHE_TOOLTIP, CLIP_TOOLTIP, KEEP_LOADED_TOOLTIP, PADDING_TOOLTIP, schema
 from ..host.menus import chosen_path, model_choices
 from ..loaders.models.node_titles import title
+from ..tokenizers import PADDING_MODES
+from .shared import CACHE_TOOLTIP, CLIP_TOOLTIP, KEEP_LOADED_TOOLTIP, PADDING_TOOLTIP, schema
 
 
 class Flux2DevEncoderLoader(io.ComfyNode):

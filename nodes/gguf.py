@@ -5,9 +5,9 @@ from __future__ import annotations
 from comfy_api.latest import io
 
 from ..host import model
-from .shared import MODEL_TOOLTIP, schema
 from ..host.menus import chosen_path, model_choices
 from ..loaders.models.node_titles import title
+from .shared import MODEL_TOOLTIP, schema
 
 
 class Flux2DevGGUFTransformerLoader(io.ComfyNode):

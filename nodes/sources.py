@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from comfy_api.latest import io
 
-from .shared import CACHE_TOOLTIP, CLIP_TOOLTIP, KEEP_LOADED_TOOLTIP, MODEL_TOOLTIP, PADDING_TOOLTIP, schema
 from ..host.menus import chosen_path, model_choices
 from ..loaders.models.node_titles import title
+from .shared import CACHE_TOOLTIP, CLIP_TOOLTIP, KEEP_LOADED_TOOLTIP, MODEL_TOOLTIP, PADDING_TOOLTIP, schema
 
 
 class Flux2DevVAESource(io.ComfyNode):

@@ -194,7 +194,11 @@ def reference_model(path):
     import gguf
 
     from comfyui_flux2dev.host.model import build_model
-    from comfyui_flux2dev.loaders.models.transformer import LoadedTransformer, geometry_from_shapes, variant_for_geometry
+    from comfyui_flux2dev.loaders.models.transformer import (
+        LoadedTransformer,
+        geometry_from_shapes,
+        variant_for_geometry,
+    )
 
     sd = {}
     for t in gguf.GGUFReader(str(path)).tensors:

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import json
 import gc
+import json
 import os
 import platform
 import subprocess

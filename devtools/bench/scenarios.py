@@ -23,14 +23,14 @@ import time
 import numpy as np
 import torch
 
-from ..tiny.gguf_blocks import random_blocks, write_and_close
 from ...tokenizers.ladder import bundled_tekken_path
 from ...tokenizers.vocab import byte_level_string
 from ..tiny.geometry import test_models_env
+from ..tiny.gguf_blocks import random_blocks, write_and_close
 from .convert_scenarios import bench_conversion, bench_kquant, bench_quantize
 from .encode_scenarios import bench_conditioning_cache
-from .upsample_scenarios import bench_upsampling
 from .meters import Measured, best, competing_load, evict, machine, timings
+from .upsample_scenarios import bench_upsampling
 
 # Values per benchmarked tensor. The full size (32 MiB of fp16) is still below most FLUX.2 weights
 # (6144 x 6144 = 38M values), so the output does not fit in cache, as in a real load.

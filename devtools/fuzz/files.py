@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-
 MAX_FILE = 1 << 40  # the largest (sparse) file an input is written as
 
 

@@ -25,8 +25,7 @@ from typing import Any, Callable
 
 from .files import FILE_KINDS, FileSpec, Gguf, JsonDoc, JsonLines, RawFile, Safetensors, write_kind
 from .mutations import mutate_bytes, mutate_gguf, mutate_json, mutate_lines, mutate_safetensors
-from .targets import Fixtures, LADDER_TARGETS, TARGETS, Tree, target_trees
-
+from .targets import LADDER_TARGETS, TARGETS, Fixtures, Tree, target_trees
 
 QUICK_INPUTS = 2000
 LONG_INPUTS = 20000

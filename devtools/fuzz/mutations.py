@@ -12,8 +12,7 @@ import random
 import struct
 from typing import Any
 
-from .files import FileSpec, GArray, G_ARRAY, G_STRING, Gguf, JsonLines, RawFile, Safetensors
-
+from .files import G_ARRAY, G_STRING, FileSpec, GArray, Gguf, JsonLines, RawFile, Safetensors
 
 INTERESTING_INTS = (0, 1, -1, 2, 3, 7, 32, 255, 256, 1000, 65535, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**53 + 1,
                     2**62, 2**63 - 1, 2**63, 2**64 - 1, 2**64, -(2**63), 10**5, 10**6, 10**7, 10**100)

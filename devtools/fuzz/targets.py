@@ -13,8 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from .files import FileSpec, GArray, G_STRING, Gguf, JsonDoc, JsonLines, RawFile, Safetensors
-
+from .files import G_STRING, FileSpec, GArray, Gguf, JsonDoc, JsonLines, RawFile, Safetensors
 
 N_RANKS = 300  # BPE ranks kept in the cut vocabularies (the 256 bytes and the first merges)
 PROMPT = "a red fox [INST] <s> in the snow"

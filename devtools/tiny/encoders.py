@@ -17,8 +17,8 @@ import numpy as np
 import torch
 
 from ...loaders.formats.quant import swizzle_block_scales
-from .geometry import TINY_MISTRAL
 from ...tokenizers.ladder import bundled_tekken_path
+from .geometry import TINY_MISTRAL
 from .gguf_blocks import write_and_close
 
 SEED = 20251125

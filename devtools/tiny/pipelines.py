@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 
 from ...loaders.models.variants import Flux2Variant
-from .geometry import TINY_VARIANTS
 from . import encoders
+from .geometry import TINY_VARIANTS
 from .transformers import SHARD_SIZE, make_transformer
 from .vae import write_vae_folder
 

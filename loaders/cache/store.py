@@ -38,8 +38,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ...errors import CacheError, Flux2DevError
-from ..formats.validate import NOFOLLOW, parse_json, read_bounded
 from ..formats.safetensors_file import SafetensorsFiles, read_metadata
+from ..formats.validate import NOFOLLOW, parse_json, read_bounded
 
 try:
     import fcntl

@@ -23,9 +23,9 @@ except ImportError:  # Windows: no advisory locks, so no partial file is ever ta
 
 from ...errors import CorruptFileError, MissingWeightsError, UnsupportedFormatError
 from .validate import (
-    MiB,
     NULL,
     Field,
+    MiB,
     checked,
     describe,
     inside,

@@ -31,9 +31,9 @@ import torch
 
 from ...errors import CorruptFileError, UnsupportedFormatError
 from . import fused
-from .validate import JSON_LIMITS, Field, checked, parse_json
 from .dequant_steps import few_threads, fill_by_rows, output
 from .safetensors_file import torch_dtype
+from .validate import JSON_LIMITS, Field, checked, parse_json
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 GGUF_TYPE = "weight_gguf_type"
@@ -205,7 +205,8 @@ def from_gguf(key: str, tensor) -> dict[str, torch.Tensor]:
     float tensors, a quantized weight kept packed (rows of whole blocks, a view of the mapped file) with its
     type beside it, and any other quantized tensor (1-D ones, rare) dequantized, as no layer reads those
     packed."""
-    from .gguf_dequant import FLOAT_TYPES, dequantize as gguf_dequantize
+    from .gguf_dequant import FLOAT_TYPES
+    from .gguf_dequant import dequantize as gguf_dequantize
 
     if tensor.qtype in FLOAT_TYPES:
         return {key: tensor.data.view(FLOAT_TYPES[tensor.qtype]).reshape(tensor.shape)}

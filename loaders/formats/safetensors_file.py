@@ -11,7 +11,6 @@ from dataclasses import dataclass
 from ...errors import CorruptFileError, UnsupportedFormatError
 from .validate import JSON_LIMITS, describe, open_regular, parse_json, reading
 
-
 # Each safetensors dtype: its plain name (packed formats are told apart by loaders/quant.py), its size in bytes
 # and its torch dtype's name. torch is imported only to read tensors, so headers are checked without it.
 DTYPES = {

@@ -29,12 +29,12 @@ from ...errors import (
     UnknownModelError,
     WrongModelError,
 )
-from ..formats.validate import JSON_LIMITS
 from ..formats import progress, quant
+from ..formats.files import MODEL_FOLDER_MARKERS
+from ..formats.validate import JSON_LIMITS
 from . import variants
 from .encoder_identify import EMBED, FINAL_NORM, LAYER_SHAPES, LM_HEAD, host_name, identify
 from .encoder_layouts import GGUF_METADATA, Source, find_layout, tokenizer_folders
-from ..formats.files import MODEL_FOLDER_MARKERS
 from .variants import MistralEncoderGeometry
 
 EMBEDDED_TEKKEN = "tekken_model"  # ComfyUI single files and gguf-org files carry tekken.json as a tensor

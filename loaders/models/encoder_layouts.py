@@ -39,9 +39,9 @@ from ..formats.files import (
     read_json,
     shards,
 )
+from ..formats.safetensors_file import SafetensorsFiles
 from .kinds import GGUF_ARCHITECTURES, gguf_architectures, gguf_kind
 from .node_titles import title
-from ..formats.safetensors_file import SafetensorsFiles
 from .variants import MistralEncoderGeometry
 
 HF_WEIGHTS = "model.safetensors"  # transformers' weights file (or its index's stem)

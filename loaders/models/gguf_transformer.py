@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from ...errors import UnknownModelError, UnsupportedFormatError, WrongModelError
 from ..formats import progress
 from ..formats.gguf_file import GGUFFile, open_gguf
+from ..formats.quant import from_gguf, gguf_label
 from .kinds import GGUF_ARCHITECTURES, gguf_architectures, gguf_kind
 from .node_titles import title
-from ..formats.quant import from_gguf, gguf_label
 from .transformer import BFL, LoadedTransformer, geometry_from_shapes, variant_for_geometry
 
 # Key prefixes some converters keep from the checkpoint they started from.

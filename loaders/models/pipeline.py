@@ -14,9 +14,9 @@ from typing import Mapping
 
 from ...errors import UnknownModelError, VariantMismatchError, WrongModelError
 from ..formats.files import ENCODER_CONFIG, MODEL_INDEX, PIPELINE_INDEX, TRANSFORMER_CONFIG, read_json
-from .transformer import geometry_from_shapes, transformer_files, variant_for_geometry
 from ..formats.safetensors_file import SafetensorsFiles
 from .node_titles import title
+from .transformer import geometry_from_shapes, transformer_files, variant_for_geometry
 from .variants import Flux2Variant, variant_by_key, variant_for_transformer
 
 # diffusers' FLUX.2 pipeline classes (0.42) and the variants each may hold.

@@ -21,11 +21,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from helpers import DATA, restricted, run_flux2dev, run_python, time_bound
 from cache_keys import key_of
 from comfyui_flux2dev.errors import CacheError, CorruptFileError
 from comfyui_flux2dev.loaders.cache import store as cc
 from comfyui_flux2dev.loaders.cache.store import TAG, ConditioningCache
+from helpers import DATA, restricted, run_flux2dev, run_python, time_bound
 
 ENTRY_BYTES = 4096  # about what one small entry below takes
 

@@ -13,9 +13,8 @@ import sys
 import pytest
 import torch
 
-from comfyui_flux2dev.loaders.cache.store import ConditioningCache, stat_signature, tensors_digest, weights_fingerprint
-
 from cache_keys import key_of
+from comfyui_flux2dev.loaders.cache.store import ConditioningCache, stat_signature, tensors_digest, weights_fingerprint
 from helpers import cuda_param, on_device, run_flux2dev
 
 PROMPT = "a red fox in the snow"

@@ -18,7 +18,6 @@ import pytest
 from comfyui_flux2dev.devtools.fuzz import files, harness, targets
 from comfyui_flux2dev.errors import CorruptFileError
 
-
 PLANTED = {0: ("exception", "KeyError"), 1: ("hang", "-"), 2: ("memory", "-"), 3: ("leak", "CorruptFileError")}
 
 

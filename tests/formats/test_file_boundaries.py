@@ -17,14 +17,14 @@ import torch
 from safetensors.torch import save_file
 
 from comfyui_flux2dev.errors import CorruptFileError, Flux2DevError, MissingWeightsError, UnknownModelError
-from comfyui_flux2dev.loaders.models.encoder import plan_encoder
 from comfyui_flux2dev.loaders.formats.files import ENCODER_CONFIG, PIPELINE_INDEX, TRANSFORMER_CONFIG, part_files
+from comfyui_flux2dev.loaders.formats.safetensors_file import SafetensorsFiles
+from comfyui_flux2dev.loaders.formats.validate import JSON_LIMITS, checked
+from comfyui_flux2dev.loaders.models.encoder import plan_encoder
 from comfyui_flux2dev.loaders.models.inspect import inspect_path
 from comfyui_flux2dev.loaders.models.pipeline import describe_pipeline
-from comfyui_flux2dev.loaders.formats.safetensors_file import SafetensorsFiles
 from comfyui_flux2dev.loaders.models.transformer import identify_transformer
 from comfyui_flux2dev.loaders.models.vae import load_vae_state_dict
-from comfyui_flux2dev.loaders.formats.validate import JSON_LIMITS, checked
 
 SECRET = b"marker:x:0:0:marker:/home/marker:/bin/sh\n"  # what a file that is no model file holds
 

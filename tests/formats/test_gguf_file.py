@@ -12,12 +12,11 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFValueType as V
 
-from helpers import gguf_bytes, gguf_kv, gguf_string, gguf_tensor_info
-
 from comfyui_flux2dev.devtools.tiny.gguf_blocks import random_blocks, write_and_close
 from comfyui_flux2dev.errors import CorruptFileError, UnsupportedFormatError
 from comfyui_flux2dev.loaders.formats import gguf_file
 from comfyui_flux2dev.loaders.formats.gguf_file import open_gguf
+from helpers import gguf_bytes, gguf_kv, gguf_string, gguf_tensor_info
 
 TOKENS = ["<unk>", "<s>", "", "ÿ", "Ġthe", "日本", "a b", "\n", "🙂", "ĊĠĠ"] * 30
 # (name, gguf shape in torch order, type)

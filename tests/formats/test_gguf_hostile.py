@@ -12,14 +12,12 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFValueType as V
 
-from helpers import gguf_array, gguf_bytes, gguf_f32, gguf_kv, gguf_string, gguf_tensor_info, gguf_u32, run_python
-
+from comfyui_flux2dev.devtools.tiny.gguf_transformers import write_gguf
 from comfyui_flux2dev.errors import CorruptFileError, ModelNotFoundError, WrongModelError
 from comfyui_flux2dev.loaders.formats.gguf_file import open_gguf
 from comfyui_flux2dev.loaders.models.gguf_transformer import load_gguf_transformer
 from comfyui_flux2dev.loaders.models.kinds import gguf_architectures
-from comfyui_flux2dev.devtools.tiny.gguf_transformers import write_gguf
-
+from helpers import gguf_array, gguf_bytes, gguf_f32, gguf_kv, gguf_string, gguf_tensor_info, gguf_u32, run_python
 
 # The architectures whose settings the encoder loader reads, as it tells the reader.
 ENCODER_ARCHITECTURES = frozenset(gguf_architectures("encoder"))

@@ -13,7 +13,7 @@ from gguf import GGMLQuantizationType as Q
 
 from comfyui_flux2dev.errors import UnsupportedFormatError
 from comfyui_flux2dev.loaders.formats import fused, gguf_quant
-from comfyui_flux2dev.loaders.formats.gguf_quant import NotQuantizable, WRITE_TYPES, quantize
+from comfyui_flux2dev.loaders.formats.gguf_quant import WRITE_TYPES, NotQuantizable, quantize
 from helpers import numba_unavailable
 
 

@@ -5,7 +5,6 @@ page cache included), memory by /proc/self/status."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 

@@ -11,10 +11,9 @@ import pytest
 import torch
 
 import references
-
+from comfyui_flux2dev.devtools.tiny import encoders as tiny
 from comfyui_flux2dev.errors import MissingWeightsError, UnknownModelError, UnsupportedFormatError, WrongModelError
 from comfyui_flux2dev.loaders.models import encoder as enc
-from comfyui_flux2dev.devtools.tiny import encoders as tiny
 from helpers import on_device
 
 PROMPTS = ("a red fox in the snow", "Ein Café, 2024: [IMG] 3 cats <s>!")

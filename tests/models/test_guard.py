@@ -7,9 +7,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from comfyui_flux2dev.errors import VariantMismatchError
-from comfyui_flux2dev.loaders.models.transformer import check_conditioning_width, geometry_from_shapes, variant_for_geometry
 from comfyui_flux2dev.devtools.tiny.geometry import TINY_VARIANTS
+from comfyui_flux2dev.errors import VariantMismatchError
+from comfyui_flux2dev.loaders.models.transformer import (
+    check_conditioning_width,
+    geometry_from_shapes,
+    variant_for_geometry,
+)
 from comfyui_flux2dev.loaders.models.variants import VARIANTS
 
 DEV, KLEIN_4B, KLEIN_9B = VARIANTS

@@ -9,6 +9,7 @@ import shutil
 import pytest
 import torch
 
+from comfyui_flux2dev.devtools.tiny.geometry import TINY_VARIANTS
 from comfyui_flux2dev.errors import VariantMismatchError, WrongModelError
 from comfyui_flux2dev.loaders.models.pipeline import (
     describe_pipeline,
@@ -17,7 +18,6 @@ from comfyui_flux2dev.loaders.models.pipeline import (
     pipeline_class,
     pipeline_variant,
 )
-from comfyui_flux2dev.devtools.tiny.geometry import TINY_VARIANTS
 from comfyui_flux2dev.loaders.models.variants import VARIANTS
 
 

@@ -3,14 +3,13 @@ Flux2Transformer2DModel on the same weights."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
-from comfyui_flux2dev.errors import MissingWeightsError, UnknownModelError, WrongModelError
-from comfyui_flux2dev.loaders.models.transformer import geometry_from_shapes, identify_transformer, variant_for_geometry
 from comfyui_flux2dev.devtools.tiny.geometry import TINY_VARIANTS
 from comfyui_flux2dev.devtools.tiny.transformers import FP8_SPELLINGS
+from comfyui_flux2dev.errors import MissingWeightsError, UnknownModelError, WrongModelError
+from comfyui_flux2dev.loaders.models.transformer import geometry_from_shapes, identify_transformer, variant_for_geometry
 
 
 @pytest.fixture(scope="module")

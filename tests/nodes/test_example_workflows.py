@@ -14,11 +14,10 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from helpers import run_devtools, run_flux2dev
-
 from comfyui_flux2dev.devtools import example_workflows as examples
 from comfyui_flux2dev.devtools.headless import PACK_FOLDER, HeadlessComfy
 from comfyui_flux2dev.devtools.workflow_files import ui_to_api
+from helpers import run_devtools, run_flux2dev
 
 NAMES = sorted(examples.EXAMPLES)
 README = Path(__file__).resolve().parents[2] / "README.md"

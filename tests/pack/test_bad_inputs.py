@@ -12,8 +12,17 @@ from pathlib import Path
 
 import pytest
 
-from bad_files import ESCAPES, build_all, entry_points, message_faults, outcome, outside_target, run_cli, secret_faults, time_bound
-from helpers import point_model_folders
+from bad_files import (
+    ESCAPES,
+    build_all,
+    entry_points,
+    message_faults,
+    outcome,
+    outside_target,
+    run_cli,
+    secret_faults,
+    time_bound,
+)
 from comfyui_flux2dev.errors import (
     MODULE,
     CorruptFileError,
@@ -25,7 +34,7 @@ from comfyui_flux2dev.errors import (
     VariantMismatchError,
     WrongModelError,
 )
-
+from helpers import point_model_folders
 
 ENCODER = ("encoder", "tokenizer", "inspect")  # the verbs that read a text encoder
 NOT_GGUF = (CorruptFileError, [r"not a GGUF file"])

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from bad_files import entry_points, link_tree, message_faults, run_cli, time_bound, watching
-from helpers import TINY_FOLDERS, point_model_folders
 from comfyui_flux2dev.errors import MODULE, MissingWeightsError, UnsupportedFormatError
+from helpers import TINY_FOLDERS, point_model_folders
 
 PACKAGE = Path(__file__).resolve().parents[2]
 PLANTED_MODULES = ("tokenization_planted", "processing_planted", "configuration_planted", "modeling_planted")

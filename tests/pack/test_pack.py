@@ -48,6 +48,7 @@ def test_the_server_loads_the_pack_and_lists_its_nodes(comfy_server):
 
 def test_requirements_txt_lists_exactly_the_pyproject_dependencies():
     import pathlib
+
     import tomllib
 
     root = pathlib.Path(__file__).resolve().parents[2]

@@ -10,8 +10,6 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from test_tokenizers import corpus_prompts, reference  # noqa: F401  (reference: a fixture)
-
 from comfyui_flux2dev.errors import PromptTooLongError
 from comfyui_flux2dev.tokenizers import SYSTEM_PROMPT, Flux2Tokenizer, bundled_tekken_path, parse_tekken_json
 from comfyui_flux2dev.tokenizers.chat import (
@@ -22,6 +20,7 @@ from comfyui_flux2dev.tokenizers.chat import (
     chat_ids,
     reply_text,
 )
+from test_tokenizers import corpus_prompts, reference  # noqa: F401  (reference: a fixture)
 
 pytestmark = pytest.mark.transformers_matrix
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from test_tokenizers import V3_NAMES, _v7_tekken, corpus_prompts
 
 pytestmark = pytest.mark.transformers_matrix

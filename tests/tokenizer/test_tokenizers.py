@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from comfyui_flux2dev.devtools.tiny.gguf_blocks import write_and_close
 from comfyui_flux2dev.errors import CorruptFileError, TokenizerNotFoundError
 from comfyui_flux2dev.tokenizers import (
     MAX_LENGTH,
@@ -29,7 +30,6 @@ from comfyui_flux2dev.tokenizers import (
     resolve_tokenizer,
     tekken_bytes,
 )
-from comfyui_flux2dev.devtools.tiny.gguf_blocks import write_and_close
 from comfyui_flux2dev.tokenizers.vocab import vocab_from_transformers
 
 pytestmark = pytest.mark.transformers_matrix
