@@ -12,7 +12,7 @@ from ..errors import HostError
 from ..host import COMFYUI_ROOT_ENV
 from . import tiny
 from .headless import HeadlessComfy
-from .tiny.geometry import DECLARATION, test_models_env
+from .tiny.geometry import test_models_env
 from .workflows import node, official_dev_graph
 
 DEMO_PARTS = ("text_encoders", "unet", "vae")

@@ -47,7 +47,7 @@ class HeadlessComfy:
         self.process: subprocess.Popen | None = None
         self.log_path = self.base_dir / "server.log"
 
-    def __enter__(self) -> "HeadlessComfy":
+    def __enter__(self) -> HeadlessComfy:
         self.start()
         return self
 

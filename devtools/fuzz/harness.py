@@ -18,10 +18,11 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from .files import FILE_KINDS, FileSpec, Gguf, JsonDoc, JsonLines, RawFile, Safetensors, write_kind
 from .mutations import mutate_bytes, mutate_gguf, mutate_json, mutate_lines, mutate_safetensors
@@ -420,7 +421,7 @@ def prepare(fixtures: str | None) -> Fixtures:
         fixtures = tempfile.mkdtemp(prefix="fuzz-tiny-")
         print(f"writing the tiny fixtures to {fixtures} (pass --fixtures to reuse them)")
         tiny.write_all(fixtures)
-    from ...loaders.models import encoder, gguf_transformer, inspect, pipeline, transformer
+    from ...loaders.models import encoder, gguf_transformer, inspect, pipeline, transformer  # noqa: F401
     from ...tokenizers import resolve_tokenizer
 
     resolve_tokenizer()

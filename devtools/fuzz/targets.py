@@ -9,9 +9,10 @@ import os
 import shutil
 import struct
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from .files import G_STRING, FileSpec, GArray, Gguf, JsonDoc, JsonLines, RawFile, Safetensors
 

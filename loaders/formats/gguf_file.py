@@ -15,11 +15,16 @@ import mmap
 import os
 import struct
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ...errors import CorruptFileError, UnsupportedFormatError
 from .validate import Field, check_field, open_regular
+
+if TYPE_CHECKING:  # for the annotations only: torch and gguf are imported where they are used
+    import torch
+    from gguf import GGMLQuantizationType
 
 _MAGIC = b"GGUF"
 _START_BYTES = 24  # magic, version, tensor count, metadata count
@@ -66,14 +71,14 @@ def parse_count() -> int:
 @dataclass(frozen=True)
 class GGUFTensor:
     name: str
-    qtype: "GGMLQuantizationType"
+    qtype: GGMLQuantizationType
     shape: tuple[int, ...]  # torch order: GGUF stores dims innermost first
     offset: int  # absolute byte offset in the file
     nbytes: int
     _file: GGUFFile = field(repr=False, compare=False)
 
     @property
-    def data(self) -> "torch.Tensor":
+    def data(self) -> torch.Tensor:
         """The raw bytes, a zero-copy uint8 view of the mapped file."""
         return self._file._bytes(self.offset, self.nbytes)
 
@@ -95,7 +100,7 @@ class GGUFFile:
     def architecture(self) -> str | None:
         return self.metadata.get("general.architecture")
 
-    def _bytes(self, offset: int, nbytes: int) -> "torch.Tensor":
+    def _bytes(self, offset: int, nbytes: int) -> torch.Tensor:
         if self._base is None:
             raise ValueError(f"{self.path} is closed.")
         return self._base[offset : offset + nbytes]
@@ -412,7 +417,7 @@ def _parse(path: str, buf: mmap.mmap):
     return metadata, tensors
 
 
-def _quant_type(path: str, name: str, raw_type: int) -> "GGMLQuantizationType":
+def _quant_type(path: str, name: str, raw_type: int) -> GGMLQuantizationType:
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     try:

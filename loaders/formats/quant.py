@@ -24,8 +24,8 @@ packings differ between writers, and a wrong guess would give a model that runs 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 

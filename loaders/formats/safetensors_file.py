@@ -7,9 +7,13 @@ import math
 import os
 import struct
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ...errors import CorruptFileError, UnsupportedFormatError
 from .validate import JSON_LIMITS, describe, open_regular, parse_json, reading
+
+if TYPE_CHECKING:  # for the annotations only: torch is imported where tensors are read
+    import torch
 
 # Each safetensors dtype: its plain name (packed formats are told apart by loaders/quant.py), its size in bytes
 # and its torch dtype's name. torch is imported only to read tensors, so headers are checked without it.
@@ -184,7 +188,7 @@ class SafetensorsFiles:
                 self.infos[name] = info
                 self._where[name] = path
 
-    def read(self, name: str) -> "torch.Tensor":
+    def read(self, name: str) -> torch.Tensor:
         info, path = self.infos[name], self._where[name]
         if info.dtype not in DTYPES:
             raise UnsupportedFormatError(

@@ -13,9 +13,10 @@ import math
 import os
 import re
 import stat
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path, PureWindowsPath
-from typing import Any, Iterator
+from typing import Any
 
 from ...errors import CorruptFileError, ModelNotFoundError
 
@@ -208,7 +209,7 @@ class Field:
     hi: float | None = None
     max_len: int | None = None
     required: bool = True
-    fields: dict[str, "Field"] | None = None  # for an object: the declarations of its own fields
+    fields: dict[str, Field] | None = None  # for an object: the declarations of its own fields
 
 
 NULL = type(None)  # for Field kinds: real files write null for many unset fields

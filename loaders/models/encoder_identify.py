@@ -4,7 +4,7 @@ shapes say it is. Anything else fails closed, naming what it is when the names t
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from ...errors import UnknownModelError, WrongModelError
 from ..formats import quant

@@ -13,9 +13,9 @@ from __future__ import annotations
 import contextlib
 import glob
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Callable
 
 import torch
 

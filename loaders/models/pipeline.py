@@ -8,9 +8,9 @@ encoder's config, when present, must have the width of that variant's encoder.""
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
 
 from ...errors import UnknownModelError, VariantMismatchError, WrongModelError
 from ..formats.files import ENCODER_CONFIG, MODEL_INDEX, PIPELINE_INDEX, TRANSFORMER_CONFIG, read_json
