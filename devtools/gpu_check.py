@@ -156,7 +156,9 @@ def bench_dequant(device: torch.device, quick: bool, peer) -> dict:
     rows = []
     for fmt, qtype, stored, companions in _weights(shape, rng):
         stored, companions = stored.to(device), _on(companions, device)
-        pack_s = _seconds(lambda: quant.dequantize(stored, companions, DTYPE, shape, out=out), device, repeats)
+        # The lambdas run in this iteration, before the `del` at its end, which ruff takes for an undefined name.
+        pack_s = _seconds(lambda: quant.dequantize(stored, companions, DTYPE, shape, out=out),  # noqa: F821
+                          device, repeats)
         peer_s = None
         if _peer_reads(peer, qtype):
             tensor = _peer_tensor(peer, stored, qtype, shape)
@@ -193,7 +195,7 @@ def bench_linear(device: torch.device, quick: bool, peer) -> dict:
                     layer.to(where)
                     if home == "pinned":
                         layer.weight = torch.nn.Parameter(layer.weight.pin_memory(), requires_grad=False)
-                    pack_s = _seconds(lambda: layer(x), device, repeats)
+                    pack_s = _seconds(lambda: layer(x), device, repeats)  # noqa: F821  (run before the `del` below)
                     peer_s = None
                     if _peer_reads(peer, qtype):
                         theirs = peer.ops.GGMLOps.Linear(shape[1], shape[0], bias=False)

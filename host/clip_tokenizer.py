@@ -11,7 +11,7 @@ PADDING_KEY = "flux2dev_padding"
 class Flux2DevTokenizer:
     """The host tokenizer interface over the pack's tokenizer (given through tokenizer_data)."""
 
-    def __init__(self, embedding_directory=None, tokenizer_data={}):
+    def __init__(self, embedding_directory=None, tokenizer_data={}):  # noqa: B006  (the host's signature; only read)
         self.tokenizer = tokenizer_data[TOKENIZER_KEY]
         self.padding = tokenizer_data[PADDING_KEY]
 

@@ -128,7 +128,7 @@ def run_gguf_reader(path: Path) -> None:
 
     with open_gguf(path) as gguf:
         for tensor in gguf.tensors.values():
-            tensor.data  # every view can be made
+            _ = tensor.data  # every view can be made
 
 
 def run_safetensors_header(path: Path) -> None:

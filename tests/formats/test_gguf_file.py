@@ -108,7 +108,7 @@ def test_views_outlive_close(written):
         expected = view.clone()
     assert torch.equal(view, expected)  # the map stays alive for the view
     with pytest.raises(ValueError, match="closed"):
-        f.tensors["output_norm.weight"].data
+        _ = f.tensors["output_norm.weight"].data
 
 
 # Hostile files, built byte by byte so each field can be set to anything.

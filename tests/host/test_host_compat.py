@@ -112,7 +112,7 @@ def test_optional_internals_are_there_from_their_release_on(comfy_host):
     from comfyui_flux2dev.host import compat
 
     release = compat._release(compat.host_version())
-    for what, spec, since in compat.OPTIONAL:
+    for _what, spec, since in compat.OPTIONAL:
         if release >= compat._release(since):
             compat._lookup(spec)  # raises with the name when a release that should have it lacks it
 

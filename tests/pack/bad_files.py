@@ -29,7 +29,7 @@ ESCAPES = {"relative": "../../x", "passwd": "/etc/passwd", "environ": "/proc/sel
 BUILTIN_ERRORS = sorted(
     name for name, obj in vars(builtins).items() if isinstance(obj, type) and issubclass(obj, BaseException)
 ) + ["PanicException"]
-RAW_NAME = re.compile(r"\b(?:%s)\b" % "|".join(BUILTIN_ERRORS))
+RAW_NAME = re.compile(rf"\b(?:{'|'.join(BUILTIN_ERRORS)})\b")
 ODD = "evil\nname\u202e"  # a newline and a right-to-left override, as a downloaded name may carry
 
 
