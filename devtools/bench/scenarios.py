@@ -134,7 +134,8 @@ def _float_case(fmt: str, shape, rng):
         return weight, {"weight_scale": torch.rand(shape[0], 1, generator=g) + 0.1}, _previous_fp8
     packed = torch.randint(0, 256, (shape[0], shape[1] // 2), dtype=torch.uint8, generator=g)
     block_scales = (torch.rand(shape[0], shape[1] // 16, generator=g) * 4).to(torch.float8_e4m3fn)
-    return packed, {"weight_scale": swizzle_block_scales(block_scales), "weight_scale_2": torch.tensor(0.01)}, _previous_nvfp4
+    return (packed, {"weight_scale": swizzle_block_scales(block_scales), "weight_scale_2": torch.tensor(0.01)},
+            _previous_nvfp4)
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -220,7 +221,8 @@ def bench_forward_dequant(quick: bool, memory_bound: int = 0) -> dict:
                 stored, companions, previous = _float_case(fmt, shape, rng)
                 got, row = _forward_figures(stored, companions, shape, repeats)
                 before_s = best(lambda: previous(stored, companions), repeats)
-                row.update(format=fmt, before_s=before_s, exact=_same_bits(got, previous(stored, companions)) and row["exact"])
+                row.update(format=fmt, before_s=before_s,
+                           exact=_same_bits(got, previous(stored, companions)) and row["exact"])
                 float_rows.append(row)
     return {"gguf": gguf_rows, "float": float_rows, "memory_bound_processes": memory_bound,
             "load_average": load, "peer": PEER if peer is not None else None,
@@ -249,8 +251,9 @@ def bench_contention(quick: bool) -> dict:
                 forward_weight(stored, companions, _FORWARD_DTYPE, shape)  # loads the compiled kernel: not timed
                 forward = timings(lambda: forward_weight(stored, companions, _FORWARD_DTYPE, shape), repeats)
             reference = timings(lambda: gguf.quants.dequantize(raw, qtype), reference_repeats)
-            rows.append({"type": qtype.name, "path": fused.path("cpu", _FORWARD_DTYPE), "forward_median_s": _median(forward),
-                         "forward_best_s": min(forward), "reference_median_s": _median(reference)})
+            rows.append({"type": qtype.name, "path": fused.path("cpu", _FORWARD_DTYPE),
+                         "forward_median_s": _median(forward), "forward_best_s": min(forward),
+                         "reference_median_s": _median(reference)})
     return {"shape": list(shape), "competing_processes": _COMPETING_PROCESSES, "load_average": load, "rows": rows}
 
 
@@ -322,7 +325,8 @@ def _child_tokenizer(folder: str) -> dict:
     start = time.perf_counter()
     second = resolve_tokenizer([folder])
     second_s = time.perf_counter() - start
-    return {"first_s": first_s, "second_s": second_s, "rung": first.rung, "same_tokenizer": second.tokenizer is first.tokenizer}
+    return {"first_s": first_s, "second_s": second_s, "rung": first.rung,
+            "same_tokenizer": second.tokenizer is first.tokenizer}
 
 
 def _child_encoder(folder: str) -> dict:
@@ -428,7 +432,8 @@ CHILD_TASKS = {
 
 def _in_child(task: str, path: str) -> dict:
     """Run one measurement in a fresh interpreter (tiny test models enabled) and return its result."""
-    code = f"import json; from comfyui_flux2dev.devtools.bench import scenarios as s; print(json.dumps(s.CHILD_TASKS[{task!r}]({path!r})))"
+    code = ("import json; from comfyui_flux2dev.devtools.bench import scenarios as s; "
+            f"print(json.dumps(s.CHILD_TASKS[{task!r}]({path!r})))")
     env = {**os.environ, **test_models_env()}
     done = subprocess.run([sys.executable, "-P", "-c", code], env=env, capture_output=True, text=True)
     if done.returncode:

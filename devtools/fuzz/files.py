@@ -71,7 +71,8 @@ class JsonLines:
         self.values = values
 
     def spec(self) -> FileSpec:
-        data = "\n".join(json.dumps(v, ensure_ascii=False) for v in self.values).encode("utf-8", "surrogatepass") + b"\n"
+        data = "\n".join(json.dumps(v, ensure_ascii=False)
+                         for v in self.values).encode("utf-8", "surrogatepass") + b"\n"
         return FileSpec(((0, data),), len(data))
 
 
