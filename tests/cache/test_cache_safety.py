@@ -420,7 +420,8 @@ def test_a_long_prompt_is_tokenized_only_as_far_as_the_template_uses_and_gives_t
     tokenizer = tokenizers.resolve_tokenizer([tekken_folder]).tokenizer
     system = tokenizer.encode(tokenizers.SYSTEM_PROMPT)
     corpus = [json.loads(line) for line in (DATA / "prompts.jsonl").read_text().splitlines() if line.strip()]
-    pieces = ["[INST]", "[/INST]", "<s>", "<pad>", "[SYSTEM_PROMPT]", "<SPECIAL_10>", "<SPECIAL_1>", "[IMG]", "'s", "123456"]
+    pieces = ["[INST]", "[/INST]", "<s>", "<pad>", "[SYSTEM_PROMPT]", "<SPECIAL_10>", "<SPECIAL_1>", "[IMG]", "'s",
+              "123456"]
     rng = random.Random(0)
     for trial in range(120):
         parts = []
@@ -563,7 +564,8 @@ def test_the_fingerprint_covers_the_files_the_encoder_reads_and_no_others(comfy_
 # --- the command line refuses a bad file before importing torch ------------------------------------------------------
 
 
-@pytest.mark.parametrize("name, content", [("bad.safetensors", b"12345678"), ("bad.gguf", b"GGUF\x03\x00\x00\x00" + b"\xff" * 16),
+@pytest.mark.parametrize("name, content", [("bad.safetensors", b"12345678"),
+                                           ("bad.gguf", b"GGUF\x03\x00\x00\x00" + b"\xff" * 16),
                                            ("short.gguf", b"GGUF"), ("fifo.safetensors", None)])
 def test_a_bad_file_is_refused_before_torch_or_the_host_is_imported(tmp_path, name, content):
     path = tmp_path / name

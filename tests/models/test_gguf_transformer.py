@@ -150,7 +150,8 @@ def _rewrite(src, dst, architecture="flux", drop=()):
 
     from comfyui_flux2dev.devtools.tiny.gguf_transformers import write_gguf
 
-    tensors = {t.name: (np.array(t.data), t.tensor_type) for t in GGUFReader(str(src)).tensors if not t.name.startswith(drop)}
+    tensors = {t.name: (np.array(t.data), t.tensor_type) for t in GGUFReader(str(src)).tensors
+               if not t.name.startswith(drop)}
     write_gguf(dst, tensors, architecture)
     return dst
 

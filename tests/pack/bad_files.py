@@ -93,7 +93,8 @@ def message_faults(message: str) -> list[str]:
         faults.append(f"it names Python exception types {sorted(set(raw))}")
     hidden = sorted({f"U+{ord(c):04X}" for c in message if unicodedata.category(c) == "Cf"})
     if hidden:
-        faults.append(f"it holds invisible format characters {hidden} (a right-to-left override reorders what the user reads)")
+        faults.append(f"it holds invisible format characters {hidden} (a right-to-left override reorders what the "
+                      "user reads)")
     return faults
 
 
@@ -350,9 +351,11 @@ def run_cli(runs: list[tuple[str, Path]], work: Path, env: dict | None = None) -
     import subprocess
 
     listing = work / "runs.json"
-    listing.write_text(json.dumps([(verb, str(path), str(work / "out.safetensors")) for verb, path in runs]), encoding="utf-8")
-    done = subprocess.run([sys.executable, "-P", "-c", _CLI_CHILD, str(listing), str(Path(__file__).parent), str(TESTS)],
-                          capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})})
+    listing.write_text(json.dumps([(verb, str(path), str(work / "out.safetensors")) for verb, path in runs]),
+                       encoding="utf-8")
+    done = subprocess.run([sys.executable, "-P", "-c", _CLI_CHILD, str(listing), str(Path(__file__).parent),
+                           str(TESTS)], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, **(env or {})})
     assert done.returncode == 0, done.stderr[-5000:]
     return json.loads(done.stdout.splitlines()[-1])
 

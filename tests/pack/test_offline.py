@@ -46,7 +46,8 @@ runs = {
     "GGUF transformer loader": lambda: Flux2DevGGUFTransformerLoader.execute(
         gguf_name="flux2-dev-tiny-Q8_0.gguf", dequant_dtype="default", patch_dtype="float32"),
     "transformer source, pipeline": lambda: Flux2DevTransformerSource.execute(transformer="flux2-dev-tiny-pipeline/"),
-    "transformer source, file": lambda: Flux2DevTransformerSource.execute(transformer="flux2-klein-4b-tiny.safetensors"),
+    "transformer source, file": lambda: Flux2DevTransformerSource.execute(
+        transformer="flux2-klein-4b-tiny.safetensors"),
     "VAE source": lambda: Flux2DevVAESource.execute(vae="flux2-klein-4b-tiny-pipeline/"),
 }
 for name, run in runs.items():

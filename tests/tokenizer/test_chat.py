@@ -117,7 +117,8 @@ def test_edit_ids_and_pixels_equal_the_processors(tokenizer, processor, size):
                              "spatial_merge_size": MERGE}, 64, 1e-5)
     prepared = prepare([image], vision)
     want = _processed(processor, _messages(EDIT_SYSTEM, "paint the [IMG] roof red", image))
-    assert chat_ids(tokenizer, EDIT_SYSTEM, "paint the [IMG] roof red", prepared.grid) == list(np.ravel(want["input_ids"]))
+    assert chat_ids(tokenizer, EDIT_SYSTEM, "paint the [IMG] roof red", prepared.grid) \
+        == list(np.ravel(want["input_ids"]))
     expected = np.asarray(want["pixel_values"], dtype=np.float32).reshape(prepared.pixels.shape)
     assert prepared.size == tuple(np.ravel(want["image_sizes"]))
     assert np.abs(prepared.pixels.numpy() - expected).max() <= 1e-5
