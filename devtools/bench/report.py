@@ -47,8 +47,8 @@ def _shape(shape) -> str:
 
 def format_forward(results: dict) -> str:
     """The per-forward dequantization at FLUX.2 shapes: each row against gguf's numpy reference, ComfyUI-GGUF
-    (where it was there), the torch path and the copy ceiling; fp8 and NVFP4 against the ops' previous
-    dequantization; the worst of each."""
+    (where it was there), the torch path and the copy ceiling; fp8 and NVFP4 against a plain torch
+    dequantization (the `before` column); the worst of each."""
     peer = results["peer"] is not None
     lines = [
         f"{'type':7} {'shape':>10} {'path':6} {'gguf ms':>8} {'peer ms':>8} {'torch ms':>8} {'forward ms':>10} "

@@ -106,13 +106,13 @@ def _gguf_case(qtype, shape, rng):
 
 
 def _previous_fp8(weight, companions):
-    """The ops' fp8 dequantization until 2026-12-01 (the reference): float32 cast, multiply, cast."""
+    """The fp8 rows' baseline, a plain torch dequantization: float32 cast, multiply, cast."""
     return (weight.to(torch.float32) * companions["weight_scale"]).to(_FORWARD_DTYPE)
 
 
 def _previous_nvfp4(packed, companions):
-    """The ops' NVFP4 dequantization until 2026-12-01 (the reference): int64 codes, a float32 table
-    lookup, the scales, a multiply and a cast, each into a new tensor."""
+    """The NVFP4 rows' baseline, a plain torch dequantization: int64 codes, a float32 table lookup, the
+    scales, a multiply and a cast, each into a new tensor."""
     from ...loaders.formats.quant import _E2M1, NVFP4_BLOCK, unswizzle_block_scales
 
     rows, cols = packed.shape[0], packed.shape[1] * 2
@@ -157,8 +157,8 @@ def _copy_s(shape, repeats: int) -> float:
 
 
 def _torch_path(fn):
-    """fn run with the one-pass kernels switched off: the torch path, which ran before them (and still runs
-    on GPUs and wherever numba cannot)."""
+    """fn run with the one-pass kernels switched off: the torch path, which runs on GPUs and wherever numba
+    cannot."""
     from ...loaders.formats import fused
 
     kernels = fused.gguf, fused.fp8, fused.nvfp4

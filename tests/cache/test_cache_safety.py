@@ -156,7 +156,8 @@ def test_the_command_refuses_a_models_folder_and_changes_nothing(tmp_path):
 @pytest.mark.parametrize("dangling", [False, True], ids=["links-to-files", "dangling-links"])
 def test_links_planted_at_every_name_the_cache_writes_are_never_written_through(cache_dir, tmp_path, dangling):
     """Links at the names the cache writes in a tagged folder (an entry, the fingerprint index, the lock, and
-    the index's old predictable temporary name); a dangling one would make its target if opened with O_CREAT."""
+    a temporary name of the index one could predict from the process id); a dangling one would make its target
+    if opened with O_CREAT."""
     victims = tmp_path / "victims"
     victims.mkdir()
     cache = ConditioningCache(cache_dir)

@@ -1,4 +1,4 @@
-"""Hostile GGUF files (issue 12): each ends in the pack's own error naming what is wrong, a refusal costs
+"""Hostile GGUF files: each ends in the pack's own error naming what is wrong, a refusal costs
 neither gigabytes nor minutes (checked in a child process, by its peak memory, with a hang guard), and a
 load that fails leaves nothing of the file mapped."""
 
@@ -154,8 +154,8 @@ def test_fifo_named_gguf_does_not_block(tmp_path):
     assert "not a regular file" in out
 
 
-# Big hostile headers: (what fills the file, its item count); the issue's reproducers were 64 MiB of empty
-# nested arrays (+1.8 GB, 24 s) and 128 MiB of empty strings (+1.75 GB).
+# Big hostile headers: (what fills the file, its item count). Parsed without bounds, the first two cost
+# gigabytes and tens of seconds (about +1.8 GB and 24 s, and +1.75 GB); the third is the most a file may hold.
 BLOATED = {
     "64 MiB of empty nested arrays": (struct.pack("<IQ", V.ARRAY, (64 << 20) // 12), struct.pack("<IQ", V.UINT8, 0),
                                       (64 << 20) // 12),

@@ -1,4 +1,4 @@
-"""Memory comes back (issue 12, item 8), measured in processes of their own so that nothing else the test
+"""Memory comes back, measured in processes of their own so that nothing else the test
 session holds counts. Loading each node's model and releasing it ten times in one host process leaves the
 resident memory within 5% of its level after the first load and release, and no file of a released model
 stays mapped or open. A load that fails half way (a GGUF whose tensor table is fine but whose later checks

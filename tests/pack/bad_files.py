@@ -1,4 +1,4 @@
-"""Bad and hostile inputs for the hardening tests (issue 12), and the tools to watch what a call does with
+"""Bad and hostile inputs for the hardening tests (docs/hardening.md), and the tools to watch what a call does with
 them: a time bound (a FIFO opened for reading waits for a writer forever), the files it opens (Python's
 audit hooks), and the checks every message of the pack must pass.
 

@@ -1,4 +1,4 @@
-"""No code from files, ever (issue 12, item 6). Payloads that would write a marker file, if run, are planted
+"""No code from files, ever. Payloads that would write a marker file, if run, are planted
 where every verb looks: pickled checkpoints (.ckpt, .pt, .bin) whose unpickling writes it, and tokenizer and
 model configs whose auto_map names a custom class in a Python file beside them that writes it when
 imported. Each verb (the encoder loader, the tokenizer ladder, inspect, the pipeline sources, the nodes, the

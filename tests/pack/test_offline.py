@@ -1,4 +1,4 @@
-"""Offline (issue 12, item 7): with HF_HUB_OFFLINE=1 and TRANSFORMERS_OFFLINE=1 set before anything is
+"""Offline: with HF_HUB_OFFLINE=1 and TRANSFORMERS_OFFLINE=1 set before anything is
 imported (huggingface_hub and transformers read them at import time, so the run is a process of its own),
 every node works on local tiny files, even with downloads allowed, and nothing touches the network: the
 hub rung is never reached when a lower rung gives the tokenizer, and when none does it is skipped with a note

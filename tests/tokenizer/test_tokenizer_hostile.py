@@ -1,4 +1,4 @@
-"""Hostile vocabularies and tokenizer folders (issue 12): tekken.json and GGUF vocabularies are checked field
+"""Hostile vocabularies and tokenizer folders: tekken.json and GGUF vocabularies are checked field
 by field before anything is built from them, the build stays linear in the vocabulary, a panic of the
 tokenizers library ends as a failed rung of the ladder (never a crash), and no tokenizer file runs code."""
 
@@ -116,8 +116,9 @@ def test_damaged_json_and_the_size_bound(tmp_path):
         _refused_text('{"config": {"default_num_special_tokens": NaN}}')
 
 
-# A vocabulary whose tokens are each other's prefixes made the merge builder quadratic (3,000 tokens ran
-# past 120 s at 6 GB). Now tokens are bounded in length and the build is linear in the vocabulary's bytes.
+# A vocabulary whose tokens are each other's prefixes is the merge builder's worst case: built naively it is
+# quadratic (3,000 tokens take over 120 s and 6 GB). Tokens are bounded in length and the build is linear in the
+# vocabulary's bytes; the child below resolves a folder's tokenizer and reports its peak memory growth.
 PREFIX_CHAIN = """
     import base64, json, resource, sys
     from comfyui_flux2dev.errors import Flux2DevError
