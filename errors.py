@@ -3,7 +3,6 @@ what was found, what was expected, and what to do."""
 
 import unicodedata
 
-
 # ComfyUI imports the pack under its folder's path, and its error reports name an exception by its module:
 # every error type names the installed package instead, whatever the folder is called.
 MODULE = "comfyui_flux2dev.errors"

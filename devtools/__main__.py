@@ -30,7 +30,8 @@ def _tiny(args) -> None:
         print(f"wrote {len(entries)} tiny models to {args.dir}, with {Path(args.dir) / tiny.MANIFEST}")
         return
     if not (Path(args.comfyui) / "main.py").is_file():
-        raise UsageError(f"{args.comfyui} is not a ComfyUI folder (it has no main.py); give the folder that holds main.py.")
+        raise UsageError(f"{args.comfyui} is not a ComfyUI folder (it has no main.py); give the folder that holds "
+                         "main.py.")
     written = tiny.write_into_comfyui(args.comfyui)
     declaration = next(p for p in written if p.name == DECLARATION)
     print("wrote the tiny models into a folder of their own in each model folder:")
@@ -67,10 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
     where.add_argument("--comfyui", metavar="COMFYUI_DIR", help="into that ComfyUI's models folders, to try the nodes")
     p.set_defaults(run=_tiny)
 
-    p = sub.add_parser("bench", help="dequantization (alone; in a CPU forward pass against the copy ceiling, gguf's numpy "
-                       "and ComfyUI-GGUF, as the machine is and beside a memory-bound process; under load), GGUF header, "
-                       "tokenizer, load, conditioning cache, refusal and long-prompt figures, GGUF quantization, a "
-                       "conversion's memory, and prompt upsampling beside transformers' generate")
+    p = sub.add_parser("bench", help="dequantization (alone; in a CPU forward pass against the copy ceiling, gguf's "
+                       "numpy and ComfyUI-GGUF, as the machine is and beside a memory-bound process; under load), GGUF "
+                       "header, tokenizer, load, conditioning cache, refusal and long-prompt figures, GGUF "
+                       "quantization, a conversion's memory, and prompt upsampling beside transformers' generate")
     p.add_argument("--quick", action="store_true", help="small sizes, for CI")
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=_bench)

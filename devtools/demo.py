@@ -8,11 +8,11 @@ import os
 import shutil
 from pathlib import Path
 
-from . import tiny
 from ..errors import HostError
 from ..host import COMFYUI_ROOT_ENV
-from .tiny.geometry import DECLARATION, test_models_env
+from . import tiny
 from .headless import HeadlessComfy
+from .tiny.geometry import test_models_env
 from .workflows import node, official_dev_graph
 
 DEMO_PARTS = ("text_encoders", "unet", "vae")
@@ -36,7 +36,8 @@ def run_demo(out: Path, prompt: str) -> Path:
         raise HostError(f"The demo needs a ComfyUI tree: set {COMFYUI_ROOT_ENV}, or run it as `bash tests/run demo`.")
     models = out / "models"
     tiny.write_all(models, parts=DEMO_PARTS)
-    with HeadlessComfy(root, models={part: [models / part] for part in DEMO_PARTS}, env=test_models_env(models)) as server:
+    with HeadlessComfy(root, models={part: [models / part] for part in DEMO_PARTS},
+                       env=test_models_env(models)) as server:
         outputs = server.run(demo_graph(prompt))
         image = outputs["save"]["images"][0]
         target = out / IMAGE_NAME

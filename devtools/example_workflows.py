@@ -121,14 +121,16 @@ SIZED = ("Flux2Scheduler", "EmptyFlux2LatentImage", "Flux2DevPromptUpsampler")  
 
 
 def _tiny_names(folder: str) -> dict[str, str]:
-    return {name: folder + row[2] for name, row in MODELS.items()} | {name: folder + row[1] for name, row in PIPELINES.items()}
+    return ({name: folder + row[2] for name, row in MODELS.items()}
+            | {name: folder + row[1] for name, row in PIPELINES.items()})
 
 
 def tiny_form(graph: dict, folder: str = TINY_FOLDER + "/") -> dict:
     """An example's API graph on the tiny models (in `folder` of each model folder) at the tiny size and steps."""
     names = _tiny_names(folder)
     return {key: {**n, "inputs": {
-        k: names.get(v, v) if isinstance(v, str) else TINY_SIZES[k] if k in TINY_SIZES and n["class_type"] in SIZED else v
+        k: names.get(v, v) if isinstance(v, str)
+        else TINY_SIZES[k] if k in TINY_SIZES and n["class_type"] in SIZED else v
         for k, v in n["inputs"].items()}} for key, n in graph.items()}
 
 
@@ -218,7 +220,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from .headless import HeadlessComfy
 
-    argparse.ArgumentParser(prog="python -m comfyui_flux2dev.devtools workflows", description=__doc__.splitlines()[0]).parse_args(argv)
+    argparse.ArgumentParser(prog="python -m comfyui_flux2dev.devtools workflows",
+                            description=__doc__.splitlines()[0]).parse_args(argv)
     with HeadlessComfy(os.environ["COMFYUI_ROOT"]) as server:
         for path in write_all(server.get("/object_info")):
             print(f"wrote {path.relative_to(PACK_ROOT)}")

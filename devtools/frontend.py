@@ -19,8 +19,8 @@ import tempfile
 import urllib.parse
 from pathlib import Path
 
-from .example_workflows import EXAMPLES, TEXT_TO_IMAGE, UI_FOLDER
 from ..loaders.models.variants import TEST_MODELS_ENV
+from .example_workflows import EXAMPLES, TEXT_TO_IMAGE, UI_FOLDER
 from .headless import PACK_FOLDER, HeadlessComfy
 from .tiny.geometry import DECLARATION
 
@@ -101,7 +101,8 @@ def templates_browser(page, shot: Path | None = None) -> list[tuple[str, bytes]]
         page.screenshot(path=str(shot))
     base = page.url.rstrip("/")
     shown = [name for name in EXAMPLES if page.get_by_text(name, exact=True).count() > 0]
-    out = [(name, page.request.get(f"{base}/api/workflow_templates/{PACK_FOLDER}/{urllib.parse.quote(name)}.jpg").body())
+    out = [(name,
+            page.request.get(f"{base}/api/workflow_templates/{PACK_FOLDER}/{urllib.parse.quote(name)}.jpg").body())
            for name in shown]
     page.keyboard.press("Escape")
     return out
@@ -199,7 +200,8 @@ def take_all(docs: Path) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m comfyui_flux2dev.devtools screenshot", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m comfyui_flux2dev.devtools screenshot",
+                                     description=__doc__.splitlines()[0])
     parser.add_argument("--docs", type=Path, default=DOCS, help="the folder for the pictures (docs/)")
     args = parser.parse_args(argv)
     reason = unavailable()

@@ -136,7 +136,8 @@ def _exact(fmt: str, qtype, device: torch.device, rng) -> bool:
     if qtype is not None:
         want = torch.from_numpy(gguf.quants.dequantize(stored.numpy(), qtype).reshape(shape))
     elif fmt == "nvfp4":
-        want = dequantize_nvfp4(stored, companions["weight_scale_2"], companions["weight_scale"], output_type=torch.float32)
+        want = dequantize_nvfp4(stored, companions["weight_scale_2"], companions["weight_scale"],
+                                output_type=torch.float32)
     else:
         want = stored.float() * companions["weight_scale"].float()
     return torch.equal(got.view(torch.int32), want.view(torch.int32))
@@ -156,7 +157,9 @@ def bench_dequant(device: torch.device, quick: bool, peer) -> dict:
     rows = []
     for fmt, qtype, stored, companions in _weights(shape, rng):
         stored, companions = stored.to(device), _on(companions, device)
-        pack_s = _seconds(lambda: quant.dequantize(stored, companions, DTYPE, shape, out=out), device, repeats)
+        # The lambdas run in this iteration, before the `del` at its end, which ruff takes for an undefined name.
+        pack_s = _seconds(lambda: quant.dequantize(stored, companions, DTYPE, shape, out=out),  # noqa: F821
+                          device, repeats)
         peer_s = None
         if _peer_reads(peer, qtype):
             tensor = _peer_tensor(peer, stored, qtype, shape)
@@ -193,7 +196,7 @@ def bench_linear(device: torch.device, quick: bool, peer) -> dict:
                     layer.to(where)
                     if home == "pinned":
                         layer.weight = torch.nn.Parameter(layer.weight.pin_memory(), requires_grad=False)
-                    pack_s = _seconds(lambda: layer(x), device, repeats)
+                    pack_s = _seconds(lambda: layer(x), device, repeats)  # noqa: F821  (run before the `del` below)
                     peer_s = None
                     if _peer_reads(peer, qtype):
                         theirs = peer.ops.GGMLOps.Linear(shape[1], shape[0], bias=False)
@@ -206,7 +209,8 @@ def bench_linear(device: torch.device, quick: bool, peer) -> dict:
                     else:
                         source = cpu_dense.pin_memory() if home == "pinned" else cpu_dense
                         dense_copy_s = _seconds(
-                            lambda: torch.nn.functional.linear(x, source.to(device, non_blocking=True)), device, repeats)
+                            lambda: torch.nn.functional.linear(x, source.to(device, non_blocking=True)), device,
+                            repeats)
                         offloaded.append({**row, "dense_s": dense_copy_s})
                 del layer
     return {"tokens": TOKENS[quick], "rows": rows, "offloaded": offloaded}
@@ -231,7 +235,8 @@ def write_gguf_encoder(path: str, g, layers: int, qtype) -> None:
     def add(key: str, shape: tuple[int, int], q) -> None:
         name = names.get_name(key, try_suffixes=(".weight",))
         if shape[-1] % gguf.GGML_QUANT_SIZES[q][0]:
-            writer.add_tensor(name, (rng.standard_normal(shape, dtype=np.float32) / shape[-1] ** 0.5).astype(np.float16))
+            writer.add_tensor(name,
+                              (rng.standard_normal(shape, dtype=np.float32) / shape[-1] ** 0.5).astype(np.float16))
         else:
             writer.add_tensor(name, random_blocks(q, shape, rng, magnitude=0.02 / shape[-1] ** 0.5), raw_dtype=q)
 
@@ -289,7 +294,8 @@ def bench_encoder(quick: bool) -> dict:
                          "dtype": str(clip.flux2dev_source.dtype).removeprefix("torch."),
                          "tokens": int(cond.shape[1]), "first_s": first_s, "warm_s": min(warm),
                          "finite": bool(torch.isfinite(cond).all()),
-                         "peak_device_bytes": torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None})
+                         "peak_device_bytes":
+                             torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None})
             release_weights(clip)
             del clip, cond
             gc.collect()
@@ -362,7 +368,8 @@ def sample(server, quick: bool = False) -> dict:
     runs, images = [], {}
     for name in ("first", "again"):
         began = time.perf_counter()
-        images[name] = _image(server, server.run({**graph, "noise": {**graph["noise"], "inputs": {"noise_seed": len(runs)}}}))
+        images[name] = _image(server,
+                              server.run({**graph, "noise": {**graph["noise"], "inputs": {"noise_seed": len(runs)}}}))
         runs.append({"graph": name, "seconds": time.perf_counter() - began})
     has_device_nodes = "SelectModelDevice" in server.get("/object_info")
     if has_device_nodes:
@@ -387,8 +394,8 @@ def sample(server, quick: bool = False) -> dict:
 def sample_on_gpu(models: Path, log: Path) -> dict:
     """sample() through a headless ComfyUI (COMFYUI_ROOT's tree) started for the GPU, on the tiny models in `models`
     (written there when missing); the server's log goes to `log`."""
-    from . import tiny
     from ..host import COMFYUI_ROOT_ENV
+    from . import tiny
     from .demo import DEMO_PARTS
     from .headless import HeadlessComfy
     from .tiny.geometry import test_models_env
@@ -459,44 +466,51 @@ def format_report(out: Path) -> str:
                   f"output; peer: {peer})",
                   f"{'format':11} {'pack':>6} {'peer':>6} {'copy':>6} {'pack/copy':>9} {'pack/peer':>9}  exact"]
         for r in d:
-            lines.append(f"{r['format']:11} {_gbps(r['pack_gbps']):>6} {_gbps(r['peer_gbps']):>6} {_gbps(r['copy_gbps']):>6} "
+            lines.append(f"{r['format']:11} {_gbps(r['pack_gbps']):>6} {_gbps(r['peer_gbps']):>6} "
+                         f"{_gbps(r['copy_gbps']):>6} "
                          f"{r['pack_gbps'] / r['copy_gbps']:>9.2f} {_ratio(r['pack_gbps'], r['peer_gbps']):>9}  "
                          f"{'yes' if r['exact'] else 'NO'}")
         slow = [r["format"] for r in d if r["pack_gbps"] < r["copy_gbps"] / 2]
         lines.append(f"below half the copy bandwidth (Triton candidates): {', '.join(slow) or 'none'}")
         lin = measured["linear"]
         lines += [f"\nPacked Linear forward, {lin['tokens']} tokens of bf16 (ms; x: time over the dense bf16 F.linear)",
-                  f"{'format':11} {'shape':>11} {'pack':>7} {'peer':>7} {'dense':>7} {'pack/dense':>10} {'peer/dense':>10}"]
+                  f"{'format':11} {'shape':>11} {'pack':>7} {'peer':>7} {'dense':>7} {'pack/dense':>10} "
+                  f"{'peer/dense':>10}"]
         for r in lin["rows"]:
-            lines.append(f"{r['format']:11} {'x'.join(map(str, r['shape'])):>11} {_ms(r['pack_s']):>7} {_ms(r['peer_s']):>7} "
-                         f"{_ms(r['dense_s']):>7} {_ratio(r['pack_s'], r['dense_s']):>10} {_ratio(r['peer_s'], r['dense_s']):>10}")
+            lines.append(f"{r['format']:11} {'x'.join(map(str, r['shape'])):>11} {_ms(r['pack_s']):>7} "
+                         f"{_ms(r['peer_s']):>7} {_ms(r['dense_s']):>7} {_ratio(r['pack_s'], r['dense_s']):>10} "
+                         f"{_ratio(r['peer_s'], r['dense_s']):>10}")
         if lin["offloaded"]:
             lines += ["weights left on the CPU (ordinary or pinned memory), copied over at every forward; dense: its "
                       "bf16 weight copied over"]
             for r in lin["offloaded"]:
-                lines.append(f"{r['format']:11} {'x'.join(map(str, r['shape'])):>11} {r['weights']:>7} {_ms(r['pack_s']):>7} "
-                             f"{_ms(r['peer_s']):>7} {_ms(r['dense_s']):>7} {_ratio(r['pack_s'], r['dense_s']):>10}")
+                lines.append(f"{r['format']:11} {'x'.join(map(str, r['shape'])):>11} {r['weights']:>7} "
+                             f"{_ms(r['pack_s']):>7} {_ms(r['peer_s']):>7} {_ms(r['dense_s']):>7} "
+                             f"{_ratio(r['pack_s'], r['dense_s']):>10}")
         e = measured["encoder"]
         g = e["geometry"]
-        lines.append(f"\nEncoder (width {g['width']}, {g['heads']}/{g['kv_heads']} heads, MLP {g['mlp']}, {g['layers']} "
-                     "layers): time to conditioning of a prompt through the host's CLIP")
+        lines.append(f"\nEncoder (width {g['width']}, {g['heads']}/{g['kv_heads']} heads, MLP {g['mlp']}, "
+                     f"{g['layers']} layers): time to conditioning of a prompt through the host's CLIP")
         for r in e["rows"]:
-            peak = "" if r["peak_device_bytes"] is None else f", peak device memory {r['peak_device_bytes'] / 2**30:.1f} GiB"
-            lines.append(f"  {r['format']:9} {r['file_bytes'] / 2**30:.1f} GiB file, in {r['dtype']} on {r['device']}: first (with the load) "
-                         f"{r['first_s']:.2f} s, then {r['warm_s'] * 1e3:.0f} ms for {r['tokens']} tokens"
+            peak = "" if r["peak_device_bytes"] is None \
+                else f", peak device memory {r['peak_device_bytes'] / 2**30:.1f} GiB"
+            lines.append(f"  {r['format']:9} {r['file_bytes'] / 2**30:.1f} GiB file, in {r['dtype']} on "
+                         f"{r['device']}: first (with the load) {r['first_s']:.2f} s, "
+                         f"then {r['warm_s'] * 1e3:.0f} ms for {r['tokens']} tokens"
                          f"{'' if r['finite'] else ' (NOT FINITE)'}{peak}")
     samples = sorted(out.glob("sample-*.json"))
     for path in samples:
         s = json.loads(path.read_text())
-        patchers = ", ".join(f"{p['part']} {p['patcher']} on {p['device']}" for p in s["patchers"]) or "no pack log line"
+        patchers = ", ".join(f"{p['part']} {p['patcher']} on {p['device']}" for p in s["patchers"]) \
+            or "no pack log line"
         lines += [f"\nSampling through ComfyUI {s['host']} on {', '.join(map(str, s['devices']))}: dynamic VRAM "
                   f"{'on' if s['dynamic_vram'] else 'off'}; patchers in load order: {patchers}",
                   "  " + "; ".join(f"{r['graph']} {r['seconds']:.1f} s" for r in s["runs"])
                   + f"; images {'made' if s['images_nonblank'] else 'BLANK'}"]
         if s["device_nodes"]:
             warnings = "; ".join(s["device_node_warnings"]) or "none"
-            lines.append(f"  device nodes: default and cpu images differ by at most {s['default_vs_cpu_max_diff']} of 255; "
-                         f"host warnings: {warnings}")
+            lines.append(f"  device nodes: default and cpu images differ by at most {s['default_vs_cpu_max_diff']} "
+                         f"of 255; host warnings: {warnings}")
         else:
             lines.append("  this host has no device-selection nodes")
     if not samples:
@@ -516,7 +530,8 @@ def _cuda() -> torch.device:
 def _probe(args) -> None:
     device = _cuda()
     m = machine(device)
-    print(f"torch {m['torch']} (CUDA {m['cuda']}) sees {m['device']} ({m['device_memory_gib']:.0f} GiB); ComfyUI {m['host']}")
+    print(f"torch {m['torch']} (CUDA {m['cuda']}) sees {m['device']} ({m['device_memory_gib']:.0f} GiB); "
+          f"ComfyUI {m['host']}")
 
 
 def _measure(args) -> None:

@@ -47,7 +47,7 @@ class HeadlessComfy:
         self.process: subprocess.Popen | None = None
         self.log_path = self.base_dir / "server.log"
 
-    def __enter__(self) -> "HeadlessComfy":
+    def __enter__(self) -> HeadlessComfy:
         self.start()
         return self
 
@@ -72,7 +72,8 @@ class HeadlessComfy:
         self._lay_out_base_dir()
         self.port = _free_port()
         cmd = [
-            sys.executable, "main.py", *([] if self.gpu else ["--cpu"]), "--listen", "127.0.0.1", "--port", str(self.port),
+            sys.executable, "main.py", *([] if self.gpu else ["--cpu"]),
+            "--listen", "127.0.0.1", "--port", str(self.port),
             "--base-directory", str(self.base_dir), "--disable-auto-launch", "--disable-api-nodes",
             "--database-url", "sqlite:///:memory:",
             "--disable-all-custom-nodes", "--whitelist-custom-nodes", PACK_FOLDER,

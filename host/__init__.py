@@ -21,7 +21,8 @@ def ensure_comfy() -> None:
     if root:
         if not os.path.isfile(os.path.join(root, "comfy", "model_management.py")):
             raise HostError(
-                f"{COMFYUI_ROOT_ENV} is {root!r}, but that folder holds no ComfyUI tree (no comfy/model_management.py). "
+                f"{COMFYUI_ROOT_ENV} is {root!r}, but that folder holds no ComfyUI tree "
+                "(no comfy/model_management.py). "
                 "Point it at the folder that holds ComfyUI's main.py."
             )
         if root not in sys.path:

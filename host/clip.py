@@ -56,7 +56,8 @@ def _clip_class():
             if out is not None:
                 out = {"pooled_output": None, **out}
                 self.add_hooks_to_dict(out)
-                logging.info("FLUX.2 [dev] prompt: conditioning cache hit in %s (the encoder did not run).", src.cache.folder)
+                logging.info("FLUX.2 [dev] prompt: conditioning cache hit in %s (the encoder did not run).",
+                             src.cache.folder)
             else:
                 started = time.monotonic()
                 out = super().encode_from_tokens(tokens, return_pooled=return_pooled, return_dict=True)
@@ -64,7 +65,8 @@ def _clip_class():
                 stored = None
                 if key is not None and all(v is None or k in tensors or k == "hooks" for k, v in out.items()):
                     stored = src.cache.put(key, tensors)
-                logging.info("FLUX.2 [dev] prompt encoded in %.1f s: %s.", time.monotonic() - started, _miss(src, bypass, stored))
+                logging.info("FLUX.2 [dev] prompt encoded in %.1f s: %s.", time.monotonic() - started,
+                             _miss(src, bypass, stored))
             if not src.keep_loaded:
                 release_weights(self)
             if return_dict:
@@ -128,25 +130,28 @@ def _build_clip(plan: EncoderPlan, tokenizer, *, padding: str, dtype: torch.dtyp
     )
     packed_patcher(clip.patcher)
     logging.info("FLUX.2 [dev] CLIP ready: %s patcher, computing on %s, kept on %s when idle; its weights are read on "
-                 "the first prompt the conditioning cache lacks.", type(clip.patcher).__name__, clip.patcher.load_device,
-                 clip.patcher.offload_device)
-    placeholders = [(m, name, tuple(p.shape), p.dtype) for m in clip.cond_stage_model.modules() if isinstance(m, PackedLayer)
-                    for name, p in m._parameters.items() if p is not None]
-    clip.flux2dev_source = EncoderSource(plan, tokenizer, padding, dtype, keep_loaded, allow_network, cache, placeholders)
+                 "the first prompt the conditioning cache lacks.", type(clip.patcher).__name__,
+                 clip.patcher.load_device, clip.patcher.offload_device)
+    placeholders = [(m, name, tuple(p.shape), p.dtype) for m in clip.cond_stage_model.modules()
+                    if isinstance(m, PackedLayer) for name, p in m._parameters.items() if p is not None]
+    clip.flux2dev_source = EncoderSource(plan, tokenizer, padding, dtype, keep_loaded, allow_network, cache,
+                                         placeholders)
     clip.flux2dev_encoder = {"layout": plan.layout, "formats": plan.formats, "tokenizer": tokenizer.rung}
     return clip
 
 
 def lazy_clip(path: str, *, padding: str = "reference", allow_network: bool = False, dtype: torch.dtype | None = None,
-              cache: str | None = None, keep_loaded: bool = True, embedding_directory=None, disable_dynamic: bool = False):
+              cache: str | None = None, keep_loaded: bool = True, embedding_directory=None,
+              disable_dynamic: bool = False):
     """A FLUX.2 [dev] text encoder from any supported layout as a host CLIP, after reading its headers and
     tokenizer only. cache: a conditioning cache folder (None: no cache)."""
     plan = plan_encoder(path)
     tokenizer = resolve_plan_tokenizer(plan, allow_network=allow_network)
-    clip = _build_clip(plan, tokenizer, padding=padding, dtype=dtype, keep_loaded=keep_loaded, allow_network=allow_network,
-                       cache=ConditioningCache(cache) if cache else None, embedding_directory=embedding_directory,
-                       disable_dynamic=disable_dynamic)
-    options = {"padding": padding, "allow_network": allow_network, "dtype": dtype, "embedding_directory": embedding_directory}
+    clip = _build_clip(plan, tokenizer, padding=padding, dtype=dtype, keep_loaded=keep_loaded,
+                       allow_network=allow_network, cache=ConditioningCache(cache) if cache else None,
+                       embedding_directory=embedding_directory, disable_dynamic=disable_dynamic)
+    options = {"padding": padding, "allow_network": allow_network, "dtype": dtype,
+               "embedding_directory": embedding_directory}
     from . import compat
 
     compat.set_reload(clip.patcher, load_clip_patcher, (path, options))
@@ -154,11 +159,12 @@ def lazy_clip(path: str, *, padding: str = "reference", allow_network: bool = Fa
 
 
 def load_clip(path: str, *, padding: str = "reference", allow_network: bool = False, dtype: torch.dtype | None = None,
-              cache: str | None = None, keep_loaded: bool = True, embedding_directory=None, disable_dynamic: bool = False):
+              cache: str | None = None, keep_loaded: bool = True, embedding_directory=None,
+              disable_dynamic: bool = False):
     """lazy_clip with its weights read now, which the host's device nodes can load again from the same path
     and options."""
-    clip = lazy_clip(path, padding=padding, allow_network=allow_network, dtype=dtype, cache=cache, keep_loaded=keep_loaded,
-                     embedding_directory=embedding_directory, disable_dynamic=disable_dynamic)
+    clip = lazy_clip(path, padding=padding, allow_network=allow_network, dtype=dtype, cache=cache,
+                     keep_loaded=keep_loaded, embedding_directory=embedding_directory, disable_dynamic=disable_dynamic)
     load_weights(clip)
     return clip
 
@@ -170,7 +176,8 @@ def load_clip_patcher(path: str, options: dict, disable_dynamic: bool = False):
 
 def node_clip(path: str, *, padding: str, allow_network: bool = False, cache: str = "", keep_loaded: bool = True):
     """The CLIP an encoder node gives: lazy, with the conditioning cache folder its `cache` input names."""
-    return lazy_clip(path, padding=padding, allow_network=allow_network, cache=cache_folder(cache), keep_loaded=keep_loaded)
+    return lazy_clip(path, padding=padding, allow_network=allow_network, cache=cache_folder(cache),
+                     keep_loaded=keep_loaded)
 
 
 def pipeline_clip(pipeline: str, *, padding: str, cache: str = "", keep_loaded: bool = True):

@@ -29,7 +29,8 @@ def encoder_model_class():
     from ..tokenizers import left_padding_mask
 
     class Flux2DevMistral3(comfy.text_encoders.flux.Mistral3_24BModel):
-        def __init__(self, device="cpu", layer_idx=None, dtype=None, attention_mask=True, model_options={}):
+        def __init__(self, device="cpu", layer_idx=None, dtype=None, attention_mask=True,
+                     model_options={}):  # noqa: B006  (the host's signature; only read)
             # The host's pruned encoder is real [dev]'s (30 layers, hidden states 10, 20, 30); the variant table
             # says what this encoder runs and reads.
             model_options = {**model_options, "num_layers": model_options[LAYERS_KEPT_KEY]}

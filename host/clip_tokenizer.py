@@ -11,13 +11,12 @@ PADDING_KEY = "flux2dev_padding"
 class Flux2DevTokenizer:
     """The host tokenizer interface over the pack's tokenizer (given through tokenizer_data)."""
 
-    def __init__(self, embedding_directory=None, tokenizer_data={}):
+    def __init__(self, embedding_directory=None, tokenizer_data={}):  # noqa: B006  (the host's signature; only read)
         self.tokenizer = tokenizer_data[TOKENIZER_KEY]
         self.padding = tokenizer_data[PADDING_KEY]
 
     def tokenize_with_weights(self, text: str, return_word_ids: bool = False, **kwargs):
         from ..tokenizers import prompt_ids
-
         from ..tokenizers.prompt import comfy_pieces
         from . import compat
 

@@ -67,7 +67,8 @@ def release_weights(clip) -> None:
     compat.unload_held(clip.cond_stage_model)
     device = clip.patcher.offload_device
     for layer, name, shape, dtype in src.placeholders:
-        setattr(layer, name, torch.nn.Parameter(torch.empty(1, dtype=dtype, device=device).expand(shape), requires_grad=False))
+        setattr(layer, name,
+                torch.nn.Parameter(torch.empty(1, dtype=dtype, device=device).expand(shape), requires_grad=False))
         for companion in layer.companions:
             delattr(layer, companion)
         layer.companions, layer.lazy_patches = (), []

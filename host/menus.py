@@ -61,8 +61,10 @@ MENUS = {
     "pipeline": (MenuSource("diffusers", (), is_flux2_pipeline),),
     "dev pipeline": (MenuSource("diffusers", (), is_dev_pipeline),),
     "vae": (MenuSource("diffusers", (), is_flux2_pipeline), MenuSource("vae", (".safetensors",), has_config)),
-    "transformer": (MenuSource("diffusers", (), is_flux2_pipeline), MenuSource("diffusion_models", (".safetensors",), has_config)),
-    "language model": (MenuSource("text_encoders", (".safetensors", ".gguf"), has_config), MenuSource("diffusers", (), is_dev_pipeline)),
+    "transformer": (MenuSource("diffusers", (), is_flux2_pipeline),
+                    MenuSource("diffusion_models", (".safetensors",), has_config)),
+    "language model": (MenuSource("text_encoders", (".safetensors", ".gguf"), has_config),
+                       MenuSource("diffusers", (), is_dev_pipeline)),
 }
 
 
@@ -88,7 +90,8 @@ def _walk(root: str, source: MenuSource, found: dict[str, str]) -> None:
         dirnames.sort()
         for name in filenames:
             if name.lower().endswith(source.extensions) and os.path.isfile(os.path.join(dirpath, name)):
-                found.setdefault(os.path.normpath(os.path.join(rel, name)).replace(os.sep, "/"), os.path.join(dirpath, name))
+                found.setdefault(os.path.normpath(os.path.join(rel, name)).replace(os.sep, "/"),
+                                 os.path.join(dirpath, name))
 
 
 def model_choices(menu: str) -> dict[str, str]:

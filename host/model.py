@@ -129,7 +129,8 @@ def build_model(
             weight_dtype=stored if stored in supported else None,  # fp8 / packed weights: the host picks
         )
     manual_cast = comfy.model_management.unet_manual_cast(dtype, load_device, supported)
-    compat.call_with_known(model_config.set_inference_dtype, dtype=dtype, manual_cast_dtype=manual_cast, device=load_device)
+    compat.call_with_known(model_config.set_inference_dtype, dtype=dtype, manual_cast_dtype=manual_cast,
+                           device=load_device)
     packed = any(quant.is_companion(k) for k in sd)
     model_config.custom_operations = packed_operations(dequant_dtype, patch_dtype) if packed else None
 

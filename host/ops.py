@@ -9,9 +9,9 @@ the thread's scratch buffer (forward_weight), not a new tensor.
 
 - packed_operations(...) -> a comfy.ops-style class for custom_operations, fresh per load so one load's
   settings never reach another;
-- packed_patcher(...): the host's patcher, whichever class it is, except that patches (LoRAs) of packed weights are applied to
-  the dequantized weight at forward time instead of being baked into the stored weight, which would
-  unpack it. In low-VRAM mode the host itself adds them as weight functions, which run at the same place.
+- packed_patcher(...): the host's patcher, whichever class it is, except that patches (LoRAs) of packed weights
+  are applied to the dequantized weight at forward time instead of being baked into the stored weight, which
+  would unpack it. In low-VRAM mode the host itself adds them as weight functions, which run at the same place.
   The host's hook LoRAs (CreateHookLora and the like), which it would write into the stored weight while a
   hook is active, go the same way: applied to the dequantized weight while the hook is active.
 The host's memory accounting reads the parameters and scales, which are the stored bytes.
@@ -92,7 +92,8 @@ class PackedLayer:
         self.weight_function = []
         self.bias_function = []
 
-    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
         companions = {c: state_dict[prefix + c] for c in quant.COMPANIONS if prefix + c in state_dict}
         for name, placeholder in list(self._parameters.items()):
             if placeholder is None:
@@ -105,7 +106,8 @@ class PackedLayer:
             packed = companions if name == "weight" else {}
             needs = quant.stored_shape(placeholder.shape, tensor.dtype, packed)
             if tuple(tensor.shape) != needs:
-                error_msgs.append(f"size mismatch for {key}: the file holds {list(tensor.shape)}, the model needs {list(needs)}")
+                error_msgs.append(f"size mismatch for {key}: the file holds {list(tensor.shape)}, "
+                                  f"the model needs {list(needs)}")
                 continue
             # Packed weights stay as stored; float ones take the model's dtype, as the host's own loading does.
             tensor = tensor.to(device=placeholder.device, dtype=None if packed else placeholder.dtype)
@@ -145,9 +147,11 @@ class PackedLayer:
         work on a copy, so they never write into it."""
         weight = _to_device(self.weight, device)
         if self.companions:
-            weight = forward_weight(weight, self._companions(device), self.settings.dequant_dtype or dtype, self.weight_shape)
+            weight = forward_weight(weight, self._companions(device), self.settings.dequant_dtype or dtype,
+                                    self.weight_shape)
         weight = self._patched(weight, self.weight_patches(), dtype)
-        bias = None if self.bias is None else self._patched(_to_device(self.bias, device), compat.patch_functions(self, "bias"), dtype)
+        bias = None if self.bias is None else self._patched(_to_device(self.bias, device),
+                                                            compat.patch_functions(self, "bias"), dtype)
         return weight, bias
 
     def forward(self, *args, **kwargs):
@@ -265,7 +269,8 @@ class PackedPatching:
         if kwargs.get("return_weight"):
             # 0.33 asks for the patched weight itself (to save a model): give its real values.
             device = device_to or layer.weight.device
-            weight = layer._dequantized(_to_device(layer.weight, device), layer.weight_shape, device, layer.settings.patch_dtype)
+            weight = layer._dequantized(_to_device(layer.weight, device), layer.weight_shape, device,
+                                        layer.settings.patch_dtype)
             return layer._patched(weight, patches, layer.settings.patch_dtype)
         layer.lazy_patches = patches
 

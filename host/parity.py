@@ -87,7 +87,8 @@ def _outputs(path: str) -> tuple[str, list[torch.Tensor]]:
         outs = []
         with torch.no_grad():
             for t in progress.tracked(TIMESTEPS):
-                out = patcher.model.diffusion_model(x.to(device, dtype), torch.tensor([t], device=device), context.to(device, dtype),
+                out = patcher.model.diffusion_model(x.to(device, dtype), torch.tensor([t], device=device),
+                                                    context.to(device, dtype),
                                                     guidance=None if guidance is None else guidance.to(device))
                 outs.append(out.float().cpu())
         return variant.key, outs

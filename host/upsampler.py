@@ -25,8 +25,8 @@ from ..loaders.cache.keys import UpsampleKey
 from ..loaders.cache.store import ConditioningCache, stat_signature, weights_fingerprint
 from ..loaders.models.encoder import EncoderPlan, plan_language_model, read_weights, resolve_plan_tokenizer
 from ..loaders.models.generation_settings import check_settings
-from ..loaders.models.language_model import MistralLM, Sampling, generate
 from ..loaders.models.images import MAX_DECODED_PIXELS, reference_image
+from ..loaders.models.language_model import MistralLM, Sampling, generate
 from ..loaders.models.vision import VisionEncoder, VisionPlan, plan_vision, prepare, read_vision_weights
 from ..tokenizers.chat import EOS_ID, IMAGE_ID, MODES, SYSTEM_MESSAGES, chat_ids, check_prompt, reply_text
 from . import compat, ensure_comfy

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from comfy_api.latest import io
 
-from ..tokenizers import PADDING_MODES
-from .shared import CACHE_TOOLTIP, CLIP_TOOLTIP, KEEP_LOADED_TOOLTIP, PADDING_TOOLTIP, schema
 from ..host.menus import chosen_path, model_choices
 from ..loaders.models.node_titles import title
+from ..tokenizers import PADDING_MODES
+from .shared import CACHE_TOOLTIP, CLIP_TOOLTIP, KEEP_LOADED_TOOLTIP, PADDING_TOOLTIP, schema
 
 
 class Flux2DevEncoderLoader(io.ComfyNode):
@@ -24,18 +24,18 @@ class Flux2DevEncoderLoader(io.ComfyNode):
                 io.Combo.Input(
                     "encoder",
                     options=list(model_choices("encoder")),
-                    tooltip="The Mistral-Small text encoder of FLUX.2 [dev], from models/text_encoders (or models/clip): "
-                    "a single file such as mistral_3_small_flux2_bf16.safetensors or its fp8 / NVFP4 versions, a .gguf "
-                    "quantization, or a folder (Hugging Face, diffusers text_encoder/, Mistral native; shown with a "
-                    "trailing /). Not the Qwen3 encoder of FLUX.2 Klein.",
+                    tooltip="The Mistral-Small text encoder of FLUX.2 [dev], from models/text_encoders (or "
+                    "models/clip): a single file such as mistral_3_small_flux2_bf16.safetensors or its fp8 / NVFP4 "
+                    "versions, a .gguf quantization, or a folder (Hugging Face, diffusers text_encoder/, Mistral "
+                    "native; shown with a trailing /). Not the Qwen3 encoder of FLUX.2 Klein.",
                 ),
                 io.Combo.Input("padding", options=list(PADDING_MODES), default="reference", tooltip=PADDING_TOOLTIP),
                 io.Boolean.Input(
                     "allow_network",
                     default=False,
-                    tooltip="Only if no tokenizer is found on disk (none is embedded in the file, beside it, or bundled "
-                    "with mistral-common): let the pack download FLUX.2 [dev]'s tokenizer from Hugging Face. Off: "
-                    "nothing is ever downloaded.",
+                    tooltip="Only if no tokenizer is found on disk (none is embedded in the file, beside it, or "
+                    "bundled with mistral-common): let the pack download FLUX.2 [dev]'s tokenizer from Hugging Face. "
+                    "Off: nothing is ever downloaded.",
                 ),
                 io.String.Input(
                     "cache",
@@ -58,5 +58,6 @@ class Flux2DevEncoderLoader(io.ComfyNode):
         from ..host.clip import node_clip
 
         path = chosen_path("encoder", encoder, "The text encoder")
-        return io.NodeOutput(node_clip(path, padding=padding, allow_network=allow_network, cache=cache, keep_loaded=keep_loaded))
+        return io.NodeOutput(node_clip(path, padding=padding, allow_network=allow_network, cache=cache,
+                                       keep_loaded=keep_loaded))
 

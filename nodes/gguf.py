@@ -5,9 +5,9 @@ from __future__ import annotations
 from comfy_api.latest import io
 
 from ..host import model
-from .shared import MODEL_TOOLTIP, schema
 from ..host.menus import chosen_path, model_choices
 from ..loaders.models.node_titles import title
+from .shared import MODEL_TOOLTIP, schema
 
 
 class Flux2DevGGUFTransformerLoader(io.ComfyNode):
@@ -25,7 +25,8 @@ class Flux2DevGGUFTransformerLoader(io.ComfyNode):
                     "gguf_name",
                     options=list(model_choices("gguf")),
                     tooltip="A FLUX.2 transformer quantized as .gguf (for example flux2-dev-Q4_K_M.gguf), from "
-                    f"models/diffusion_models or models/unet. Not a text encoder .gguf: those go to {title('Flux2DevEncoderLoader')}.",
+                    "models/diffusion_models or models/unet. Not a text encoder .gguf: those go to "
+                    f"{title('Flux2DevEncoderLoader')}.",
                 ),
                 io.Combo.Input(
                     "dequant_dtype",

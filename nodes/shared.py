@@ -20,7 +20,8 @@ PADDING_TOOLTIP = (
     "FLUX.2 [dev] pipelines, padded to 512 tokens, for images that match the official ones. comfy: exactly "
     "ComfyUI's built-in FLUX.2 text encoder, to reproduce workflows made with it."
 )
-MODEL_TOOLTIP = "The FLUX.2 transformer: connect it to a guider (BasicGuider) or a sampler, through LoRA loaders if any."
+MODEL_TOOLTIP = ("The FLUX.2 transformer: connect it to a guider (BasicGuider) or a sampler, through LoRA loaders "
+                 "if any.")
 CLIP_TOOLTIP = "The FLUX.2 [dev] text encoder: connect it to CLIP Text Encode (and the host's other CLIP nodes)."
 CACHE_TOOLTIP = (
     "The conditioning cache folder: each prompt is encoded once and served from here after "

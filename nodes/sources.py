@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from comfy_api.latest import io
 
-from .shared import CACHE_TOOLTIP, CLIP_TOOLTIP, KEEP_LOADED_TOOLTIP, MODEL_TOOLTIP, PADDING_TOOLTIP, schema
 from ..host.menus import chosen_path, model_choices
 from ..loaders.models.node_titles import title
+from .shared import CACHE_TOOLTIP, CLIP_TOOLTIP, KEEP_LOADED_TOOLTIP, MODEL_TOOLTIP, PADDING_TOOLTIP, schema
 
 
 class Flux2DevVAESource(io.ComfyNode):
@@ -44,18 +44,19 @@ class Flux2DevEncoderSource(io.ComfyNode):
         return schema(
             "Flux2DevEncoderSource",
             "The Mistral-Small text encoder and tokenizer inside a FLUX.2 [dev] diffusers pipeline folder in "
-            "models/diffusers (a copy of black-forest-labs/FLUX.2-dev). Pick this one when you keep the whole pipeline; "
-            f"for an encoder file or folder of its own use {title('Flux2DevEncoderLoader')}. Klein "
+            "models/diffusers (a copy of black-forest-labs/FLUX.2-dev). Pick this one when you keep the whole "
+            f"pipeline; for an encoder file or folder of its own use {title('Flux2DevEncoderLoader')}. Klein "
             "pipelines carry a Qwen3 encoder that cannot condition [dev] and are refused before loading.",
             [
                 io.Combo.Input(
                     "pipeline",
                     options=list(model_choices("dev pipeline")),
-                    tooltip="A FLUX.2 [dev] pipeline folder from models/diffusers (a copy of black-forest-labs/FLUX.2-dev "
-                    "with model_index.json, text_encoder/ and tokenizer/). Klein pipelines are refused: their text "
-                    "encoder cannot condition [dev].",
+                    tooltip="A FLUX.2 [dev] pipeline folder from models/diffusers (a copy of "
+                    "black-forest-labs/FLUX.2-dev with model_index.json, text_encoder/ and tokenizer/). Klein "
+                    "pipelines are refused: their text encoder cannot condition [dev].",
                 ),
-                io.Combo.Input("padding", options=list(PADDING_MODES), default=PADDING_MODES[0], tooltip=PADDING_TOOLTIP),
+                io.Combo.Input("padding", options=list(PADDING_MODES), default=PADDING_MODES[0],
+                               tooltip=PADDING_TOOLTIP),
                 io.String.Input("cache", default="", optional=True, tooltip=CACHE_TOOLTIP),
                 io.Boolean.Input("keep_loaded", default=True, optional=True, tooltip=KEEP_LOADED_TOOLTIP),
             ],
@@ -79,8 +80,8 @@ class Flux2DevTransformerSource(io.ComfyNode):
             "A FLUX.2 transformer ([dev], Klein 4B or Klein 9B: the weights say which) from a .safetensors file in "
             "models/diffusion_models (BFL keys, bf16 or scaled fp8, such as flux2_dev_fp8mixed.safetensors) or a "
             "pipeline folder in models/diffusers (diffusers transformer/, sharded or not). For .gguf files use "
-            f"{title('Flux2DevGGUFTransformerLoader')}. Conditioning from another variant's text encoder is refused when sampling "
-            "starts.",
+            f"{title('Flux2DevGGUFTransformerLoader')}. Conditioning from another variant's text encoder is refused "
+            "when sampling starts.",
             [
                 io.Combo.Input(
                     "transformer",

@@ -32,8 +32,8 @@ class Flux2DevPromptUpsampler(io.ComfyNode):
                     options=list(model_choices("language model")),
                     tooltip="The whole Mistral-Small-3.x model, from models/text_encoders (a Hugging Face folder, "
                     "consolidated.safetensors, a .gguf) or a FLUX.2 [dev] pipeline from models/diffusers. Edits need "
-                    "its vision tower: a Hugging Face folder or a pipeline (a .gguf keeps it in a separate mmproj file, "
-                    "which the pack does not read).",
+                    "its vision tower: a Hugging Face folder or a pipeline (a .gguf keeps it in a separate mmproj "
+                    "file, which the pack does not read).",
                 ),
                 io.String.Input("prompt", multiline=True, default="", tooltip="The prompt to rewrite; for an edit, "
                                 "what to change in the reference images."),
@@ -47,8 +47,9 @@ class Flux2DevPromptUpsampler(io.ComfyNode):
                 io.Float.Input("temperature", default=0.15, min=TEMPERATURE_MIN, max=TEMPERATURE_MAX, step=0.01,
                                tooltip="How freely words are sampled: 0.15 is the reference's; 0 always takes the most "
                                "likely word (greedy)."),
-                io.Int.Input("max_new_tokens", default=512, min=TOKENS_MIN, max=TOKENS_MAX, tooltip="The most tokens the "
-                             "model writes (512 as the reference); it usually stops by itself before."),
+                io.Int.Input("max_new_tokens", default=512, min=TOKENS_MIN, max=TOKENS_MAX,
+                             tooltip="The most tokens the model writes (512 as the reference); it usually stops by "
+                             "itself before."),
                 io.Boolean.Input("keep_loaded", default=False, tooltip="On: the model stays in memory for the next "
                                  "prompt. Off: it is freed after each run, so the memory goes back to the encoder and "
                                  "the transformer."),
@@ -70,7 +71,7 @@ class Flux2DevPromptUpsampler(io.ComfyNode):
                 image_2=None, image_3=None) -> io.NodeOutput:
         from ..host.upsampler import node_upsample
 
-        text = node_upsample(chosen_path("language model", model, "The model"), prompt, images=[image_1, image_2, image_3],
-                             mode=mode, seed=seed, temperature=temperature, max_new_tokens=max_new_tokens,
-                             keep_loaded=keep_loaded, cache=cache)
+        text = node_upsample(chosen_path("language model", model, "The model"), prompt,
+                             images=[image_1, image_2, image_3], mode=mode, seed=seed, temperature=temperature,
+                             max_new_tokens=max_new_tokens, keep_loaded=keep_loaded, cache=cache)
         return io.NodeOutput(text, ui=ui.PreviewText(text))

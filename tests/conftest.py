@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import CUDA_MISSING, cuda_param
-from comfyui_flux2dev.loaders.cache.store import CACHE_DIR_ENV
 from comfyui_flux2dev.devtools.tiny.geometry import test_models_env
+from comfyui_flux2dev.loaders.cache.store import CACHE_DIR_ENV
 from comfyui_flux2dev.loaders.models.variants import TEST_MODELS_ENV
 from comfyui_flux2dev.tokenizers.canonical import hf_tokenizers
+from helpers import CUDA_MISSING, cuda_param
 
 # The Hugging Face tokenizers library, imported before the first test: pytest puts the repository itself on sys.path
 # when it sets up the root folder as a package (it holds __init__.py) under a name that is no Python name (a

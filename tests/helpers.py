@@ -27,7 +27,8 @@ DATA = TESTS / "data"
 # their types from here, not from the kernel table, so that a kernel dropped from the table fails a test instead of
 # silently leaving the tests.
 GGUF_FLOAT_TYPES = ("F32", "F16", "BF16")
-GGUF_QUANTIZED_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
+GGUF_QUANTIZED_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL",
+                        "IQ4_XS")
 
 
 # --- devices ------------------------------------------------------------------------------------------------
@@ -80,8 +81,8 @@ def run_flux2dev(*args, env: dict | None = None, timeout: int = 600) -> subproce
 
 def run_devtools(*args, env: dict | None = None, timeout: int = 1200) -> subprocess.CompletedProcess:
     """The developers' command, `python -m comfyui_flux2dev.devtools ARGS`."""
-    return subprocess.run([sys.executable, "-P", "-m", "comfyui_flux2dev.devtools", *map(str, args)], capture_output=True,
-                          text=True, timeout=timeout, env={**os.environ, **(env or {})})
+    return subprocess.run([sys.executable, "-P", "-m", "comfyui_flux2dev.devtools", *map(str, args)],
+                          capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
 
 
 # --- watching a call ----------------------------------------------------------------------------------------
@@ -134,7 +135,8 @@ from comfyui_flux2dev.host import ensure_comfy
 ensure_comfy()
 import folder_paths
 for key, folders in {TINY_FOLDERS!r}.items():
-    folder_paths.folder_names_and_paths[key] = ([str(tiny / f) for f in folders], folder_paths.folder_names_and_paths[key][1])
+    folder_paths.folder_names_and_paths[key] = ([str(tiny / f) for f in folders],
+                                                folder_paths.folder_names_and_paths[key][1])
 """
 
 
@@ -163,13 +165,15 @@ def gguf_array(key: str, itype: int, items: list[bytes]) -> bytes:
 
 
 def gguf_tensor_info(name: str, dims, qtype: int, offset: int) -> bytes:
-    return gguf_string(name) + struct.pack("<I", len(dims)) + struct.pack(f"<{len(dims)}Q", *dims) + struct.pack("<IQ", qtype, offset)
+    return gguf_string(name) + struct.pack("<I", len(dims)) + struct.pack(f"<{len(dims)}Q", *dims) \
+        + struct.pack("<IQ", qtype, offset)
 
 
 def gguf_bytes(kvs=(), infos=(), data=b"", n_kv=None, n_tensors=None, magic=b"GGUF", version=3, alignment=32) -> bytes:
     """A GGUF file of these metadata entries and tensor infos (gguf_kv, gguf_tensor_info), padded to the
     alignment, then `data`; the counts, magic and version may be set to what the entries do not say."""
-    head = magic + struct.pack("<IQQ", version, len(infos) if n_tensors is None else n_tensors, len(kvs) if n_kv is None else n_kv)
+    head = magic + struct.pack("<IQQ", version, len(infos) if n_tensors is None else n_tensors,
+                               len(kvs) if n_kv is None else n_kv)
     head += b"".join(kvs) + b"".join(infos)
     return head + b"\0" * (-len(head) % alignment) + data
 
@@ -214,7 +218,8 @@ def flux2_forward(patcher, device: torch.device) -> torch.Tensor:
     x = torch.randn(1, 128, 4, 4, generator=g)
     context = torch.randn(1, 5, variant.context_in_dim, generator=g)
     guidance = torch.tensor([4.0], device=device) if variant.guidance else None
-    return patcher.model.diffusion_model(x.to(device), torch.tensor([0.7], device=device), context.to(device), guidance=guidance)
+    return patcher.model.diffusion_model(x.to(device), torch.tensor([0.7], device=device), context.to(device),
+                                         guidance=guidance)
 
 
 def on_device(patcher, device: torch.device):
@@ -262,8 +267,9 @@ def restricted(script: str, folder: Path, how: str, env: dict, room: int = 0) ->
         setup = f"mount --bind {folder} {folder} && mount -o remount,bind,ro {folder}"
     else:  # a tmpfs of just the folder's size and `room`, holding a copy of it
         used = sum(p.stat().st_size for p in folder.rglob("*") if p.is_file()) + (64 << 10)
-        setup = (f"cp -a {folder} {folder}.copy && mount -t tmpfs -o size={used + room} tmpfs {folder} && cp -a {folder}.copy/. {folder}"
-                 f" && head -c {64 << 10} /dev/zero > {folder}/.filler 2>/dev/null; true")
+        setup = (f"cp -a {folder} {folder}.copy && mount -t tmpfs -o size={used + room} tmpfs {folder} "
+                 f"&& cp -a {folder}.copy/. {folder} && head -c {64 << 10} /dev/zero > {folder}/.filler 2>/dev/null; "
+                 "true")
     if shutil.which("unshare") and subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "true"],
                                                   capture_output=True).returncode == 0:
         return subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", f"{setup} && {python}"],
@@ -272,7 +278,8 @@ def restricted(script: str, folder: Path, how: str, env: dict, room: int = 0) ->
         pytest.skip("no mount namespace to make a folder read-only or full in (unshare --user --mount failed)")
     folder.chmod(0o555)
     try:
-        return subprocess.run([sys.executable, "-P", "-c", script], capture_output=True, text=True, env=env, timeout=600)
+        return subprocess.run([sys.executable, "-P", "-c", script], capture_output=True, text=True, env=env,
+                              timeout=600)
     finally:
         folder.chmod(0o755)
 

@@ -35,7 +35,7 @@ Guidelines:
 2. Details: Add concrete visual specifics - form, scale, textures, materials, lighting (quality, direction, color), shadows, spatial relationships, and environmental context.
 3. Text in Images: Put ALL text in quotation marks, matching the prompt's language. Always provide explicit quoted text for objects that would contain text in reality (signs, labels, screens, etc.) - without it, the model generates gibberish.
 
-Output only the revised prompt and nothing else."""
+Output only the revised prompt and nothing else."""  # noqa: E501  (the reference's text, verbatim)
 EDIT_SYSTEM = """You are FLUX.2 by Black Forest Labs, an image-editing expert. You convert editing requests into one concise instruction (50-80 words, ~30 for brief requests).
 
 Rules:
@@ -47,7 +47,7 @@ Rules:
 - Make abstractions concrete ("futuristic" \u2192 "glowing cyan neon, metallic panels")
 - Keep content PG-13
 
-Output only the final instruction in plain text and nothing else."""
+Output only the final instruction in plain text and nothing else."""  # noqa: E501  (the reference's text, verbatim)
 SYSTEM_MESSAGES = {"text to image": TEXT_TO_IMAGE_SYSTEM, "edit": EDIT_SYSTEM}  # mode -> its system message
 MODES = ("auto", *SYSTEM_MESSAGES)  # auto: an edit when reference images are given, else text to image
 

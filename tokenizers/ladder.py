@@ -202,7 +202,8 @@ def _embedded(req: _Request) -> list[_Candidate]:
     if req.embedded is None:
         raise _Skipped("skipped: the weights hold no tekken_model tensor")
     data = tekken_bytes(req.embedded)
-    return [_Candidate("tekken_model tensor", ("embedded", hashlib.sha256(data).hexdigest()), partial(parse_tekken_json, data, "the tekken_model tensor"))]
+    return [_Candidate("tekken_model tensor", ("embedded", hashlib.sha256(data).hexdigest()),
+                       partial(parse_tekken_json, data, "the tekken_model tensor"))]
 
 
 def _tekken_json(req: _Request) -> list[_Candidate]:
@@ -217,7 +218,8 @@ def _transformers(req: _Request) -> list[_Candidate]:
     if not folders:
         raise _Skipped(f"skipped: no tokenizer files ({', '.join(TOKENIZER_FILES)}) in {_where(req)}")
     return [
-        _Candidate(str(folder), ("transformers", probe, _folder_key(folder)), partial(_probe, probe, folder), f"{probe}: ")
+        _Candidate(str(folder), ("transformers", probe, _folder_key(folder)), partial(_probe, probe, folder),
+                   f"{probe}: ")
         for folder in folders
         for probe in TRANSFORMERS_PROBES
     ]
@@ -228,7 +230,8 @@ def _probe(probe: str, folder: Path) -> TekkenVocab:
     import transformers
 
     with _unactionable_warnings_dropped():
-        loaded = getattr(transformers, probe).from_pretrained(str(folder), local_files_only=True, trust_remote_code=False)
+        loaded = getattr(transformers, probe).from_pretrained(str(folder), local_files_only=True,
+                                                              trust_remote_code=False)
     return vocab_from_transformers(loaded)
 
 
@@ -285,7 +288,8 @@ def _gguf(req: _Request) -> list[_Candidate]:
     if meta is None or "tokenizer.ggml.tokens" not in meta:
         raise _Skipped("skipped: no GGUF header with tokenizer.ggml.tokens was given")
     tokens, types = gguf_tokens(meta)
-    return [_Candidate("GGUF metadata tokenizer.ggml.*", ("gguf", _gguf_digest(tokens, types)), partial(vocab_from_gguf, meta))]
+    return [_Candidate("GGUF metadata tokenizer.ggml.*", ("gguf", _gguf_digest(tokens, types)),
+                       partial(vocab_from_gguf, meta))]
 
 
 def _gguf_digest(tokens: list[str], types: list[int]) -> str:

@@ -13,8 +13,10 @@ SYSTEM_PROMPT = (
 )
 # The template's markers, each one special token, and their ids (their place among the special tokens of every
 # Mistral-Small-3.x vocabulary): the tokenizer's self-test requires each to encode as exactly its id.
-BOS, SYSTEM_OPEN, SYSTEM_CLOSE, INST_OPEN, INST_CLOSE, PAD = "<s>", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[INST]", "[/INST]", "<pad>"
-TEMPLATE_MARKERS = {marker: V3_SPECIAL_TOKENS.index(marker) for marker in (BOS, SYSTEM_OPEN, SYSTEM_CLOSE, INST_OPEN, INST_CLOSE, PAD)}
+BOS, SYSTEM_OPEN, SYSTEM_CLOSE, INST_OPEN, INST_CLOSE, PAD = (
+    "<s>", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[INST]", "[/INST]", "<pad>")
+TEMPLATE_MARKERS = {marker: V3_SPECIAL_TOKENS.index(marker)
+                    for marker in (BOS, SYSTEM_OPEN, SYSTEM_CLOSE, INST_OPEN, INST_CLOSE, PAD)}
 BOS_ID, SYSTEM_PROMPT_ID, SYSTEM_PROMPT_END_ID, INST_ID, INST_END_ID, PAD_ID = TEMPLATE_MARKERS.values()
 MAX_LENGTH = 512
 IMAGE_MARKER = "[IMG]"  # removed from prompts before templating, as BFL and diffusers do

@@ -49,7 +49,8 @@ TEKKEN_CONFIG_FIELDS = {
     "version": Field(str, max_len=16, required=False),
     "pattern": Field(str, max_len=4096, required=False),
 }
-SPECIAL_TOKEN_FIELDS = {"rank": Field(int, lo=0, hi=MAX_SPECIALS - 1), "token_str": Field(str, max_len=MAX_SPECIAL_CHARS)}
+SPECIAL_TOKEN_FIELDS = {"rank": Field(int, lo=0, hi=MAX_SPECIALS - 1),
+                        "token_str": Field(str, max_len=MAX_SPECIAL_CHARS)}
 VOCAB_ENTRY_FIELDS = {"rank": Field(int, lo=0, hi=MAX_RANKS - 1), "token_bytes": Field(str, max_len=MAX_BASE64)}
 
 
@@ -149,7 +150,8 @@ def tekken_vocab(doc: Any, where: str) -> TekkenVocab:
         version = config.get("version", "")
         number = re.fullmatch(r"v(\d{1,4})", version)
         if number is None or int(number[1]) > LAST_VERSION_WITHOUT_SPECIALS:
-            raise CorruptFileError(f"{where}: a tekken file of version {version!r} has no special_tokens list; download it again.")
+            raise CorruptFileError(f"{where}: a tekken file of version {version!r} has no special_tokens list; "
+                                   "download it again.")
         names = V3_SPECIAL_TOKENS
     else:
         for i, token in enumerate(listed):
@@ -160,7 +162,8 @@ def tekken_vocab(doc: Any, where: str) -> TekkenVocab:
         names = tuple(t["token_str"] for t in listed)
     vocab = doc["vocab"]
     if len(vocab) < n_ranks:
-        raise CorruptFileError(f"{where}: vocab has {len(vocab)} entries, config needs {n_ranks}; download the file again.")
+        raise CorruptFileError(f"{where}: vocab has {len(vocab)} entries, config needs {n_ranks}; "
+                               "download the file again.")
     ranks = []
     for i, entry in enumerate(vocab[:n_ranks]):
         if (
@@ -194,9 +197,11 @@ def tekken_json(vocab: TekkenVocab, pattern: str) -> bytes:
 
     n_special = len(vocab.specials)
     doc = {
-        "config": {"pattern": pattern, "num_vocab_tokens": len(vocab.ranks), "default_vocab_size": n_special + len(vocab.ranks),
-                   "default_num_special_tokens": n_special, "version": WRITTEN_VERSION},
-        "vocab": [{"rank": r, "token_bytes": base64.b64encode(t).decode(), "token_str": text(t)} for r, t in enumerate(vocab.ranks)],
+        "config": {"pattern": pattern, "num_vocab_tokens": len(vocab.ranks),
+                   "default_vocab_size": n_special + len(vocab.ranks), "default_num_special_tokens": n_special,
+                   "version": WRITTEN_VERSION},
+        "vocab": [{"rank": r, "token_bytes": base64.b64encode(t).decode(), "token_str": text(t)}
+                  for r, t in enumerate(vocab.ranks)],
         "special_tokens": [{"rank": i, "token_str": s, "is_control": True} for i, s in enumerate(vocab.specials)],
     }
     return json.dumps(doc, ensure_ascii=False, separators=(",", ":")).encode()

@@ -55,7 +55,8 @@ def bench_quantize(quick: bool) -> list[dict]:
         out = quantize(tensor, qtype)  # the converter's way: one output buffer, written again chunk after chunk
         pack_s = best(lambda: quantize(tensor, qtype, out=out), repeats)
         reference_s = best(lambda: gguf.quants.quantize(values, qtype), reference_repeats)
-        exact = np.array_equal(quantize(tensor, qtype).numpy().reshape(-1), gguf.quants.quantize(values, qtype).view(np.uint8).reshape(-1))
+        exact = np.array_equal(quantize(tensor, qtype).numpy().reshape(-1),
+                               gguf.quants.quantize(values, qtype).view(np.uint8).reshape(-1))
         rows.append({"type": qtype.name, "shape": list(shape), "pack_s": pack_s, "reference_s": reference_s,
                      "copy_s": copy_s, "values": values.size, "out_bytes": out.numel(), "exact": bool(exact)})
     return rows
@@ -137,7 +138,8 @@ def _child_convert(src: str, out: str, dtype: str) -> dict:
 def _in_child(src: str, out: str, dtype: str) -> dict:
     code = ("import json; from comfyui_flux2dev.devtools.bench import convert_scenarios as s; "
             f"print(json.dumps(s._child_convert({src!r}, {out!r}, {dtype!r})))")
-    done = subprocess.run([sys.executable, "-P", "-c", code], env={**os.environ, **test_models_env()}, capture_output=True, text=True)
+    done = subprocess.run([sys.executable, "-P", "-c", code], env={**os.environ, **test_models_env()},
+                          capture_output=True, text=True)
     if done.returncode:
         raise RuntimeError(f"bench child (conversion of {src}) failed:\n{done.stderr[-4000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -171,7 +173,8 @@ def format_quantize(rows: list[dict]) -> str:
         pack_gbps, copy_gbps = _memory_gbps(r)
         lines.append(f"{r['type']:<6} {shape:>12} {r['values'] / r['pack_s'] / 1e6:>12.1f} "
                      f"{r['values'] / r['reference_s'] / 1e6:>12.1f} {r['reference_s'] / r['pack_s']:>6.1f}x "
-                     f"{pack_gbps:>10.1f} {copy_gbps:>10.1f} {pack_gbps / copy_gbps:>8.0%}  {'yes' if r['exact'] else 'NO'}")
+                     f"{pack_gbps:>10.1f} {copy_gbps:>10.1f} {pack_gbps / copy_gbps:>8.0%}  "
+                     f"{'yes' if r['exact'] else 'NO'}")
     ratios = [r["reference_s"] / r["pack_s"] for r in rows]
     lines.append(f"lowest ratio {min(ratios):.1f}x, geometric mean {float(np.exp(np.mean(np.log(ratios)))):.1f}x")
     return "\n".join(lines)
@@ -180,7 +183,8 @@ def format_quantize(rows: list[dict]) -> str:
 def format_kquant(result: dict) -> str:
     rows = result["rows"]
     lines = [f"K-quant quantization of float32 weights on one thread, the same input for both (pack: kquants.quantize "
-             f"by its {rows[0]['path']} path;\nggml: its compiled quantize_row_q*_K_ref, the bytes llama-quantize writes)",
+             f"by its {rows[0]['path']} path;\nggml: its compiled quantize_row_q*_K_ref, the bytes llama-quantize "
+             "writes)",
              f"{'type':<6} {'shape':>12} {'pack Mval/s':>12} {'ggml Mval/s':>12} {'ratio':>7}  exact"]
     for r in rows:
         pack = f"{r['type']:<6} {'x'.join(map(str, r['shape'])):>12} {r['values'] / r['pack_s'] / 1e6:>12.1f}"
@@ -204,8 +208,9 @@ def format_conversion(result: dict) -> str:
              "source evicted from the page cache):"]
     for r in result["rows"]:
         lines.append(f"  to {r['dtype']}: file {r['file_bytes'] / 2**20:.0f} MiB -> {r['out_bytes'] / 2**20:.0f} MiB, "
-                     f"largest tensor {r['largest_bytes'] / 2**20:.0f} MiB, peak RSS {r['peak_rss_bytes'] / 2**20:.0f} MiB "
+                     f"largest tensor {r['largest_bytes'] / 2**20:.0f} MiB, "
+                     f"peak RSS {r['peak_rss_bytes'] / 2**20:.0f} MiB "
                      f"({r['peak_rss_bytes'] / r['largest_bytes']:.2f} x the largest tensor, "
-                     f"{r['peak_rss_bytes'] / r['file_bytes']:.2f} x the file), read {r['read_bytes'] / 2**20:.0f} MiB, "
-                     f"{r['seconds']:.1f} s")
+                     f"{r['peak_rss_bytes'] / r['file_bytes']:.2f} x the file), "
+                     f"read {r['read_bytes'] / 2**20:.0f} MiB, {r['seconds']:.1f} s")
     return "\n".join(lines)

@@ -123,10 +123,12 @@ def bench_conditioning_cache(quick: bool) -> dict:
         for fmt in ("bf16",) if quick else ("bf16", "fp8"):
             path = os.path.join(tmp, f"encoder-{fmt}.safetensors")
             write_encoder(path, g, layers, fmt)
-            rows.append({"format": fmt, **in_child("encode_scenarios", "_child_encode", path, os.path.join(tmp, f"cache-{fmt}"),
+            rows.append({"format": fmt, **in_child("encode_scenarios", "_child_encode", path,
+                                                   os.path.join(tmp, f"cache-{fmt}"),
                                                    what=f"conditioning cache, {path}")})
             os.remove(path)
-    geometry = {"width": g.width, "heads": g.heads, "kv_heads": g.kv_heads, "mlp": g.mlp, "vocab": g.vocab, "layers": layers}
+    geometry = {"width": g.width, "heads": g.heads, "kv_heads": g.kv_heads, "mlp": g.mlp, "vocab": g.vocab,
+                "layers": layers}
     return {"geometry": geometry, "rows": rows}
 
 
@@ -142,7 +144,8 @@ def format_conditioning_cache(result: dict) -> str:
             parts.append(f"{name} {m['seconds'] * 1e3:.0f} ms, read {m['read_bytes'] / 2**20:.1f} MiB, "
                          f"peak RSS {m['peak_rss_bytes'] / 2**20:.1f} MiB")
         off = r["keep_loaded_off"]
-        lines.append(f"  {r['format']} ({r['file_bytes'] / 2**20:.0f} MiB file, {r['entry_bytes'] / 2**20:.1f} MiB entry): "
+        lines.append(f"  {r['format']} ({r['file_bytes'] / 2**20:.0f} MiB file, "
+                     f"{r['entry_bytes'] / 2**20:.1f} MiB entry): "
                      + "; ".join(parts)
                      + f"; hit / warm {r['hit']['seconds'] / r['warm']['seconds']:.2%}; keep_loaded off leaves "
                      f"{off['rss_left_bytes'] / 2**20:.1f} MiB of RSS (peak {off['peak_rss_bytes'] / 2**20:.1f} MiB)")

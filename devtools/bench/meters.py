@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import json
 import gc
+import json
 import os
 import platform
 import subprocess
@@ -34,7 +34,8 @@ def best(fn, repeats: int) -> float:
 
 
 # A memory-bound process: copies 256 MiB back and forth, far beyond any cache, as fast as one core can.
-_MEMORY_BOUND = "import numpy as np\na = np.ones(1 << 25); b = np.empty_like(a)\nwhile True: np.copyto(b, a); np.copyto(a, b)"
+_MEMORY_BOUND = ("import numpy as np\na = np.ones(1 << 25); b = np.empty_like(a)\n"
+                 "while True: np.copyto(b, a); np.copyto(a, b)")
 
 
 @contextlib.contextmanager

@@ -16,8 +16,8 @@ def _geomean(values: list[float]) -> float:
 def format_table(results: list[dict]) -> str:
     """The dequantization results as an aligned text table, with the geometric means of the speed-ups."""
     lines = [
-        f"{'type':8} {'path':6} {'values':>9} {'new out':>8} {'reused':>8} {'gguf':>6} {'ratio new':>10} {'ratio reused':>13}"
-        f" {'copy':>6} {'of copy':>8}  exact",
+        f"{'type':8} {'path':6} {'values':>9} {'new out':>8} {'reused':>8} {'gguf':>6} {'ratio new':>10} "
+        f"{'ratio reused':>13} {'copy':>6} {'of copy':>8}  exact",
         f"{'':8} {'':6} {'':>9} {'GB/s':>8} {'GB/s':>8} {'GB/s':>6} {'':>10} {'':>13} {'GB/s':>6} {'reused':>8}",
     ]
     fresh, reused = [], []
@@ -31,7 +31,8 @@ def format_table(results: list[dict]) -> str:
         )
     if results:
         lines.append(
-            f"geometric mean speed-up: {_geomean(fresh):.1f}x into new tensors, {_geomean(reused):.1f}x into a reused one"
+            f"geometric mean speed-up: {_geomean(fresh):.1f}x into new tensors, "
+            f"{_geomean(reused):.1f}x into a reused one"
         )
     return "\n".join(lines)
 
@@ -46,8 +47,8 @@ def _shape(shape) -> str:
 
 def format_forward(results: dict) -> str:
     """The per-forward dequantization at FLUX.2 shapes: each row against gguf's numpy reference, ComfyUI-GGUF
-    (where it was there), the torch path and the copy ceiling; fp8 and NVFP4 against the ops' previous
-    dequantization; the worst of each."""
+    (where it was there), the torch path and the copy ceiling; fp8 and NVFP4 against a plain torch
+    dequantization (the `before` column); the worst of each."""
     peer = results["peer"] is not None
     lines = [
         f"{'type':7} {'shape':>10} {'path':6} {'gguf ms':>8} {'peer ms':>8} {'torch ms':>8} {'forward ms':>10} "
@@ -59,7 +60,8 @@ def format_forward(results: dict) -> str:
             f"{r['type']:7} {_shape(r['shape']):>10} {r['path']:6} {_ms(r['reference_s']):>8} "
             f"{peer_ms:>8} {_ms(r['torch_s']):>8} {_ms(r['forward_s']):>10} "
             f"{r['reference_s'] / r['forward_s']:>6.1f}x {x_peer:>7} "
-            f"{r['torch_s'] / r['forward_s']:>6.1f}x {r['copy_s'] / r['forward_s']:>7.0%}  {'yes' if r['exact'] else 'NO'}"
+            f"{r['torch_s'] / r['forward_s']:>6.1f}x {r['copy_s'] / r['forward_s']:>7.0%}  "
+            f"{'yes' if r['exact'] else 'NO'}"
         )
     rows = results["gguf"]
     worst = min(rows, key=lambda r: r["reference_s"] / r["forward_s"])
@@ -83,8 +85,8 @@ def format_forward(results: dict) -> str:
     copies = {}
     for r in results["gguf"] + results["float"]:
         copies.setdefault(_shape(r["shape"]), []).append(2 * np.prod(r["shape"]) / r["copy_s"] / 1e9)
-    lines.append("copy ceiling (fp16 into a reused tensor, the faster of every thread and one, beside each row): " + ", ".join(
-        f"{shape} {min(gbps):.1f}-{max(gbps):.1f} GB/s" for shape, gbps in copies.items()))
+    lines.append("copy ceiling (fp16 into a reused tensor, the faster of every thread and one, beside each row): "
+                 + ", ".join(f"{shape} {min(gbps):.1f}-{max(gbps):.1f} GB/s" for shape, gbps in copies.items()))
     if not peer:
         lines.append(f"peer: not measured, {results['peer_missing']}")
     return "\n".join(lines)
@@ -94,10 +96,12 @@ def _forward_title(results: dict) -> str:
     beside = results["memory_bound_processes"]
     return (
         "Dequantization inside a CPU forward pass, to fp16, per layer "
-        + (f"beside {beside} memory-bound process{'es' if beside > 1 else ''} (load average {results['load_average']:.2f})"
+        + (f"beside {beside} memory-bound process{'es' if beside > 1 else ''} "
+           f"(load average {results['load_average']:.2f})"
            if beside else f"(load average {results['load_average']:.2f})")
         + "\n(forward: host/ops.forward_weight into the scratch buffer, by the path named; gguf: its numpy reference; "
-        + f"peer: {results['peer'] or 'ComfyUI-GGUF'}'s dequantize\nas its layers call it; torch: the pack's torch path, "
+        + f"peer: {results['peer'] or 'ComfyUI-GGUF'}'s dequantize\nas its layers call it; "
+          "torch: the pack's torch path, "
         + "which ran before the one-pass kernels; before: the ops' fp8 and NVFP4\ndequantization until 2026-12-01; "
         + "of copy: the copy's time over the forward's, for the same output bytes)"
     )
@@ -113,7 +117,8 @@ def format_contention(results: dict) -> str:
     for r in results["rows"]:
         ratios.append(r["reference_median_s"] / r["forward_median_s"])
         lines.append(
-            f"{r['type']:10} {r['path']:6} {_ms(r['forward_median_s']):>10} {r['forward_median_s'] / r['forward_best_s']:>6.1f}x "
+            f"{r['type']:10} {r['path']:6} {_ms(r['forward_median_s']):>10} "
+            f"{r['forward_median_s'] / r['forward_best_s']:>6.1f}x "
             f"{_ms(r['reference_median_s']):>8} {ratios[-1]:>5.1f}x"
         )
     lines.append(f"lowest ratio under load: {min(ratios):.1f}x gguf, geometric mean {_geomean(ratios):.1f}x")
@@ -147,11 +152,14 @@ def format_report(results: dict) -> str:
         "",
         f"GGUF tokenizer header ({h['tokens']} tokens, {h['merges']} merges): pack {h['pack_s'] * 1e3:.1f} ms, "
         f"gguf.GGUFReader {h['reference_s'] * 1e3:.1f} ms ({h['reference_s'] / h['pack_s']:.1f}x)",
-        f"tokenizer from tekken.json ({t['rung']}): first resolve {t['first_s']:.2f} s, second {t['second_s'] * 1e3:.2f} ms "
+        f"tokenizer from tekken.json ({t['rung']}): first resolve {t['first_s']:.2f} s, "
+        f"second {t['second_s'] * 1e3:.2f} ms "
         f"(same object: {t['same_tokenizer']})",
         "",
-        f"encoder load (tiny width, {e['layers_kept']} of {e['layers_in_file']} layers kept, safetensors, page cache evicted):",
-        f"  file {_mib(e['file_bytes'])}, kept {_mib(e['kept_bytes'])} ({e['kept_bytes'] / e['file_bytes']:.0%} of the file), "
+        f"encoder load (tiny width, {e['layers_kept']} of {e['layers_in_file']} layers kept, safetensors, "
+        "page cache evicted):",
+        f"  file {_mib(e['file_bytes'])}, kept {_mib(e['kept_bytes'])} "
+        f"({e['kept_bytes'] / e['file_bytes']:.0%} of the file), "
         f"read {_mib(e['read_bytes'])}, peak RSS {_mib(e['peak_rss_bytes'])}, {e['seconds']:.2f} s",
         f"  peak RSS / kept {e['rss_per_kept_byte']:.2f}, read / kept {e['read_per_kept_byte']:.2f}; after touching "
         f"every kept byte: RSS {_mib(e['rss_after_use_bytes'])} ({e['rss_after_use_per_kept_byte']:.2f} x kept), "
@@ -171,10 +179,12 @@ def format_report(results: dict) -> str:
         f"`flux2dev inspect` refusing an 8-byte .safetensors file: {r['refuse_s'] * 1e3:.0f} ms, `python -c pass` "
         f"{r['python_s'] * 1e3:.0f} ms ({r['refuse_s'] / r['python_s']:.1f}x)",
         f"reference ids of a {p['chars'] / 1e6:.0f}-million-character prompt: {p['pack_s'] * 1e3:.1f} ms; tokenizing "
-        f"the whole of its first {p['whole_head_chars'] / 1e6:.0f} million characters: {p['whole_head_s'] * 1e3:.0f} ms",
+        f"the whole of its first {p['whole_head_chars'] / 1e6:.0f} million characters: "
+        f"{p['whole_head_s'] * 1e3:.0f} ms",
         "",
-        "GGUF quantization of float32 weights (pack: gguf_quant.quantize into one reused output, as a conversion writes; gguf: gguf.quants.quantize;\n"
-        "GB/s: bytes read and written, the pack's and a plain copy's of the same weights on the quantizer's threads, measured before the row)",
+        "GGUF quantization of float32 weights (pack: gguf_quant.quantize into one reused output, as a conversion "
+        "writes; gguf: gguf.quants.quantize;\nGB/s: bytes read and written, the pack's and a plain copy's of the same "
+        "weights on the quantizer's threads, measured before the row)",
         format_quantize(results["quantize"]),
         format_conversion(results["conversion"]),
         "",

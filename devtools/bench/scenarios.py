@@ -23,14 +23,14 @@ import time
 import numpy as np
 import torch
 
-from ..tiny.gguf_blocks import random_blocks, write_and_close
 from ...tokenizers.ladder import bundled_tekken_path
 from ...tokenizers.vocab import byte_level_string
 from ..tiny.geometry import test_models_env
+from ..tiny.gguf_blocks import random_blocks, write_and_close
 from .convert_scenarios import bench_conversion, bench_kquant, bench_quantize
 from .encode_scenarios import bench_conditioning_cache
-from .upsample_scenarios import bench_upsampling
 from .meters import Measured, best, competing_load, evict, machine, timings
+from .upsample_scenarios import bench_upsampling
 
 # Values per benchmarked tensor. The full size (32 MiB of fp16) is still below most FLUX.2 weights
 # (6144 x 6144 = 38M values), so the output does not fit in cache, as in a real load.
@@ -106,13 +106,13 @@ def _gguf_case(qtype, shape, rng):
 
 
 def _previous_fp8(weight, companions):
-    """The ops' fp8 dequantization until 2026-12-01 (the reference): float32 cast, multiply, cast."""
+    """The fp8 rows' baseline, a plain torch dequantization: float32 cast, multiply, cast."""
     return (weight.to(torch.float32) * companions["weight_scale"]).to(_FORWARD_DTYPE)
 
 
 def _previous_nvfp4(packed, companions):
-    """The ops' NVFP4 dequantization until 2026-12-01 (the reference): int64 codes, a float32 table
-    lookup, the scales, a multiply and a cast, each into a new tensor."""
+    """The NVFP4 rows' baseline, a plain torch dequantization: int64 codes, a float32 table lookup, the
+    scales, a multiply and a cast, each into a new tensor."""
     from ...loaders.formats.quant import _E2M1, NVFP4_BLOCK, unswizzle_block_scales
 
     rows, cols = packed.shape[0], packed.shape[1] * 2
@@ -134,7 +134,8 @@ def _float_case(fmt: str, shape, rng):
         return weight, {"weight_scale": torch.rand(shape[0], 1, generator=g) + 0.1}, _previous_fp8
     packed = torch.randint(0, 256, (shape[0], shape[1] // 2), dtype=torch.uint8, generator=g)
     block_scales = (torch.rand(shape[0], shape[1] // 16, generator=g) * 4).to(torch.float8_e4m3fn)
-    return packed, {"weight_scale": swizzle_block_scales(block_scales), "weight_scale_2": torch.tensor(0.01)}, _previous_nvfp4
+    return (packed, {"weight_scale": swizzle_block_scales(block_scales), "weight_scale_2": torch.tensor(0.01)},
+            _previous_nvfp4)
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -156,8 +157,8 @@ def _copy_s(shape, repeats: int) -> float:
 
 
 def _torch_path(fn):
-    """fn run with the one-pass kernels switched off: the torch path, which ran before them (and still runs
-    on GPUs and wherever numba cannot)."""
+    """fn run with the one-pass kernels switched off: the torch path, which runs on GPUs and wherever numba
+    cannot."""
     from ...loaders.formats import fused
 
     kernels = fused.gguf, fused.fp8, fused.nvfp4
@@ -220,7 +221,8 @@ def bench_forward_dequant(quick: bool, memory_bound: int = 0) -> dict:
                 stored, companions, previous = _float_case(fmt, shape, rng)
                 got, row = _forward_figures(stored, companions, shape, repeats)
                 before_s = best(lambda: previous(stored, companions), repeats)
-                row.update(format=fmt, before_s=before_s, exact=_same_bits(got, previous(stored, companions)) and row["exact"])
+                row.update(format=fmt, before_s=before_s,
+                           exact=_same_bits(got, previous(stored, companions)) and row["exact"])
                 float_rows.append(row)
     return {"gguf": gguf_rows, "float": float_rows, "memory_bound_processes": memory_bound,
             "load_average": load, "peer": PEER if peer is not None else None,
@@ -249,8 +251,9 @@ def bench_contention(quick: bool) -> dict:
                 forward_weight(stored, companions, _FORWARD_DTYPE, shape)  # loads the compiled kernel: not timed
                 forward = timings(lambda: forward_weight(stored, companions, _FORWARD_DTYPE, shape), repeats)
             reference = timings(lambda: gguf.quants.dequantize(raw, qtype), reference_repeats)
-            rows.append({"type": qtype.name, "path": fused.path("cpu", _FORWARD_DTYPE), "forward_median_s": _median(forward),
-                         "forward_best_s": min(forward), "reference_median_s": _median(reference)})
+            rows.append({"type": qtype.name, "path": fused.path("cpu", _FORWARD_DTYPE),
+                         "forward_median_s": _median(forward), "forward_best_s": min(forward),
+                         "reference_median_s": _median(reference)})
     return {"shape": list(shape), "competing_processes": _COMPETING_PROCESSES, "load_average": load, "rows": rows}
 
 
@@ -322,7 +325,8 @@ def _child_tokenizer(folder: str) -> dict:
     start = time.perf_counter()
     second = resolve_tokenizer([folder])
     second_s = time.perf_counter() - start
-    return {"first_s": first_s, "second_s": second_s, "rung": first.rung, "same_tokenizer": second.tokenizer is first.tokenizer}
+    return {"first_s": first_s, "second_s": second_s, "rung": first.rung,
+            "same_tokenizer": second.tokenizer is first.tokenizer}
 
 
 def _child_encoder(folder: str) -> dict:
@@ -428,7 +432,8 @@ CHILD_TASKS = {
 
 def _in_child(task: str, path: str) -> dict:
     """Run one measurement in a fresh interpreter (tiny test models enabled) and return its result."""
-    code = f"import json; from comfyui_flux2dev.devtools.bench import scenarios as s; print(json.dumps(s.CHILD_TASKS[{task!r}]({path!r})))"
+    code = ("import json; from comfyui_flux2dev.devtools.bench import scenarios as s; "
+            f"print(json.dumps(s.CHILD_TASKS[{task!r}]({path!r})))")
     env = {**os.environ, **test_models_env()}
     done = subprocess.run([sys.executable, "-P", "-c", code], env=env, capture_output=True, text=True)
     if done.returncode:

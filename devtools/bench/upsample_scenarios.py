@@ -55,7 +55,8 @@ def write_whole_gguf(path: str, bf16_path: str, g, layers: int) -> None:
             if module in heads:  # llama.cpp's rotary order
                 h = heads[module]
                 w = w.reshape(h, 2, w.shape[0] // h // 2, -1).transpose(1, 2).reshape(w.shape)
-            qtype = (gguf.GGMLQuantizationType.F32 if w.dim() == 1 else gguf.GGMLQuantizationType.F16 if key == "lm_head.weight"
+            qtype = (gguf.GGMLQuantizationType.F32 if w.dim() == 1
+                     else gguf.GGMLQuantizationType.F16 if key == "lm_head.weight"
                      else gguf.GGMLQuantizationType.Q8_0 if "embed_tokens" in key else gguf.GGMLQuantizationType.Q4_0)
             name = names.get_name(key, try_suffixes=(".weight",))
             if qtype == gguf.GGMLQuantizationType.F32:
@@ -119,7 +120,8 @@ def _child(path: str, runner: str, dtype: str, layers: int, quick: bool) -> dict
             upsample(path, "warm-up", **{**settings, "max_new_tokens": 2})  # loads the model, kept for the next call
             stamps = []
             start = time.perf_counter()
-            written = upsample(path, PROMPT, on_token=lambda count, total: stamps.append(time.perf_counter()), **settings)
+            written = upsample(path, PROMPT, on_token=lambda count, total: stamps.append(time.perf_counter()),
+                               **settings)
             assert written.input_ids == ids
         else:
             model = _transformers_model(path, g, layers, torch_dtype)
@@ -150,9 +152,10 @@ def bench_upsampling(quick: bool) -> dict:
         write_encoder(files["fp8"], g, layers, "fp8", whole=True)
         write_whole_gguf(files["gguf"], files["bf16"], g, layers)
         for name, runner, fmt, dtype in ROWS:
-            rows.append({"name": name, **in_child("upsample_scenarios", "_child", files[fmt], runner, dtype, layers, quick,
-                                                  what=f"upsampling, {name}")})
-    geometry = {"width": g.width, "heads": g.heads, "kv_heads": g.kv_heads, "mlp": g.mlp, "vocab": g.vocab, "layers": layers}
+            rows.append({"name": name, **in_child("upsample_scenarios", "_child", files[fmt], runner, dtype, layers,
+                                                  quick, what=f"upsampling, {name}")})
+    geometry = {"width": g.width, "heads": g.heads, "kv_heads": g.kv_heads, "mlp": g.mlp, "vocab": g.vocab,
+                "layers": layers}
     return {"geometry": geometry, "rows": rows}
 
 
@@ -171,9 +174,11 @@ def format_upsampling(result: dict) -> str:
                       f"{r['first_token_s'] / peer['first_token_s']:.2f}x its time, peak RSS "
                       f"{r['peak_rss_bytes'] / peer['peak_rss_bytes']:.2f}x)")
         elif r["name"].startswith("pack") and "transformers bf16" in rows:
-            versus = f" (peak RSS {r['peak_rss_bytes'] / rows['transformers bf16']['peak_rss_bytes']:.2f}x transformers bf16's)"
-        lines.append(f"  {r['name']:<22} first token {r['first_token_s'] * 1e3:8.0f} ms, {r['tokens_per_s']:7.2f} tokens/s, "
-                     f"peak RSS {r['peak_rss_bytes'] / 2**20:7.0f} MiB, file {r['file_bytes'] / 2**20:6.0f} MiB{versus}")
+            versus = (f" (peak RSS {r['peak_rss_bytes'] / rows['transformers bf16']['peak_rss_bytes']:.2f}x "
+                      "transformers bf16's)")
+        lines.append(f"  {r['name']:<22} first token {r['first_token_s'] * 1e3:8.0f} ms, "
+                     f"{r['tokens_per_s']:7.2f} tokens/s, peak RSS {r['peak_rss_bytes'] / 2**20:7.0f} MiB, "
+                     f"file {r['file_bytes'] / 2**20:6.0f} MiB{versus}")
     return "\n".join(lines)
 
 

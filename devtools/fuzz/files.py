@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-
 MAX_FILE = 1 << 40  # the largest (sparse) file an input is written as
 
 
@@ -72,7 +71,8 @@ class JsonLines:
         self.values = values
 
     def spec(self) -> FileSpec:
-        data = "\n".join(json.dumps(v, ensure_ascii=False) for v in self.values).encode("utf-8", "surrogatepass") + b"\n"
+        data = "\n".join(json.dumps(v, ensure_ascii=False)
+                         for v in self.values).encode("utf-8", "surrogatepass") + b"\n"
         return FileSpec(((0, data),), len(data))
 
 

@@ -18,15 +18,15 @@ import sys
 import tempfile
 import time
 import traceback
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import wait
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from .files import FILE_KINDS, FileSpec, Gguf, JsonDoc, JsonLines, RawFile, Safetensors, write_kind
 from .mutations import mutate_bytes, mutate_gguf, mutate_json, mutate_lines, mutate_safetensors
-from .targets import Fixtures, LADDER_TARGETS, TARGETS, Tree, target_trees
-
+from .targets import LADDER_TARGETS, TARGETS, Fixtures, Tree, target_trees
 
 QUICK_INPUTS = 2000
 LONG_INPUTS = 20000
@@ -103,7 +103,8 @@ def _site(exc: BaseException) -> str:
         parts.append(f"{os.path.relpath(os.path.realpath(f.filename), pack)}:{f.lineno} ({f.name})")
     if frames and (not own or frames[-1] is not own[-1]):
         f = frames[-1]
-        name = f.filename.split("site-packages/")[-1] if "site-packages/" in f.filename else os.path.basename(f.filename)
+        name = f.filename.split("site-packages/")[-1] if "site-packages/" in f.filename \
+            else os.path.basename(f.filename)
         parts.append(f"{name}:{f.lineno} ({f.name})")
     return " > ".join(parts) or "?"
 
@@ -142,7 +143,8 @@ def run_case(case: Case, root: Path, stamp: int, started: Callable[[], None] = l
     except KeyboardInterrupt:
         raise
     except BaseException as e:  # noqa: BLE001 - the tokenizers library's PanicException is a BaseException
-        verdict = {"ok": False, "kind": "exception", "type": f"{type(e).__module__}.{type(e).__qualname__}".removeprefix("builtins."),
+        verdict = {"ok": False, "kind": "exception",
+                   "type": f"{type(e).__module__}.{type(e).__qualname__}".removeprefix("builtins."),
                    "message": " ".join(str(e).split())[:400], "site": _site(e)}
     _, peak = _memory()
     growth = peak - before
@@ -263,7 +265,8 @@ class Fuzzer:
     def _start(self, slot: int) -> Worker:
         parent, child = self.context.Pipe()
         root = self.scratch / f"w{slot}-{time.monotonic_ns()}"
-        process = self.context.Process(target=_worker, args=(child, self.target, self.trees, self.seed, root), daemon=True)
+        process = self.context.Process(target=_worker, args=(child, self.target, self.trees, self.seed, root),
+                                       daemon=True)
         process.start()
         child.close()
         if not parent.poll(120) or parent.recv() != "ready":
@@ -286,7 +289,8 @@ class Fuzzer:
         if verdict["kind"] != "harness error":
             case = make_case(self.target, self.trees, self.seed, index)
             failure.update(tree=case.tree.name, file=case.rel, notes=case.notes)
-            folder = self.out / f"{self.target}-seed{self.seed}-{index if index >= 0 else 'unchanged' + str(-1 - index)}"
+            folder = self.out / (f"{self.target}-seed{self.seed}-"
+                                 f"{index if index >= 0 else 'unchanged' + str(-1 - index)}")
             failure["saved"] = str(save_input(case, folder, failure))
         report.failures.append(failure)
         self.log(f"FAIL {self.target} seed {self.seed} index {index}: {verdict['kind']} {verdict['type']}: "
@@ -325,7 +329,8 @@ class Fuzzer:
                         except (EOFError, OSError):
                             code = worker.process.join(1) or worker.process.exitcode
                             verdict = {"ok": False, "kind": "crash", "type": f"exit {code}", "site": "worker",
-                                       "message": "the worker process died (a signal such as SIGBUS/SIGSEGV, or the OOM killer)"}
+                                       "message": "the worker process died (a signal such as SIGBUS/SIGSEGV, "
+                                                  "or the OOM killer)"}
                         index, worker.index = worker.index, None
                         if not verdict["ok"]:
                             self._stop(slot)
@@ -365,7 +370,8 @@ def save_input(case: Case, folder: Path, verdict: dict) -> Path:
     if case.kind is None:
         case.spec.write(path)
     (folder / "failure.json").write_text(json.dumps({**verdict, "rebuild": "the other files of the tree are the "
-                                                     "tiny fixture's, rebuilt by devtools/fuzz.py"}, indent=1, default=str))
+                                                     "tiny fixture's, rebuilt by devtools/fuzz.py"},
+                                                    indent=1, default=str))
     return path
 
 
@@ -421,7 +427,7 @@ def prepare(fixtures: str | None) -> Fixtures:
         fixtures = tempfile.mkdtemp(prefix="fuzz-tiny-")
         print(f"writing the tiny fixtures to {fixtures} (pass --fixtures to reuse them)")
         tiny.write_all(fixtures)
-    from ...loaders.models import encoder, gguf_transformer, inspect, pipeline, transformer
+    from ...loaders.models import encoder, gguf_transformer, inspect, pipeline, transformer  # noqa: F401
     from ...tokenizers import resolve_tokenizer
 
     resolve_tokenizer()
@@ -429,7 +435,8 @@ def prepare(fixtures: str | None) -> Fixtures:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m comfyui_flux2dev.devtools fuzz", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m comfyui_flux2dev.devtools fuzz",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", action="append", choices=sorted(TARGETS), help="repeatable; default: all")
     parser.add_argument("--inputs", type=int, default=QUICK_INPUTS, help=f"per target (default {QUICK_INPUTS})")
     parser.add_argument("--long", action="store_true", help=f"{LONG_INPUTS} inputs per target")
@@ -437,7 +444,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--index", type=int, help="run this one input in this process and show its traceback")
     parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
     parser.add_argument("--cpu", type=float, default=CPU_LIMIT_S, help="CPU seconds one input may take")
-    parser.add_argument("--fixtures", help="a folder written by the dev tools' `tiny` (default: write one to a temp dir)")
+    parser.add_argument("--fixtures",
+                        help="a folder written by the dev tools' `tiny` (default: write one to a temp dir)")
     parser.add_argument("--out", help=f"where failing inputs go (default ${OUT_ENV} or a temp dir)")
     parser.add_argument("--json", help="write the reports here as JSON")
     args = parser.parse_args(argv)
@@ -449,7 +457,8 @@ def main(argv: list[str] | None = None) -> int:
     inputs = LONG_INPUTS if args.long else args.inputs
     reports = []
     for target in targets:
-        report = fuzz_target(target, fixtures, inputs=inputs, seed=args.seed, out=out, jobs=args.jobs, cpu_limit=args.cpu)
+        report = fuzz_target(target, fixtures, inputs=inputs, seed=args.seed, out=out, jobs=args.jobs,
+                             cpu_limit=args.cpu)
         print(report.summary(), flush=True)
         reports.append(report)
     if args.json:

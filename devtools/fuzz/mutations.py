@@ -12,8 +12,7 @@ import random
 import struct
 from typing import Any
 
-from .files import FileSpec, GArray, G_ARRAY, G_STRING, Gguf, JsonLines, RawFile, Safetensors
-
+from .files import G_ARRAY, G_STRING, FileSpec, GArray, Gguf, JsonLines, RawFile, Safetensors
 
 INTERESTING_INTS = (0, 1, -1, 2, 3, 7, 32, 255, 256, 1000, 65535, 2**31 - 1, 2**31, 2**32 - 1, 2**32, 2**53 + 1,
                     2**62, 2**63 - 1, 2**63, 2**64 - 1, 2**64, -(2**63), 10**5, 10**6, 10**7, 10**100)
@@ -96,7 +95,8 @@ def mutate_json(doc: Any, rng: random.Random, notes: list[str]) -> tuple[Any, st
     elif op == "empty":
         new = type(old)() if isinstance(old, (dict, list, str)) else []
     elif op == "repeat":
-        new = [old] * rng.choice((2, 100, 10000)) if not isinstance(old, (dict, list)) or len(json.dumps(old)) < 2000 else [old, old]
+        new = [old] * rng.choice((2, 100, 10000)) if not isinstance(old, (dict, list)) or len(json.dumps(old)) < 2000 \
+            else [old, old]
     elif op == "deep":
         new, splice = DEEP, (DEEP, rng.choice((64, 1000, 100000)))
     elif op == "delete" and path:
@@ -107,7 +107,8 @@ def mutate_json(doc: Any, rng: random.Random, notes: list[str]) -> tuple[Any, st
     else:  # insert into the container at the path (or next to the value)
         container = old if isinstance(old, (dict, list)) else _get(doc, path[:-1]) if path else None
         if isinstance(container, dict):
-            container[rng.choice(("__metadata__", "x", "0", "weight_map", "special_tokens", "", "\u202e"))] = _json_value(rng)
+            container[rng.choice(("__metadata__", "x", "0", "weight_map", "special_tokens", "",
+                                  "\u202e"))] = _json_value(rng)
         elif isinstance(container, list):
             container.insert(rng.randrange(len(container) + 1), _json_value(rng))
         notes.append(f"json: insert into {_show_path(path)}")
@@ -289,7 +290,8 @@ def mutate_gguf(model: Gguf, rng: random.Random, notes: list[str]) -> Gguf:
                     array.items = []
                 else:
                     array.items = [len(x) if isinstance(x, (str, bytes)) else x for x in array.items]
-            elif how == 5 and array.itype == G_STRING:  # every token a prefix of the next: the merge builder's worst case
+            elif how == 5 and array.itype == G_STRING:
+                # every token a prefix of the next: the merge builder's worst case
                 array.items[1000:] = ["a" * (k + 1) for k in range(len(array.items) - 1000)]
             else:
                 rng.shuffle(array.items)
@@ -312,7 +314,8 @@ def mutate_gguf(model: Gguf, rng: random.Random, notes: list[str]) -> Gguf:
             dims = tensor[1]
             how = rng.randrange(4)
             if how == 0 and dims:
-                dims[rng.randrange(len(dims))] = rng.choice((0, 1, 2**63, 2**64 - 1, 2**32, dims[0] * 2, dims[0] - 1, 31))
+                dims[rng.randrange(len(dims))] = rng.choice((0, 1, 2**63, 2**64 - 1, 2**32, dims[0] * 2, dims[0] - 1,
+                                                             31))
             elif how == 1:
                 dims.append(rng.choice((1, 2, 0)))
             elif how == 2 and dims:
@@ -326,8 +329,8 @@ def mutate_gguf(model: Gguf, rng: random.Random, notes: list[str]) -> Gguf:
             tensor[3] = rng.choice((tensor[3] + 1, tensor[3] + 32, other[3], 2**63, 2**64 - 1, model.data_size,
                                     model.data_size + 32, 0))
         elif op == "tensor-name":
-            tensor[0] = rng.choice((rng.choice(model.tensors)[0], "", b"\xff\xfe", f"model.diffusion_model.{tensor[0]!s}",
-                                    "x" * 70000, "tekken_model"))
+            tensor[0] = rng.choice((rng.choice(model.tensors)[0], "", b"\xff\xfe",
+                                    f"model.diffusion_model.{tensor[0]!s}", "x" * 70000, "tekken_model"))
         else:
             model.tensors.remove(tensor)
         notes.append(f"gguf: {op} {tensor[0]!r:.60} -> dims {tensor[1][:6]} type {tensor[2]} offset {tensor[3]}")
@@ -339,7 +342,8 @@ def mutate_bytes(spec: FileSpec, rng: random.Random, notes: list[str]) -> FileSp
     (first_offset, data), *rest = spec.chunks
     data = bytearray(data)
     size = spec.size
-    op = rng.choice(("flip", "flip", "byte", "u64", "u32", "insert", "delete", "truncate", "truncate", "extend", "splice"))
+    op = rng.choice(("flip", "flip", "byte", "u64", "u32", "insert", "delete", "truncate", "truncate", "extend",
+                     "splice"))
     head = min(len(data), 4096)
     pos = rng.randrange(len(data)) if data and rng.random() < 0.5 else rng.randrange(max(1, head))
     if op == "flip" and data:

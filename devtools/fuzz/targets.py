@@ -9,12 +9,12 @@ import os
 import shutil
 import struct
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
-from .files import FileSpec, GArray, G_STRING, Gguf, JsonDoc, JsonLines, RawFile, Safetensors
-
+from .files import G_STRING, FileSpec, GArray, Gguf, JsonDoc, JsonLines, RawFile, Safetensors
 
 N_RANKS = 300  # BPE ranks kept in the cut vocabularies (the 256 bytes and the first merges)
 PROMPT = "a red fox [INST] <s> in the snow"
@@ -51,7 +51,8 @@ def _cut_tekken(data: bytes, listed: bool = False) -> bytes:
         from ...tokenizers.vocab import V3_SPECIAL_TOKENS
 
         config["version"] = "v11"
-        doc["special_tokens"] = [{"rank": i, "token_str": s, "is_control": True} for i, s in enumerate(V3_SPECIAL_TOKENS)]
+        doc["special_tokens"] = [{"rank": i, "token_str": s, "is_control": True}
+                                 for i, s in enumerate(V3_SPECIAL_TOKENS)]
     return json.dumps(doc).encode()
 
 
@@ -128,7 +129,7 @@ def run_gguf_reader(path: Path) -> None:
 
     with open_gguf(path) as gguf:
         for tensor in gguf.tensors.values():
-            tensor.data  # every view can be made
+            _ = tensor.data  # every view can be made
 
 
 def run_safetensors_header(path: Path) -> None:
@@ -315,15 +316,20 @@ def target_trees(target: str, fx: Fixtures) -> list[Tree]:
         return [t(n, f"{UNET}/flux2-dev-tiny-{n}.gguf", run_gguf_reader) for n in ("Q4_K", "Q8_0")] + [
             t(n, f"{TE}/{n}.gguf", run_gguf_reader) for n in ("mistral3-q4_k", "cow-f16")]
     if target == "safetensors-header":
-        return [t(n, f"{DM}/{n}.safetensors", run_safetensors_header) for n in ("flux2-dev-tiny", "flux2-dev-tiny-fp8-weight_scale")] + [
-            t(n, f"{TE}/{n}.safetensors", run_safetensors_header) for n in ("mistral_3_small_flux2_bf16", "mistral_3_small_flux2_fp4_mixed")]
+        return [t(n, f"{DM}/{n}.safetensors", run_safetensors_header)
+                for n in ("flux2-dev-tiny", "flux2-dev-tiny-fp8-weight_scale")] + [
+            t(n, f"{TE}/{n}.safetensors", run_safetensors_header)
+            for n in ("mistral_3_small_flux2_bf16", "mistral_3_small_flux2_fp4_mixed")]
     if target == "shard-index":
-        return [t("diffusers-shards", DEV_DIFFUSERS, run_shards("diffusion_pytorch_model.safetensors"), mutable=(DIFFUSERS_INDEX,)),
+        return [t("diffusers-shards", DEV_DIFFUSERS, run_shards("diffusion_pytorch_model.safetensors"),
+                  mutable=(DIFFUSERS_INDEX,)),
                 t("transformer-part", DEV_DIFFUSERS, run_part_files, mutable=(DIFFUSERS_INDEX,)),
                 t("hf-shards", f"{TE}/hf-mistral3", run_shards("model.safetensors"), mutable=(HF_INDEX,))]
     if target == "tekken-ladder":
-        plain = Tree("tekken-v3", {"tekken.json": JsonDoc(json.loads(fx.tekken))}, "", ("tekken.json",), run_tekken_ladder)
-        listed = Tree("tekken-v11", {"tekken.json": JsonDoc(json.loads(fx.tekken_listed))}, "", ("tekken.json",), run_tekken_ladder)
+        plain = Tree("tekken-v3", {"tekken.json": JsonDoc(json.loads(fx.tekken))}, "", ("tekken.json",),
+                     run_tekken_ladder)
+        listed = Tree("tekken-v11", {"tekken.json": JsonDoc(json.loads(fx.tekken_listed))}, "", ("tekken.json",),
+                      run_tekken_ladder)
         return [plain, listed]
     if target == "gguf-vocab":
         return [t("mistral3-q4_k", f"{TE}/mistral3-q4_k.gguf", run_gguf_vocab)]
@@ -341,14 +347,17 @@ def target_trees(target: str, fx: Fixtures) -> list[Tree]:
                 t("gguf-encoder", f"{TE}/mistral3-q4_0.gguf", run_inspect),
                 t("pipeline", DEV_PIPELINE, run_inspect, files=PIPELINE_FILES)]
     if target == "encoder":
-        return [t(n, f"{TE}/{n}.safetensors", run_encoder) for n in ("mistral_3_small_flux2_bf16", "mistral_3_small_flux2_fp8_channel")] + [
+        return [t(n, f"{TE}/{n}.safetensors", run_encoder)
+                for n in ("mistral_3_small_flux2_bf16", "mistral_3_small_flux2_fp8_channel")] + [
             t(n, f"{TE}/{n}.gguf", run_encoder) for n in ("mistral3-q4_k", "cow-f16", "llama-q8_0")] + [
             t(n, f"{TE}/{n}", run_encoder) for n in ("native", "standalone", "hf-mistral3")]
     if target == "transformer":
-        return [t(n, f"{DM}/{n}.safetensors", run_transformer) for n in ("flux2-dev-tiny", "flux2-dev-tiny-fp8-scale_weight")] + [
+        return [t(n, f"{DM}/{n}.safetensors", run_transformer)
+                for n in ("flux2-dev-tiny", "flux2-dev-tiny-fp8-scale_weight")] + [
             t("diffusers", DEV_DIFFUSERS, run_transformer)]
     if target == "gguf-transformer":
-        return [t(n, f"{UNET}/{n}.gguf", run_gguf_transformer) for n in ("flux2-dev-tiny-Q4_K", "flux2-dev-tiny-Q8_0", "flux2-klein-4b-tiny-Q8_0")]
+        return [t(n, f"{UNET}/{n}.gguf", run_gguf_transformer)
+                for n in ("flux2-dev-tiny-Q4_K", "flux2-dev-tiny-Q8_0", "flux2-klein-4b-tiny-Q8_0")]
     if target == "pipeline":
         return [t("dev-pipeline", DEV_PIPELINE, run_pipeline, files=PIPELINE_FILES)]
     if target == "cache-folder":
@@ -372,7 +381,8 @@ TARGETS = {
     "transformer": "loaders.transformer.load_transformer (BFL file, scaled fp8, diffusers folder)",
     "gguf-transformer": "loaders.gguf_transformer.load_gguf_transformer",
     "pipeline": "loaders.pipeline.describe_pipeline and dev_encoder_folder",
-    "cache-folder": "loaders.conditioning_cache: open, list, read, get, prune, put, remember, evict (a user's file beside)",
+    "cache-folder": "loaders.conditioning_cache: open, list, read, get, prune, put, remember, evict "
+                    "(a user's file beside)",
     "prompts-file": "loaders.files.read_prompts, then prompt_ids of each prompt",
 }
 LADDER_TARGETS = ("tekken-ladder", "gguf-vocab", "inspect", "encoder", "prompts-file")

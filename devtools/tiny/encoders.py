@@ -17,8 +17,8 @@ import numpy as np
 import torch
 
 from ...loaders.formats.quant import swizzle_block_scales
-from .geometry import TINY_MISTRAL
 from ...tokenizers.ladder import bundled_tekken_path
+from .geometry import TINY_MISTRAL
 from .gguf_blocks import write_and_close
 
 SEED = 20251125
@@ -32,7 +32,8 @@ MODULE = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "
 NATIVE = {"model.embed_tokens": "tok_embeddings", "model.norm": "norm", "lm_head": "output",
           "self_attn.q_proj": "attention.wq", "self_attn.k_proj": "attention.wk", "self_attn.v_proj": "attention.wv",
           "self_attn.o_proj": "attention.wo", "mlp.gate_proj": "feed_forward.w1", "mlp.up_proj": "feed_forward.w3",
-          "mlp.down_proj": "feed_forward.w2", "input_layernorm": "attention_norm", "post_attention_layernorm": "ffn_norm"}
+          "mlp.down_proj": "feed_forward.w2", "input_layernorm": "attention_norm",
+          "post_attention_layernorm": "ffn_norm"}
 VISION = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=1, head_dim=16,
               image_size=128, patch_size=16, num_channels=3)
 
@@ -99,7 +100,8 @@ def vision_weights() -> dict[str, torch.Tensor]:
     """Vision tower and projector weights, named relative to the Mistral3 model (shapes from transformers)."""
     from transformers import Mistral3Config, Mistral3ForConditionalGeneration
 
-    config = Mistral3Config(**{k: v for k, v in mistral3_config(1).items() if k not in ("architectures", "torch_dtype")})
+    config = Mistral3Config(**{k: v for k, v in mistral3_config(1).items()
+                               if k not in ("architectures", "torch_dtype")})
     with torch.device("meta"):
         model = Mistral3ForConditionalGeneration(config)
     gen = torch.Generator().manual_seed(SEED + 1)
@@ -183,7 +185,8 @@ def write_standalone(dir: str) -> None:
     """BFL-style: config.json (mistral3) + model.safetensors + tekken.json, 30 layers."""
     os.makedirs(dir, exist_ok=True)
     model = _pruned(base_model())
-    _save({"model.language_model" + k[len("model"):]: v for k, v in model.items()}, os.path.join(dir, "model.safetensors"))
+    _save({"model.language_model" + k[len("model"):]: v for k, v in model.items()},
+          os.path.join(dir, "model.safetensors"))
     with open(os.path.join(dir, "config.json"), "w") as f:
         json.dump(mistral3_config(PRUNED), f, indent=1)
     write_tekken(dir)
@@ -226,7 +229,8 @@ def write_native(dir: str) -> None:
     """Mistral's consolidated.safetensors + params.json + tekken.json, 40 layers, wq/wk interleaved."""
     g = TINY_MISTRAL
     os.makedirs(dir, exist_ok=True)
-    _save({native_name(k): _interleaved(k, v) for k, v in base_model().items()}, os.path.join(dir, "consolidated.safetensors"))
+    _save({native_name(k): _interleaved(k, v) for k, v in base_model().items()},
+          os.path.join(dir, "consolidated.safetensors"))
     params = {"dim": g.width, "n_layers": LAYERS, "head_dim": g.head_dim, "hidden_dim": g.mlp, "n_heads": g.heads,
               "n_kv_heads": g.kv_heads, "norm_eps": g.rms_norm_eps, "vocab_size": g.vocab, "rope_theta": g.rope_theta}
     with open(os.path.join(dir, "params.json"), "w") as f:
@@ -238,7 +242,8 @@ def _linear_keys(model: dict[str, torch.Tensor]) -> list[str]:
     return [k for k in model if k.startswith("model.layers.") and k.split(".")[-2] in PARTS]
 
 
-def _fp8(model: dict[str, torch.Tensor], spelling: str, per_channel: bool, input_scales: bool) -> dict[str, torch.Tensor]:
+def _fp8(model: dict[str, torch.Tensor], spelling: str, per_channel: bool,
+         input_scales: bool) -> dict[str, torch.Tensor]:
     """The model with its layers' linear weights in fp8_e4m3fn and a scale (.weight_scale or .scale_weight)."""
     out = dict(model)
     input_spelling = {"weight_scale": "input_scale", "scale_weight": "scale_input"}[spelling]
@@ -450,4 +455,5 @@ def write_encoders(root: str) -> list[dict]:
     os.makedirs(root, exist_ok=True)
     for encoder in ENCODERS:
         encoder.write(os.path.join(root, encoder.name))
-    return [{"path": e.name, "kind": "encoder", "layout": e.layout, "variant": "dev", "format": e.format} for e in ENCODERS]
+    return [{"path": e.name, "kind": "encoder", "layout": e.layout, "variant": "dev", "format": e.format}
+            for e in ENCODERS]

@@ -15,8 +15,10 @@ DECLARATION = "flux2dev-tiny-models.json"  # beside the tiny models
 
 TINY_VARIANTS = (
     Flux2Variant("dev", "FLUX.2 [dev] (tiny test model)", "tiny Mistral", 64, (10, 20, 30), 256, 2, 2, 2, True, True),
-    Flux2Variant("klein-4b", "FLUX.2 Klein 4B (tiny test model)", "tiny Qwen3", 32, (9, 18, 27), 128, 1, 1, 2, False, True),
-    Flux2Variant("klein-9b", "FLUX.2 Klein 9B (tiny test model)", "tiny Qwen3", 48, (9, 18, 27), 256, 2, 1, 2, False, True),
+    Flux2Variant("klein-4b", "FLUX.2 Klein 4B (tiny test model)", "tiny Qwen3", 32, (9, 18, 27), 128, 1, 1, 2, False,
+                 True),
+    Flux2Variant("klein-9b", "FLUX.2 Klein 9B (tiny test model)", "tiny Qwen3", 48, (9, 18, 27), 256, 2, 1, 2, False,
+                 True),
 )
 TINY_MISTRAL = MistralEncoderGeometry(width=64, heads=2, kv_heads=1, mlp=128)
 # `flux2dev bench` measures the conditioning cache at Mistral-Small's real width with 3 layers, which fit a test
@@ -32,7 +34,8 @@ def write_declaration(folder: str | Path) -> Path:
     """The declaration of the test models in `folder`: set FLUX2DEV_TINY_MODELS to this path."""
     path = Path(folder) / DECLARATION
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(declaration_of(TINY_VARIANTS, {TINY_MISTRAL: TINY_VARIANTS[0], BENCH_MISTRAL: BENCH_DEV}), indent=1))
+    path.write_text(json.dumps(declaration_of(TINY_VARIANTS, {TINY_MISTRAL: TINY_VARIANTS[0],
+                                                              BENCH_MISTRAL: BENCH_DEV}), indent=1))
     return path
 
 

@@ -37,7 +37,8 @@ FILES = (
 )
 
 
-def gguf_tensors(state_dict: dict[str, torch.Tensor], qtype: GGMLQuantizationType, seed: int) -> dict[str, tuple[np.ndarray, GGMLQuantizationType]]:
+def gguf_tensors(state_dict: dict[str, torch.Tensor], qtype: GGMLQuantizationType,
+                 seed: int) -> dict[str, tuple[np.ndarray, GGMLQuantizationType]]:
     """name -> (array to write, its GGUF type), as a FLUX GGUF converter would choose them."""
     rng = np.random.default_rng(seed)
     out = {}
@@ -56,7 +57,8 @@ def gguf_tensors(state_dict: dict[str, torch.Tensor], qtype: GGMLQuantizationTyp
     return out
 
 
-def write_gguf(path: str | Path, tensors: dict[str, tuple[np.ndarray, GGMLQuantizationType]], architecture: str | None = ARCHITECTURE) -> None:
+def write_gguf(path: str | Path, tensors: dict[str, tuple[np.ndarray, GGMLQuantizationType]],
+               architecture: str | None = ARCHITECTURE) -> None:
     """Write `tensors` (from gguf_tensors) as a GGUF file; architecture None leaves general.architecture out."""
     writer = GGUFWriter(str(path), architecture or "")
     if architecture is None:
@@ -81,5 +83,6 @@ def write_gguf_transformers(root: str | Path) -> list[dict]:
             models[variant_key] = tiny_bfl(variant_key)
         path = f"flux2-{variant_key}-tiny-{qtype.name}.gguf"
         write_gguf(root / path, gguf_tensors(models[variant_key], qtype, SEED + i))
-        entries.append({"path": path, "kind": "transformer", "layout": "gguf", "variant": variant_key, "format": f"gguf-{qtype.name}"})
+        entries.append({"path": path, "kind": "transformer", "layout": "gguf", "variant": variant_key,
+                        "format": f"gguf-{qtype.name}"})
     return entries

@@ -14,8 +14,8 @@ from pathlib import Path
 import torch
 
 from ...loaders.models.variants import Flux2Variant
-from .geometry import TINY_VARIANTS
 from . import encoders
+from .geometry import TINY_VARIANTS
 from .transformers import SHARD_SIZE, make_transformer
 from .vae import write_vae_folder
 
@@ -114,5 +114,6 @@ def write_pipelines(root: str | Path) -> list[dict]:
         name = f"flux2-{variant.key}-tiny-pipeline"
         write_pipeline(root / name, variant, vae_from=vae)
         vae = vae or root / name / "vae"
-        entries.append({"path": name, "kind": "pipeline", "layout": "diffusers", "variant": variant.key, "format": "bf16"})
+        entries.append({"path": name, "kind": "pipeline", "layout": "diffusers", "variant": variant.key,
+                        "format": "bf16"})
     return entries

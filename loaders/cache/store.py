@@ -2,9 +2,10 @@
 the encoder's weights.
 
 An entry is a safetensors file named by the hash of its key (keys.py: everything that changes the numbers; a
-key is any object with a `to_json()`). Each entry stores its key and a checksum of key and tensors, so a damaged, truncated or foreign
-file is a miss, never wrong numbers. With FLUX2DEV_CACHE_SECRET set the checksum is an HMAC: entries written
-without the secret are misses, so a shared folder cannot be poisoned by someone who lacks it.
+key is any object with a `to_json()`). Each entry stores its key and a checksum of key and tensors, so a
+damaged, truncated or foreign file is a miss, never wrong numbers. With FLUX2DEV_CACHE_SECRET set the checksum
+is an HMAC: entries written without the secret are misses, so a shared folder cannot be poisoned by someone
+who lacks it.
 
 The folder is the cache's own, and the cache touches nothing else in it:
 - it is refused when it holds files the cache did not write (a models folder, say), unless it carries the
@@ -38,8 +39,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ...errors import CacheError, Flux2DevError
-from ..formats.validate import NOFOLLOW, parse_json, read_bounded
 from ..formats.safetensors_file import SafetensorsFiles, read_metadata
+from ..formats.validate import NOFOLLOW, parse_json, read_bounded
 
 try:
     import fcntl
@@ -61,7 +62,8 @@ ENTRY_NAME = re.compile(r"[0-9a-f]{64}\.safetensors")
 TEMP_NAME = re.compile(r"\.(?:[0-9a-f]{64}|fingerprints|tag)\.[0-9a-f]{32}\.tmp")
 FINGERPRINTS = "fingerprints.json"  # stat signature of an encoder's files -> content hash of its kept weights
 LOCK_FILE = ".lock"
-TAG = "CACHEDIR.TAG"  # https://bford.info/cachedir/: backup tools skip the folder, and it marks the folder as the cache's
+# https://bford.info/cachedir/: backup tools skip the folder, and it marks the folder as the cache's
+TAG = "CACHEDIR.TAG"
 TAG_SIGNATURE = b"Signature: 8a477f597d28d172789f06886806bc55"
 TAG_TEXT = TAG_SIGNATURE + (
     b"\n# This folder is a conditioning cache of ComfyUI-Flux2Dev (FLUX.2 [dev] text encoder).\n"
@@ -202,7 +204,8 @@ class ConditioningCache:
         except FileNotFoundError:
             return  # made on the first store
         except NotADirectoryError:
-            raise CacheError(f"{self.folder} is a file, not a folder; the conditioning cache needs a folder of its own.") from None
+            raise CacheError(f"{self.folder} is a file, not a folder; the conditioning cache needs a folder of its "
+                             "own.") from None
         except OSError as e:
             raise CacheError(f"{self.folder} cannot be read as the conditioning cache folder ({e.strerror}).") from None
         foreign = sorted(n for n in names if not _owned(n) and n not in OS_LITTER)
@@ -471,7 +474,8 @@ class ConditioningCache:
         set) not sealed with it."""
         path = self.folder / FINGERPRINTS
         try:
-            doc = parse_json(read_bounded(path, INDEX_LIMIT, "fingerprint index", follow_links=False), str(path), "config")
+            doc = parse_json(read_bounded(path, INDEX_LIMIT, "fingerprint index", follow_links=False), str(path),
+                             "config")
         except Flux2DevError:
             return {}
         index = doc.get("fingerprints") if isinstance(doc, dict) else None

@@ -25,7 +25,7 @@ import torch
 
 from ...errors import UnsupportedFormatError
 from ..formats import progress, quant
-from ..models.encoder import planned_weights, plan_encoder, read_weight, resolve_plan_tokenizer
+from ..models.encoder import plan_encoder, planned_weights, read_weight, resolve_plan_tokenizer
 from ..models.encoder_identify import LAYER_SHAPES
 from .output import check_not_source, check_output, output_file
 from .tensor_files import safetensors_file

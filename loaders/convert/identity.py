@@ -56,7 +56,8 @@ def _encoder(path: str) -> Weights:
 
     plan = plan_encoder(path)
     shapes = {host: plan.source.entries[plan.mapping[host]][1] for host in planned_weights(plan)}
-    return Weights(path, "encoder", {"layout": plan.layout, "formats": plan.formats}, shapes, lambda host: read_weight(plan, host))
+    return Weights(path, "encoder", {"layout": plan.layout, "formats": plan.formats}, shapes,
+                   lambda host: read_weight(plan, host))
 
 
 def _transformer(path: str) -> Weights:
@@ -112,7 +113,8 @@ def _logical_shape(stored: torch.Tensor, companions: dict) -> tuple[int, ...]:
 
 def _pipeline(path: str) -> Weights:
     parts = ", ".join(str(Path(path) / p) for p in ("transformer", "text_encoder", "vae"))
-    raise WrongModelError(f"{path} is a pipeline folder, which holds several models; compare one of its parts: {parts}.")
+    raise WrongModelError(f"{path} is a pipeline folder, which holds several models; compare one of its parts: "
+                          f"{parts}.")
 
 
 READERS = {"encoder": _encoder, "transformer": _transformer, "gguf-transformer": _gguf_transformer, "vae": _vae,
@@ -222,7 +224,8 @@ def _summary(counts: dict[str, int], total: int) -> str:
         return "A and B hold the same weights, byte for byte"
     for cast, other in ((CAST_OF_A, "B is A"), (CAST_OF_B, "A is B")):
         if counts[cast] and counts[IDENTICAL] + counts[EQUAL] + counts[cast] == total:
-            return f"{other} exactly cast: every weight is identical, equal, or the cast of the other's ({counts[cast]} cast)"
+            return (f"{other} exactly cast: every weight is identical, equal, or the cast of the other's "
+                    f"({counts[cast]} cast)")
     if counts[IDENTICAL] + counts[EQUAL] == total:
         return "A and B hold the same values, stored differently"
     return f"A and B differ: {counts[DIFFER]} weight(s) differ, {counts[ONLY_A] + counts[ONLY_B]} are in one file only"

@@ -22,7 +22,8 @@ def check_output(path: str | os.PathLike, *, force: bool, suffix: str) -> Path:
     name unless `force` (and then not a folder)."""
     path = Path(path)
     if path.suffix.lower() != suffix:
-        raise OutputError(f"{path}: the output of this conversion is a {suffix} file; name it so (e.g. {path.stem}{suffix}).")
+        raise OutputError(f"{path}: the output of this conversion is a {suffix} file; name it so "
+                          f"(e.g. {path.stem}{suffix}).")
     if not path.parent.is_dir():
         raise OutputError(f"{path}: its folder {path.parent} does not exist; create it first.")
     if path.is_dir() and not path.is_symlink():

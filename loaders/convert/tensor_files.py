@@ -73,7 +73,8 @@ def safetensors_file(f: BinaryIO, tensors: dict[str, tuple[torch.dtype, tuple[in
     for name in order:
         dtype, shape = tensors[name]
         nbytes = _nbytes(dtype, shape)
-        header[name] = {"dtype": SAFETENSORS_DTYPES[str(dtype)], "shape": list(shape), "data_offsets": [at, at + nbytes]}
+        header[name] = {"dtype": SAFETENSORS_DTYPES[str(dtype)], "shape": list(shape),
+                        "data_offsets": [at, at + nbytes]}
         places[name] = at, nbytes
         at += nbytes
     text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
@@ -108,7 +109,8 @@ def gguf_file(f: BinaryIO, metadata: list[tuple[str, object, object]],
     places, at = {}, 0
     for name, (qtype, shape, nbytes) in tensors.items():
         dims = tuple(reversed(shape))  # GGUF stores the innermost dimension first
-        head += [_gguf_string(name), struct.pack(f"<I{len(dims)}Q", len(dims), *dims), struct.pack("<IQ", int(qtype), at)]
+        head += [_gguf_string(name), struct.pack(f"<I{len(dims)}Q", len(dims), *dims),
+                 struct.pack("<IQ", int(qtype), at)]
         places[name] = at, nbytes
         at += nbytes + (-nbytes % GGUF_ALIGNMENT)
     header = b"".join(head)

@@ -34,10 +34,10 @@ from gguf import GGML_QUANT_VERSION, GGUFValueType, LlamaFileType
 from gguf import GGMLQuantizationType as Q
 
 from ...errors import CorruptFileError, UnsupportedFormatError
-from . import WRITTEN_TYPES
 from ..formats import progress, quant
 from ..formats.gguf_quant import NotQuantizable, fits, quantize, quantized_buffer, quantized_nbytes
 from ..models.transformer import TransformerPlan, plan_transformer
+from . import WRITTEN_TYPES
 from .output import check_not_source, check_output, output_file
 from .tensor_files import gguf_file
 

@@ -23,9 +23,9 @@ except ImportError:  # Windows: no advisory locks, so no partial file is ever ta
 
 from ...errors import CorruptFileError, MissingWeightsError, UnsupportedFormatError
 from .validate import (
-    MiB,
     NULL,
     Field,
+    MiB,
     checked,
     describe,
     inside,
@@ -62,7 +62,8 @@ _TEXT_MODEL = {
     "rope_parameters": Field((dict, NULL), required=False, fields=_ROPE),
 }
 ENCODER_CONFIG = {**_TEXT_MODEL, "text_config": Field(dict, required=False, fields=_TEXT_MODEL)}  # config.json
-# What prompt upsampling reads of a Mistral3 config.json to build its vision tower and projector (loaders/models/vision.py).
+# What prompt upsampling reads of a Mistral3 config.json to build its vision tower and projector
+# (loaders/models/vision.py).
 PIXTRAL_CONFIG = {
     "hidden_size": Field(int, lo=1, hi=1 << 16),
     "intermediate_size": Field(int, lo=1, hi=1 << 18),

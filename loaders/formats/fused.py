@@ -3,11 +3,11 @@ whether it ran, and where it could not (numba missing or unusable, a GPU tensor,
 its torch path, which gives the same bits.
 
 numba is imported on the first CPU dequantization or quantization, not with the pack. A kernel that cannot be
-loaded or compiled leaves its type to the torch path, with one log line, and never fails a load. Its conversions to fp16 and bfloat16
-are checked once per process against torch's own cast on the values where conversions differ (halfway
-cases, subnormals, overflow, infinities): a machine where they disagree keeps the torch path for that dtype,
-with a warning. NaN payloads are not compared: torch's own CPU cast gives different NaN bits in its
-vectorized and scalar loops.
+loaded or compiled leaves its type to the torch path, with one log line, and never fails a load. Its
+conversions to fp16 and bfloat16 are checked once per process against torch's own cast on the values where
+conversions differ (halfway cases, subnormals, overflow, infinities): a machine where they disagree keeps the
+torch path for that dtype, with a warning. NaN payloads are not compared: torch's own CPU cast gives different
+NaN bits in its vectorized and scalar loops.
 """
 
 from __future__ import annotations
@@ -92,9 +92,11 @@ def _converts(dtype: torch.dtype) -> bool:
                     dtype, type(e).__name__, e)
         return False
     nan = torch.isnan(want)
-    same = torch.equal(torch.isnan(got), nan) and torch.equal(got[~nan].view(_VIEWS[dtype]), want[~nan].view(_VIEWS[dtype]))
+    same = torch.equal(torch.isnan(got), nan) and torch.equal(got[~nan].view(_VIEWS[dtype]),
+                                                              want[~nan].view(_VIEWS[dtype]))
     if not same:
-        log.warning("The one-pass CPU dequantizers convert to %s unlike torch on this machine; the torch path is used.", dtype)
+        log.warning("The one-pass CPU dequantizers convert to %s unlike torch on this machine; the torch path is "
+                    "used.", dtype)
     return same
 
 
@@ -164,8 +166,10 @@ def gguf(type_name: str, blocks: torch.Tensor, out: torch.Tensor) -> bool:
     one-pass kernel runs here; False leaves `out` untouched."""
     if not _runs(blocks.device, out.dtype) or type_name not in _kernels().GGUF:
         return False
-    kernel, b, o, halves = _kernels().GGUF[type_name], blocks.numpy(), _out(out, out.numel() // blocks.shape[0]), _halves()
-    return _ran(f"{type_name} dequantization", b.shape[0], lambda first, stop: kernel(b[first:stop], o[first:stop], halves))
+    kernel, b, o, halves = (_kernels().GGUF[type_name], blocks.numpy(), _out(out, out.numel() // blocks.shape[0]),
+                            _halves())
+    return _ran(f"{type_name} dequantization", b.shape[0],
+                lambda first, stop: kernel(b[first:stop], o[first:stop], halves))
 
 
 # The conversion a quantizer's fields are written with, where it is not fp16 (every block type's scales, F16's values)
@@ -178,7 +182,8 @@ def gguf_quantize(type_name: str, blocks: torch.Tensor, out: torch.Tensor) -> bo
     fit (the torch path then refuses it, saying why), with `out` incomplete."""
     kernels = _kernels() if blocks.device.type == "cpu" else None
     if kernels is None or type_name not in kernels.QUANTIZE or blocks.dtype not in (torch.float32, torch.bfloat16) \
-            or not (blocks.is_contiguous() and out.is_contiguous()) or not _converts(_WRITTEN_AS.get(type_name, torch.float16)):
+            or not (blocks.is_contiguous() and out.is_contiguous()) \
+            or not _converts(_WRITTEN_AS.get(type_name, torch.float16)):
         return False
     if tuple(blocks.shape) != (out.shape[0], GGML_QUANT_SIZES[GGMLQuantizationType[type_name]][0]) \
             or out.shape[1] != GGML_QUANT_SIZES[GGMLQuantizationType[type_name]][1] or out.dtype != torch.uint8:
@@ -187,7 +192,8 @@ def gguf_quantize(type_name: str, blocks: torch.Tensor, out: torch.Tensor) -> bo
     kernel, o, fits = kernels.QUANTIZE[type_name], out.numpy(), []
     if blocks.dtype == torch.bfloat16:
         kernel = _widening(kernel, kernels.widen_bf16)
-    ran = _ran(f"{type_name} quantization", b.shape[0], lambda first, stop: fits.append(kernel(b[first:stop], o[first:stop])))
+    ran = _ran(f"{type_name} quantization", b.shape[0],
+               lambda first, stop: fits.append(kernel(b[first:stop], o[first:stop])))
     return ran and all(fits)
 
 
@@ -228,7 +234,8 @@ def fp8(codes: torch.Tensor, fp8_dtype: torch.dtype, scale: torch.Tensor, out: t
                 lambda first, stop: kernel(c[first:stop], s if s.shape[0] == 1 else s[first:stop], o[first:stop], book))
 
 
-def nvfp4(packed: torch.Tensor, tiled_scales: torch.Tensor, tensor_scale: torch.Tensor, e2m1: tuple, out: torch.Tensor) -> bool:
+def nvfp4(packed: torch.Tensor, tiled_scales: torch.Tensor, tensor_scale: torch.Tensor, e2m1: tuple,
+          out: torch.Tensor) -> bool:
     """NVFP4 into `out` (quant.dequantize_nvfp4 has checked the sizes); False: not run."""
     if not _runs(packed.device, out.dtype):
         return False
@@ -236,4 +243,5 @@ def nvfp4(packed: torch.Tensor, tiled_scales: torch.Tensor, tensor_scale: torch.
     scale = tensor_scale.to(torch.float32).reshape(1).numpy()
     kernel, book, values = _kernels().nvfp4, _fp8_book(tiled_scales.dtype), np.array(e2m1, np.float32)
     p, o = packed.contiguous().numpy(), _out(out, packed.shape[1] * 2)
-    return _ran("NVFP4", p.shape[0], lambda first, stop: kernel(p[first:stop], tiled, scale, o[first:stop], book, values, first))
+    return _ran("NVFP4", p.shape[0],
+                lambda first, stop: kernel(p[first:stop], tiled, scale, o[first:stop], book, values, first))

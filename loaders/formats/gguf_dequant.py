@@ -36,7 +36,7 @@ _SHORT_LANES = 0x0001000100010001  # a per-int16 mask repeated over the four int
 _IQ4_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _pair_book(values: tuple[int, ...], device: torch.device) -> torch.Tensor:
     """byte -> the float32 values of its low and high nibble, side by side in one float64 slot: one
     gather then yields two neighbouring values."""
@@ -45,7 +45,7 @@ def _pair_book(values: tuple[int, ...], device: torch.device) -> torch.Tensor:
     return torch.from_numpy(pairs.view(np.float64).reshape(256)).to(device)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _spread16(device: torch.device) -> torch.Tensor:
     """byte -> int64 whose byte k is 16 where bit k of the byte is set: Q5_0/Q5_1's fifth bits (bit j
     of the 32-bit field belongs to value j), already shifted into place."""

@@ -15,11 +15,16 @@ import mmap
 import os
 import struct
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from ...errors import CorruptFileError, UnsupportedFormatError
 from .validate import Field, check_field, open_regular
+
+if TYPE_CHECKING:  # for the annotations only: torch and gguf are imported where they are used
+    import torch
+    from gguf import GGMLQuantizationType
 
 _MAGIC = b"GGUF"
 _START_BYTES = 24  # magic, version, tensor count, metadata count
@@ -66,14 +71,14 @@ def parse_count() -> int:
 @dataclass(frozen=True)
 class GGUFTensor:
     name: str
-    qtype: "GGMLQuantizationType"
+    qtype: GGMLQuantizationType
     shape: tuple[int, ...]  # torch order: GGUF stores dims innermost first
     offset: int  # absolute byte offset in the file
     nbytes: int
     _file: GGUFFile = field(repr=False, compare=False)
 
     @property
-    def data(self) -> "torch.Tensor":
+    def data(self) -> torch.Tensor:
         """The raw bytes, a zero-copy uint8 view of the mapped file."""
         return self._file._bytes(self.offset, self.nbytes)
 
@@ -95,7 +100,7 @@ class GGUFFile:
     def architecture(self) -> str | None:
         return self.metadata.get("general.architecture")
 
-    def _bytes(self, offset: int, nbytes: int) -> "torch.Tensor":
+    def _bytes(self, offset: int, nbytes: int) -> torch.Tensor:
         if self._base is None:
             raise ValueError(f"{self.path} is closed.")
         return self._base[offset : offset + nbytes]
@@ -246,8 +251,8 @@ def _is_clean(text: str) -> bool:
 
 
 # The metadata the pack computes with ("{arch}." is general.architecture's prefix, checked for the
-# architectures the caller reads settings of). Every key is optional here (its reader says what a missing one means); present ones
-# must be what the spec says they are.
+# architectures the caller reads settings of). Every key is optional here (its reader says what a missing one
+# means); present ones must be what the spec says they are.
 _ARCH = "{arch}."
 METADATA_FIELDS: dict[str, Field] = {
     "general.architecture": Field(str, max_len=64, required=False),
@@ -266,7 +271,8 @@ METADATA_FIELDS: dict[str, Field] = {
 }
 # Arrays the pack reads: their element kind ("string" or "integer"); tokenizer.ggml.token_type must match
 # the tokens in length.
-METADATA_ARRAYS = {"tokenizer.ggml.tokens": "string", "tokenizer.ggml.merges": "string", "tokenizer.ggml.token_type": "integer"}
+METADATA_ARRAYS = {"tokenizer.ggml.tokens": "string", "tokenizer.ggml.merges": "string",
+                   "tokenizer.ggml.token_type": "integer"}
 
 
 def check_metadata(path: str, metadata: dict, architectures: frozenset[str] = frozenset()) -> None:
@@ -290,7 +296,8 @@ def check_metadata(path: str, metadata: dict, architectures: frozenset[str] = fr
         else:
             ok = isinstance(value, np.ndarray) and value.dtype.kind in "iu"
         if not ok:
-            raise CorruptFileError(f"{where}: {key} is not an array of {kind}s; the file is damaged, download it again.")
+            raise CorruptFileError(f"{where}: {key} is not an array of {kind}s; the file is damaged, "
+                                   "download it again.")
     tokens, types = metadata.get("tokenizer.ggml.tokens"), metadata.get("tokenizer.ggml.token_type")
     if tokens is not None and types is not None and len(tokens) != len(types):
         raise CorruptFileError(f"{where}: {len(tokens)} tokens but {len(types)} token types; download the file again.")
@@ -317,7 +324,8 @@ def open_gguf(path: str | os.PathLike, architectures: frozenset[str] = frozenset
     _parse_count += 1
     gfile = GGUFFile(path, mapped, metadata, {})
     gfile.tensors.update(
-        (name, GGUFTensor(name, qtype, shape, offset, nbytes, gfile)) for name, (qtype, shape, offset, nbytes) in tensors.items()
+        (name, GGUFTensor(name, qtype, shape, offset, nbytes, gfile))
+        for name, (qtype, shape, offset, nbytes) in tensors.items()
     )
     return gfile
 
@@ -396,7 +404,8 @@ def _parse(path: str, buf: mmap.mmap):
             n_elements *= d
         row = dims[0] if dims else 1
         if row % block_size:
-            raise cur.fail(f"tensor {name!r} ({qtype.name}) has rows of {row}, not a multiple of its block size {block_size}")
+            raise cur.fail(f"tensor {name!r} ({qtype.name}) has rows of {row}, not a multiple of its block size "
+                           f"{block_size}")
         nbytes = n_elements // block_size * type_size
         if offset % alignment:
             raise cur.fail(f"tensor {name!r} starts at offset {offset}, not a multiple of the alignment {alignment}")
@@ -412,7 +421,7 @@ def _parse(path: str, buf: mmap.mmap):
     return metadata, tensors
 
 
-def _quant_type(path: str, name: str, raw_type: int) -> "GGMLQuantizationType":
+def _quant_type(path: str, name: str, raw_type: int) -> GGMLQuantizationType:
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
     try:

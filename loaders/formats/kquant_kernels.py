@@ -101,14 +101,14 @@ def _peaks(n, groups, x, s):
 
 
 def _qx_sums(n, groups, nmax, s):
-    """make_qx_quants' sums for the scales in ISCALE: sum of wx * l in SUM_XL, of w * l * l in SUM_L2."""
+    """make_qx_quants' sums for the scales in ISCALE: sum of wx * level in SUM_XL, of w * level * level in SUM_L2."""
     for g in range(groups):
         s[_SUM_XL + g], s[_SUM_L2 + g] = _F32(0.0), _F32(0.0)
     for i in range(n):
         for g in range(groups):
-            l = _F32(_clamp(_nearest_int(s[_ISCALE + g] * s[_XS + _LANES * i + g]), -nmax, nmax - 1))
-            s[_SUM_XL + g] += s[_WX + _LANES * i + g] * l
-            s[_SUM_L2 + g] += s[_WS + _LANES * i + g] * l * l
+            level = _F32(_clamp(_nearest_int(s[_ISCALE + g] * s[_XS + _LANES * i + g]), -nmax, nmax - 1))
+            s[_SUM_XL + g] += s[_WX + _LANES * i + g] * level
+            s[_SUM_L2 + g] += s[_WS + _LANES * i + g] * level * level
 
 
 def _make_qx_quants(n, groups, nmax, x, L, scales, s):
@@ -154,10 +154,10 @@ def _make_q3_quants(n, groups, nmax, x, L, scales, s):
         s[_SUM_XL + g], s[_SUM_L2 + g] = _F32(0.0), _F32(0.0)
     for i in range(n):
         for g in range(groups):
-            l = _F32(_clamp(_nearest_int(s[_ISCALE + g] * s[_XS + _LANES * i + g]), -nmax, nmax - 1))
-            s[_LEVELS + _LANES * i + g] = l
-            s[_SUM_XL + g] += s[_WX + _LANES * i + g] * l
-            s[_SUM_L2 + g] += s[_WS + _LANES * i + g] * l * l
+            level = _F32(_clamp(_nearest_int(s[_ISCALE + g] * s[_XS + _LANES * i + g]), -nmax, nmax - 1))
+            s[_LEVELS + _LANES * i + g] = level
+            s[_SUM_XL + g] += s[_WX + _LANES * i + g] * level
+            s[_SUM_L2 + g] += s[_WS + _LANES * i + g] * level * level
     for _ in range(5):
         for g in range(groups):
             s[_CHANGED + g] = _F32(0.0)
@@ -219,8 +219,8 @@ def _make_qkx2_quants(n, groups, nmax, x, weights, L, scales, mins, rmin, rdelta
     for i in range(n):
         for g in range(groups):
             v = s[_XS + _LANES * i + g]
-            l = _F32(_clamp(_nearest_int(s[_BEST_ISCALE + g] * (v - s[_LOW + g])), 0, nmax))
-            diff = s[_BEST_SCALE + g] * l + s[_LOW + g] - v
+            level = _F32(_clamp(_nearest_int(s[_BEST_ISCALE + g] * (v - s[_LOW + g])), 0, nmax))
+            diff = s[_BEST_SCALE + g] * level + s[_LOW + g] - v
             diff = abs(diff) if use_mad else diff * diff
             s[_BEST_ERROR + g] += s[_WS + _LANES * i + g] * diff
     for step in range(nstep + 1):
@@ -230,11 +230,11 @@ def _make_qkx2_quants(n, groups, nmax, x, weights, L, scales, mins, rmin, rdelta
         for i in range(n):
             for g in range(groups):
                 v, w = s[_XS + _LANES * i + g], s[_WS + _LANES * i + g]
-                l = _F32(_clamp(_nearest_int(s[_ISCALE + g] * (v - s[_LOW + g])), 0, nmax))
-                s[_LEVELS + _LANES * i + g] = l
-                s[_SUM_L + g] += w * l
-                s[_SUM_L2 + g] += w * l * l
-                s[_SUM_XL + g] += w * l * v
+                level = _F32(_clamp(_nearest_int(s[_ISCALE + g] * (v - s[_LOW + g])), 0, nmax))
+                s[_LEVELS + _LANES * i + g] = level
+                s[_SUM_L + g] += w * level
+                s[_SUM_L2 + g] += w * level * level
+                s[_SUM_XL + g] += w * level * v
         for g in range(groups):
             sum_w, sum_x = s[_SUM_W + g], s[_SUM_X + g]
             sum_l, sum_l2, sum_xl = s[_SUM_L + g], s[_SUM_L2 + g], s[_SUM_XL + g]
@@ -265,11 +265,11 @@ def _make_qkx2_quants(n, groups, nmax, x, weights, L, scales, mins, rmin, rdelta
 
 
 def _pack_crumbs(o, at, L):
-    """Four 2-bit codes a byte: byte at + j / 4 + l holds codes j + l, +32, +64, +96 (j = 0, 128; l < 32)."""
+    """Four 2-bit codes a byte: byte at + j / 4 + k holds codes j + k, +32, +64, +96 (j = 0, 128; k < 32)."""
     for j in range(0, QK_K, 128):
-        for l in range(32):
-            o[at + j // 4 + l] = np.uint8(
-                L[j + l] | (L[j + l + 32] << 2) | (L[j + l + 64] << 4) | (L[j + l + 96] << 6))
+        for k in range(32):
+            o[at + j // 4 + k] = np.uint8(
+                L[j + k] | (L[j + k + 32] << 2) | (L[j + k + 64] << 4) | (L[j + k + 96] << 6))
 
 
 def q2_k(blocks, out):
@@ -327,13 +327,13 @@ def q3_k(blocks, out):
         if max_scale != _F32(0.0):
             iscale = _F32(-32.0) / max_scale
             for j in range(16):
-                l = _clamp(_i8(_nearest_int(iscale * scales[j])), -32, 31) + 32
+                ls = _clamp(_i8(_nearest_int(iscale * scales[j])), -32, 31) + 32
                 if j < 8:
-                    o[96 + j] = np.uint8(l & 15)
+                    o[96 + j] = np.uint8(ls & 15)
                 else:
-                    o[96 + j - 8] = np.uint8(np.int32(o[96 + j - 8]) | ((l & 15) << 4))
-                l >>= 4
-                o[104 + j % 4] = np.uint8(np.int32(o[104 + j % 4]) | (l << (2 * (j // 4))))
+                    o[96 + j - 8] = np.uint8(np.int32(o[96 + j - 8]) | ((ls & 15) << 4))
+                ls >>= 4
+                o[104 + j % 4] = np.uint8(np.int32(o[104 + j % 4]) | (ls << (2 * (j // 4))))
             d = _put_fp16(o, 108, _F32(1.0) / iscale)
         else:
             d = _put_fp16(o, 108, _F32(0.0))
@@ -363,12 +363,12 @@ def _q45_search(blocks, i, nmax, rmin, nstep, values, weights, L, scales, mins, 
         x = blocks[min(i + h, blocks.shape[0] - 1)]
         for j in range(8):
             sum_x2 = _F32(0.0)
-            for l in range(32):
-                sum_x2 += x[32 * j + l] * x[32 * j + l]
+            for k in range(32):
+                sum_x2 += x[32 * j + k] * x[32 * j + k]
             av_x = np.sqrt(sum_x2 / _F32(32.0))
-            for l in range(32):
-                values[QK_K * h + 32 * j + l] = x[32 * j + l]
-                weights[QK_K * h + 32 * j + l] = av_x + abs(x[32 * j + l])
+            for k in range(32):
+                values[QK_K * h + 32 * j + k] = x[32 * j + k]
+                weights[QK_K * h + 32 * j + k] = av_x + abs(x[32 * j + k])
     _make_qkx2_quants(32, 16, nmax, values, weights, L, scales, mins, rmin, _F32(0.1), nstep, False, scratch)
 
 
@@ -418,8 +418,8 @@ def q4_k(blocks, out):
         L = codes[QK_K * h:QK_K * h + QK_K]
         _q45_k(blocks[b], o, 15, L, scales[8 * h:8 * h + 8], mins[8 * h:8 * h + 8])
         for j in range(0, QK_K, 64):
-            for l in range(32):
-                o[16 + j // 2 + l] = np.uint8(L[j + l] | (L[j + l + 32] << 4))
+            for k in range(32):
+                o[16 + j // 2 + k] = np.uint8(L[j + k] | (L[j + k + 32] << 4))
 
 
 def q5_k(blocks, out):
@@ -467,13 +467,13 @@ def q6_k(blocks, out):
                 continue
             for ii in range(16):
                 L[16 * j + ii] = _clamp(_nearest_int(x[16 * j + ii] / dj), -32, 31) + 32
-        # ql: low nibbles of codes j + l (+32) and, in the high nibble, j + l + 64 (+96); qh: their bits 4-5
+        # ql: low nibbles of codes j + k (+32) and, in the high nibble, j + k + 64 (+96); qh: their bits 4-5
         for j in range(0, QK_K, 128):
-            for l in range(32):
-                o[j // 2 + l] = np.uint8((L[j + l] & 15) | ((L[j + l + 64] & 15) << 4))
-                o[j // 2 + l + 32] = np.uint8((L[j + l + 32] & 15) | ((L[j + l + 96] & 15) << 4))
-                o[128 + j // 4 + l] = np.uint8((L[j + l] >> 4) | ((L[j + l + 32] >> 4) << 2)
-                                               | ((L[j + l + 64] >> 4) << 4) | ((L[j + l + 96] >> 4) << 6))
+            for k in range(32):
+                o[j // 2 + k] = np.uint8((L[j + k] & 15) | ((L[j + k + 64] & 15) << 4))
+                o[j // 2 + k + 32] = np.uint8((L[j + k + 32] & 15) | ((L[j + k + 96] & 15) << 4))
+                o[128 + j // 4 + k] = np.uint8((L[j + k] >> 4) | ((L[j + k + 32] >> 4) << 2)
+                                               | ((L[j + k + 64] >> 4) << 4) | ((L[j + k + 96] >> 4) << 6))
 
 
 # GGUF type name -> the function that quantizes its blocks

@@ -460,7 +460,8 @@ def _block_range(typingctx, x, i):
 
     def codegen(context, builder, signature, args):
         keys = _flip(builder, builder.bitcast(_values(context, builder, signature, args), ir.VectorType(_I32, _BLOCK)))
-        ends = [builder.bitcast(_flip(builder, _reduce(builder, name, keys)), ir.FloatType()) for name in ("smax", "smin")]
+        ends = [builder.bitcast(_flip(builder, _reduce(builder, name, keys)), ir.FloatType())
+                for name in ("smax", "smin")]
         return context.make_tuple(builder, signature.return_type, ends)
 
     return types.UniTuple(types.float32, 2)(x, types.intp), codegen
@@ -479,7 +480,8 @@ def _block_peak(typingctx, x, i):
         magnitudes = builder.and_(bits, _splat(ir.Constant(_I32, 0x7FFFFFFF)))
         top = _reduce(builder, "umax", magnitudes)
         first = builder.bitcast(builder.icmp_unsigned("==", magnitudes, _broadcast(builder, top)), _I32)
-        cttz = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_I32, [_I32, ir.IntType(1)]), "llvm.cttz.i32")
+        cttz = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_I32, [_I32, ir.IntType(1)]),
+                                              "llvm.cttz.i32")
         lane = builder.call(cttz, [first, ir.Constant(ir.IntType(1), 1)])
         return context.make_tuple(builder, signature.return_type, [top, lane])
 
@@ -507,20 +509,24 @@ def _put_codes(typingctx, x, i, o, inverse, low, top, minimum):
         values = _values(context, builder, signature, args)
         if minimum.literal_value:
             values = builder.fsub(values, _broadcast(builder, args[4]))
-        scaled = builder.fadd(builder.fmul(values, _broadcast(builder, args[3])), _splat(ir.Constant(ir.FloatType(), offset)))
+        scaled = builder.fadd(builder.fmul(values, _broadcast(builder, args[3])),
+                              _splat(ir.Constant(ir.FloatType(), offset)))
         codes = builder.fptosi(scaled, ir.VectorType(_I32, _BLOCK))
         for below, bound in (("<", 0), (">", most)):
             bound = _splat(ir.Constant(_I32, bound))
             codes = builder.select(builder.icmp_signed(below, codes, bound), bound, codes)
-        halves = [builder.shuffle_vector(codes, codes, ir.Constant(ir.VectorType(_I32, 16), list(range(first, first + 16))))
+        halves = [builder.shuffle_vector(codes, codes,
+                                         ir.Constant(ir.VectorType(_I32, 16), list(range(first, first + 16))))
                   for first in (0, 16)]
         nibble, four = _splat(ir.Constant(_I32, 15), 16), _splat(ir.Constant(_I32, 4), 16)
         packed = builder.or_(builder.and_(halves[0], nibble), builder.shl(builder.and_(halves[1], nibble), four))
         o_type = signature.args[2]
-        builder.store(builder.trunc(packed, ir.VectorType(_I8, 16)), _at(context, builder, o_type, args[2], args[1], at, _I8, 16), align=1)
+        builder.store(builder.trunc(packed, ir.VectorType(_I8, 16)),
+                      _at(context, builder, o_type, args[2], args[1], at, _I8, 16), align=1)
         if fifth_at is not None:
             fifth = builder.bitcast(builder.icmp_signed(">", codes, _splat(ir.Constant(_I32, 15))), _I32)
-            field = builder.bitcast(_at(context, builder, o_type, args[2], args[1], fifth_at, _I8, 4), ir.PointerType(_I32))
+            field = builder.bitcast(_at(context, builder, o_type, args[2], args[1], fifth_at, _I8, 4),
+                                    ir.PointerType(_I32))
             builder.store(fifth, field, align=1)
         return context.get_dummy_value()
 

@@ -24,16 +24,16 @@ packings differ between writers, and a wrong guess would give a model that runs 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
 from ...errors import CorruptFileError, UnsupportedFormatError
 from . import fused
-from .validate import JSON_LIMITS, Field, checked, parse_json
 from .dequant_steps import few_threads, fill_by_rows, output
 from .safetensors_file import torch_dtype
+from .validate import JSON_LIMITS, Field, checked, parse_json
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 GGUF_TYPE = "weight_gguf_type"
@@ -74,7 +74,8 @@ def _gguf_stored_shape(shape: Shape, companions: dict) -> Shape:
     return (*shape[:-1], shape[-1] // block_size * type_size)
 
 
-def _gguf_dequantize(weight: torch.Tensor, companions: dict, dtype: torch.dtype, shape: Shape, out=None) -> torch.Tensor:
+def _gguf_dequantize(weight: torch.Tensor, companions: dict, dtype: torch.dtype, shape: Shape,
+                     out=None) -> torch.Tensor:
     from .gguf_dequant import dequantize as gguf_dequantize
 
     return gguf_dequantize(weight, int(companions[GGUF_TYPE]), shape, dtype, out=out)
@@ -84,7 +85,8 @@ def _fp8_dequantize(weight: torch.Tensor, companions: dict, dtype: torch.dtype, 
     return dequantize_fp8(weight, companions["weight_scale"], dtype, out=out)
 
 
-def _nvfp4_dequantize(weight: torch.Tensor, companions: dict, dtype: torch.dtype, shape: Shape, out=None) -> torch.Tensor:
+def _nvfp4_dequantize(weight: torch.Tensor, companions: dict, dtype: torch.dtype, shape: Shape,
+                      out=None) -> torch.Tensor:
     return dequantize_nvfp4(weight, companions["weight_scale"], companions["weight_scale_2"], dtype, out=out)
 
 
@@ -205,13 +207,15 @@ def from_gguf(key: str, tensor) -> dict[str, torch.Tensor]:
     float tensors, a quantized weight kept packed (rows of whole blocks, a view of the mapped file) with its
     type beside it, and any other quantized tensor (1-D ones, rare) dequantized, as no layer reads those
     packed."""
-    from .gguf_dequant import FLOAT_TYPES, dequantize as gguf_dequantize
+    from .gguf_dequant import FLOAT_TYPES
+    from .gguf_dequant import dequantize as gguf_dequantize
 
     if tensor.qtype in FLOAT_TYPES:
         return {key: tensor.data.view(FLOAT_TYPES[tensor.qtype]).reshape(tensor.shape)}
     if len(tensor.shape) < 2 or not key.endswith(".weight"):
         return {key: gguf_dequantize(tensor.data, tensor.qtype, tensor.shape, torch.float32)}
-    return {key: tensor.data.view(*tensor.shape[:-1], -1), key[: -len("weight")] + GGUF_TYPE: torch.tensor(int(tensor.qtype))}
+    return {key: tensor.data.view(*tensor.shape[:-1], -1),
+            key[: -len("weight")] + GGUF_TYPE: torch.tensor(int(tensor.qtype))}
 
 
 # --- the host's calls -------------------------------------------------------------------------------------
@@ -226,7 +230,8 @@ def stored_shape(shape, weight_dtype: torch.dtype, companions) -> tuple[int, ...
 
 
 def dequantize(
-    weight: torch.Tensor, companions: dict[str, torch.Tensor], dtype: torch.dtype, shape, out: torch.Tensor | None = None
+    weight: torch.Tensor, companions: dict[str, torch.Tensor], dtype: torch.dtype, shape,
+    out: torch.Tensor | None = None
 ) -> torch.Tensor:
     """A weight of logical `shape` as `dtype`, whatever its stored format; `companions` holds the tensors
     stored beside it by suffix (weight_scale, weight_scale_2, weight_gguf_type). A packed weight's values go

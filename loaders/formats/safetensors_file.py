@@ -7,10 +7,13 @@ import math
 import os
 import struct
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from ...errors import CorruptFileError, UnsupportedFormatError
 from .validate import JSON_LIMITS, describe, open_regular, parse_json, reading
 
+if TYPE_CHECKING:  # for the annotations only: torch is imported where tensors are read
+    import torch
 
 # Each safetensors dtype: its plain name (packed formats are told apart by loaders/quant.py), its size in bytes
 # and its torch dtype's name. torch is imported only to read tensors, so headers are checked without it.
@@ -66,7 +69,8 @@ def _entry_reader(path: str, data_start: int, data_size: int):
     metadata_seen = 0
 
     def bad(problem: str) -> CorruptFileError:  # the entry's name is not known until its header object is
-        return CorruptFileError(f"{path}: a tensor entry of the header {problem}; the file is damaged. Download it again.")
+        return CorruptFileError(f"{path}: a tensor entry of the header {problem}; the file is damaged. "
+                                "Download it again.")
 
     def hook(pairs: list[tuple[str, object]]):
         nonlocal metadata_seen
@@ -76,7 +80,8 @@ def _entry_reader(path: str, data_start: int, data_size: int):
         if all(isinstance(v, str) for v in values):
             metadata_seen += 1
             if metadata_seen > 1:
-                raise CorruptFileError(f"{path}: the safetensors header holds objects that are no tensor entries; the file is damaged.")
+                raise CorruptFileError(f"{path}: the safetensors header holds objects that are no tensor entries; "
+                                       "the file is damaged.")
             return dict(pairs)
         entry = dict(pairs)
         if not _ENTRY_KEYS <= entry.keys():
@@ -137,10 +142,12 @@ def read_header(path: str) -> tuple[dict[str, TensorInfo], dict[str, str]]:
     where = f"{path} (safetensors header)"
     header = parse_json(data, where, "header", _entry_reader(path, data_start, size - data_start))
     if not isinstance(header, dict):
-        raise CorruptFileError(f"{path}: the safetensors header is {describe(header)}, not a JSON object; the file is damaged.")
+        raise CorruptFileError(f"{path}: the safetensors header is {describe(header)}, not a JSON object; "
+                               "the file is damaged.")
     metadata = header.pop("__metadata__", None) or {}
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
-        raise CorruptFileError(f"{path}: the safetensors __metadata__ is not an object of strings; the file is damaged.")
+        raise CorruptFileError(f"{path}: the safetensors __metadata__ is not an object of strings; "
+                               "the file is damaged.")
     for name, info in header.items():
         if not isinstance(info, TensorInfo):
             raise CorruptFileError(
@@ -185,7 +192,7 @@ class SafetensorsFiles:
                 self.infos[name] = info
                 self._where[name] = path
 
-    def read(self, name: str) -> "torch.Tensor":
+    def read(self, name: str) -> torch.Tensor:
         info, path = self.infos[name], self._where[name]
         if info.dtype not in DTYPES:
             raise UnsupportedFormatError(

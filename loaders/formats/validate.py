@@ -13,9 +13,10 @@ import math
 import os
 import re
 import stat
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path, PureWindowsPath
-from typing import Any, Iterator
+from typing import Any
 
 from ...errors import CorruptFileError, ModelNotFoundError
 
@@ -136,8 +137,8 @@ def inside(folder: str | os.PathLike, name: str, what: str) -> Path:
     is on the name: links the user keeps in the folder (the Hugging Face cache keeps a snapshot's files as
     links into its blobs/ folder) are followed, and what they lead to must still be a regular file."""
     folder = Path(folder)
-    if not isinstance(name, str) or not name or "\x00" in name or os.path.isabs(name) or ".." in re.split(r"[\\/]", name) \
-            or PureWindowsPath(name).anchor:
+    if not isinstance(name, str) or not name or "\x00" in name or os.path.isabs(name) \
+            or ".." in re.split(r"[\\/]", name) or PureWindowsPath(name).anchor:
         raise CorruptFileError(
             f"{folder}: the {what} names a file outside the model folder; the file is damaged or hostile, and the "
             "pack reads nothing outside the folder it was given."
@@ -179,7 +180,8 @@ def parse_json(data: bytes | str, where: str, kind: str, object_pairs_hook=None)
             "most); it is damaged or not the file it is named as."
         )
     if _deepest(raw) > MAX_DEPTH:
-        raise CorruptFileError(f"{where} nests deeper than {MAX_DEPTH} levels; no real {kind} file does. Download it again.")
+        raise CorruptFileError(f"{where} nests deeper than {MAX_DEPTH} levels; no real {kind} file does. "
+                               "Download it again.")
     try:
         value = json.loads(data, parse_constant=_refuse_constant, object_pairs_hook=object_pairs_hook)
     except UnicodeDecodeError as e:  # its own text would quote the file's bytes
@@ -208,7 +210,7 @@ class Field:
     hi: float | None = None
     max_len: int | None = None
     required: bool = True
-    fields: dict[str, "Field"] | None = None  # for an object: the declarations of its own fields
+    fields: dict[str, Field] | None = None  # for an object: the declarations of its own fields
 
 
 NULL = type(None)  # for Field kinds: real files write null for many unset fields
@@ -249,7 +251,8 @@ def check_field(value: Any, field: Field, where: str, name: str) -> Any:
     ok = _matches(value, field.kind)
     if ok and isinstance(value, (int, float)) and not isinstance(value, bool):
         # integers are compared exactly: one of 400 digits has no float (math.isfinite would overflow)
-        ok = (isinstance(value, int) or math.isfinite(value)) and (field.lo is None or value >= field.lo) and (field.hi is None or value <= field.hi)
+        ok = (isinstance(value, int) or math.isfinite(value)) and (field.lo is None or value >= field.lo) \
+            and (field.hi is None or value <= field.hi)
     if ok and field.max_len is not None and isinstance(value, (str, list, dict)):
         ok = len(value) <= field.max_len
     if not ok:

@@ -29,12 +29,12 @@ from ...errors import (
     UnknownModelError,
     WrongModelError,
 )
-from ..formats.validate import JSON_LIMITS
 from ..formats import progress, quant
+from ..formats.files import MODEL_FOLDER_MARKERS
+from ..formats.validate import JSON_LIMITS
 from . import variants
 from .encoder_identify import EMBED, FINAL_NORM, LAYER_SHAPES, LM_HEAD, host_name, identify
 from .encoder_layouts import GGUF_METADATA, Source, find_layout, tokenizer_folders
-from ..formats.files import MODEL_FOLDER_MARKERS
 from .variants import MistralEncoderGeometry
 
 EMBEDDED_TEKKEN = "tekken_model"  # ComfyUI single files and gguf-org files carry tekken.json as a tensor
@@ -107,7 +107,8 @@ def plan_language_model(path: str) -> EncoderPlan:
 def _planned(path: str, reading: Reading) -> EncoderPlan:
     path = os.path.abspath(path)
     if not os.path.lexists(path):
-        raise ModelNotFoundError(f"{path} does not exist. Give a text encoder file or folder that exists on this machine.")
+        raise ModelNotFoundError(f"{path} does not exist. Give a text encoder file or folder that exists on this "
+                                 "machine.")
     layout, checkpoint = find_layout(path)
     with checkpoint.closed_on_error():
         return _plan(path, layout, checkpoint, reading)
@@ -127,8 +128,8 @@ def _plan(path: str, layout, checkpoint, reading: Reading) -> EncoderPlan:
     if layers_in_file < kept:
         raise WrongModelError(
             f"{os.path.basename(path)} holds {layers_in_file} of Mistral-Small's {kept} layers: it is a pruned FLUX.2 "
-            f"encoder (as ComfyUI's mistral_3_small_flux2_* files), which encodes prompts but cannot do {reading.name}. "
-            f"Pick the whole model: {FULL_MODEL_SOURCES}."
+            "encoder (as ComfyUI's mistral_3_small_flux2_* files), which encodes prompts but cannot do "
+            f"{reading.name}. Pick the whole model: {FULL_MODEL_SOURCES}."
         )
 
     mapping: dict[str, str] = {}
@@ -151,7 +152,8 @@ def _plan(path: str, layout, checkpoint, reading: Reading) -> EncoderPlan:
             formats[fmt] = formats.get(fmt, 0) + 1
 
     theta = layout.settings.rope_theta(source)
-    heads = dict(zip(("self_attn.q_proj", "self_attn.k_proj"), _stated_heads(path, layout, source, geometry))) if layout.qk_permuted else {}
+    heads = dict(zip(("self_attn.q_proj", "self_attn.k_proj"), _stated_heads(path, layout, source, geometry))) \
+        if layout.qk_permuted else {}
     return EncoderPlan(
         path=path,
         layout=layout.name,
@@ -177,7 +179,8 @@ def _stated_heads(path: str, layout, source, geometry: MistralEncoderGeometry) -
     if stated != (geometry.heads, geometry.kv_heads):
         raise UnknownModelError(
             f"{path} states {stated[0]} attention heads and {stated[1]} key/value heads, but its weights are those of "
-            f"an encoder with {geometry.heads} and {geometry.kv_heads}; its settings and weights disagree. Download it again."
+            f"an encoder with {geometry.heads} and {geometry.kv_heads}; its settings and weights disagree. "
+            "Download it again."
         )
     return stated
 
@@ -298,7 +301,8 @@ def encoder_tokenizer(path: str, *, allow_network: bool = False):
     from ...tokenizers import resolve_tokenizer
     from ...tokenizers.ladder import TOKENIZER_FILES
 
-    if os.path.isdir(path) and not any(n.endswith(".safetensors") or n in MODEL_FOLDER_MARKERS for n in os.listdir(path)):
+    if os.path.isdir(path) and not any(n.endswith(".safetensors") or n in MODEL_FOLDER_MARKERS
+                                       for n in os.listdir(path)):
         if not any(os.path.isfile(os.path.join(path, name)) for name in TOKENIZER_FILES):
             raise TokenizerNotFoundError(
                 f"{path} holds neither text encoder weights nor tokenizer files ({', '.join(TOKENIZER_FILES)}). "

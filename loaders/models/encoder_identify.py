@@ -4,7 +4,7 @@ shapes say it is. Anything else fails closed, naming what it is when the names t
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 from ...errors import UnknownModelError, WrongModelError
 from ..formats import quant
@@ -34,10 +34,10 @@ SUFFIXES = {"weight": "weight", **quant.SPELLINGS}
 # Names other than the model's some files carry; what the pack says when such a file is picked here.
 OTHER_KINDS = {
     "transformer": "This is a FLUX.2 diffusion transformer, not a text encoder. Load it with "
-    f"{title('Flux2DevTransformerSource')} or {title('Flux2DevGGUFTransformerLoader')}, and pick a Mistral-Small text encoder (e.g. "
-    "mistral_3_small_flux2_bf16.safetensors) here.",
-    "vae": f"This is a VAE (autoencoder), not a text encoder. Load it with {title('Flux2DevVAESource')} or Load VAE, and pick a "
-    "Mistral-Small text encoder (e.g. mistral_3_small_flux2_bf16.safetensors) here.",
+    f"{title('Flux2DevTransformerSource')} or {title('Flux2DevGGUFTransformerLoader')}, and pick a Mistral-Small "
+    "text encoder (e.g. mistral_3_small_flux2_bf16.safetensors) here.",
+    "vae": f"This is a VAE (autoencoder), not a text encoder. Load it with {title('Flux2DevVAESource')} or Load VAE, "
+    "and pick a Mistral-Small text encoder (e.g. mistral_3_small_flux2_bf16.safetensors) here.",
 }
 PICK = "Pick a FLUX.2 [dev] encoder (mistral_3_small_flux2_*.safetensors or a Mistral-Small-3.x folder)"
 MAX_LAYER_DIGITS = 6  # a layer number longer than this is no real model's
@@ -125,7 +125,8 @@ def identify(shapes: dict[str, tuple[int, ...]], scheme: KeyScheme = HF_SCHEME) 
     q = hosted.get("model.layers.0.self_attn.q_proj.weight")
     k = hosted.get("model.layers.0.self_attn.k_proj.weight")
     gate = hosted.get("model.layers.0.mlp.gate_proj.weight")
-    flat = [f"{name} {list(shape)}" for name, shape in (("q", q), ("k", k), ("gate", gate)) if shape is not None and len(shape) != 2]
+    flat = [f"{name} {list(shape)}" for name, shape in (("q", q), ("k", k), ("gate", gate))
+            if shape is not None and len(shape) != 2]
     if flat:
         raise UnknownModelError(
             f"This text encoder's layer-0 projections are not matrices ({', '.join(flat)}); the file is damaged or "
@@ -138,11 +139,13 @@ def identify(shapes: dict[str, tuple[int, ...]], scheme: KeyScheme = HF_SCHEME) 
         )
     found = dict(vocab=embed[0], width=embed[1], q_rows=q[0], k_rows=k[0], mlp=gate[0], layers=len(layer_ids))
     for g in variants.known_mistral_encoders():
-        want = dict(vocab=g.vocab, width=g.width, q_rows=g.heads * g.head_dim, k_rows=g.kv_heads * g.head_dim, mlp=g.mlp)
+        want = dict(vocab=g.vocab, width=g.width, q_rows=g.heads * g.head_dim, k_rows=g.kv_heads * g.head_dim,
+                    mlp=g.mlp)
         if all(found[key] == value for key, value in want.items()) and found["layers"] in g.layers:
             return g, found["layers"]
     known = "; ".join(
-        f"vocab {g.vocab}, width {g.width}, {g.heads} heads, {g.kv_heads} kv heads, MLP {g.mlp}, {' or '.join(map(str, g.layers))} layers"
+        f"vocab {g.vocab}, width {g.width}, {g.heads} heads, {g.kv_heads} kv heads, MLP {g.mlp}, "
+        f"{' or '.join(map(str, g.layers))} layers"
         for g in variants.known_mistral_encoders()
     )
     raise UnknownModelError(

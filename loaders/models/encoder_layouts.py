@@ -13,9 +13,9 @@ from __future__ import annotations
 import contextlib
 import glob
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
-from typing import Callable
 
 import torch
 
@@ -39,9 +39,9 @@ from ..formats.files import (
     read_json,
     shards,
 )
+from ..formats.safetensors_file import SafetensorsFiles
 from .kinds import GGUF_ARCHITECTURES, gguf_architectures, gguf_kind
 from .node_titles import title
-from ..formats.safetensors_file import SafetensorsFiles
 from .variants import MistralEncoderGeometry
 
 HF_WEIGHTS = "model.safetensors"  # transformers' weights file (or its index's stem)
@@ -165,7 +165,8 @@ def _safetensors_source(paths: list[str], settings: dict) -> Source:
 
 
 def _hf_folder_source(folder: str) -> Source:
-    found = [str(p) for p in shards(folder, HF_WEIGHTS)] or sorted(glob.glob(os.path.join(glob.escape(folder), "*.safetensors")))
+    found = [str(p) for p in shards(folder, HF_WEIGHTS)] \
+        or sorted(glob.glob(os.path.join(glob.escape(folder), "*.safetensors")))
     if not found:
         raise MissingWeightsError(f"{folder} has a {CONFIG} but no .safetensors weights. Finish the download.")
     return _safetensors_source(found, read_json(os.path.join(folder, CONFIG), ENCODER_CONFIG))
@@ -175,8 +176,9 @@ def _pipeline_source(ck: Checkpoint) -> Source:
     folder = os.path.join(ck.path, TEXT_ENCODER_FOLDER)
     if not os.path.isdir(folder):
         raise MissingWeightsError(
-            f"{ck.path} is a diffusers pipeline folder without a {TEXT_ENCODER_FOLDER}/ folder. Download the pipeline's "
-            f"{TEXT_ENCODER_FOLDER}/ and {TOKENIZER_FOLDER}/ folders, or pick a FLUX.2 [dev] text encoder file."
+            f"{ck.path} is a diffusers pipeline folder without a {TEXT_ENCODER_FOLDER}/ folder. Download the "
+            f"pipeline's {TEXT_ENCODER_FOLDER}/ and {TOKENIZER_FOLDER}/ folders, or pick a FLUX.2 [dev] text encoder "
+            "file."
         )
     return _hf_folder_source(folder)
 
@@ -230,7 +232,8 @@ def _config_theta(source: Source) -> float | None:
 def _gguf_value(source: Source, key: str):
     name = f"{source.architecture}.{key}"
     if name not in source.settings:
-        raise CorruptFileError(f"The GGUF header lacks {name}, which a text encoder GGUF always states; the file is damaged.")
+        raise CorruptFileError(f"The GGUF header lacks {name}, which a text encoder GGUF always states; "
+                               "the file is damaged.")
     return source.settings[name]
 
 

@@ -30,7 +30,7 @@ BACKGROUND = (255, 255, 255)
 # What PIL raises for a file it cannot read or decode (a truncated PNG, a text file named .png, a bad header).
 UNREADABLE = (OSError, SyntaxError, ValueError, EOFError, IndexError, struct.error, zlib.error)
 
-def open_image(path: str | os.PathLike) -> "PIL.Image.Image":  # noqa: F821
+def open_image(path: str | os.PathLike) -> PIL.Image.Image:  # noqa: F821
     """The image file at `path`, opened (its header read, not its pixels): decoded by joined()."""
     from PIL import Image
 
@@ -53,7 +53,7 @@ def _name(image) -> str:
     return str(getattr(image, "filename", "") or "a reference image")
 
 
-def _decoded(image, share: tuple[float, float]) -> "PIL.Image.Image":  # noqa: F821
+def _decoded(image, share: tuple[float, float]) -> PIL.Image.Image:  # noqa: F821
     """One image decoded and reduced for its `share` of the capped joined image (its size there, in pixels)."""
     from PIL import Image
 
@@ -81,7 +81,7 @@ def _decoded(image, share: tuple[float, float]) -> "PIL.Image.Image":  # noqa: F
                                "Save it again, or give another file.") from None
 
 
-def joined(images: list) -> "PIL.Image.Image":  # noqa: F821
+def joined(images: list) -> PIL.Image.Image:  # noqa: F821
     """The reference's one image of several (PIL images, opened or decoded): side by side on white, centred
     vertically, its area capped at MAX_PIXELS. Each is decoded in turn, at the size its share of the cap needs."""
     from PIL import Image
@@ -110,7 +110,7 @@ def joined(images: list) -> "PIL.Image.Image":  # noqa: F821
     return image
 
 
-def reference_image(images: list) -> "PIL.Image.Image":  # noqa: F821
+def reference_image(images: list) -> PIL.Image.Image:  # noqa: F821
     """The reference images (image files' paths or PIL images) joined into the one image the model sees: each
     file opened, then decoded in turn; the pack's error for a file that is no image, damaged or too large."""
     with contextlib.ExitStack() as opened:

@@ -12,9 +12,9 @@ from pathlib import Path
 
 from ...errors import ModelNotFoundError, UnknownModelError, VariantMismatchError, WrongModelError
 from ..formats.files import is_pipeline
+from ..formats.safetensors_file import SafetensorsFiles
 from .kinds import gguf_kind, kind_from_names, other_checkpoint
 from .pipeline import describe_pipeline
-from ..formats.safetensors_file import SafetensorsFiles
 
 
 def _safetensors(path: Path) -> SafetensorsFiles:

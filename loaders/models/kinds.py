@@ -15,7 +15,8 @@ OTHER_CHECKPOINTS = (
 
 # (kind, pattern on a stored tensor name); the first kind any name matches wins.
 KIND_BY_NAMES = (
-    ("transformer", re.compile(r"^(?:model\.diffusion_model\.)?(?:double_blocks|single_blocks|transformer_blocks|single_transformer_blocks)\.")),
+    ("transformer", re.compile(r"^(?:model\.diffusion_model\.)?"
+                               r"(?:double_blocks|single_blocks|transformer_blocks|single_transformer_blocks)\.")),
     ("vae", re.compile(r"^(?:first_stage_model\.|vae\.)?(?:(?:decoder|encoder)\..*conv|bn\.running_mean)")),
 )
 

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 
 from .variants import MistralEncoderGeometry
 
+
 class RMSNorm(torch.nn.Module):
     def __init__(self, width: int, eps: float, device=None, dtype=None):
         super().__init__()

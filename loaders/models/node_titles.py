@@ -1,8 +1,8 @@
 """The pack's nodes as ComfyUI shows them: one title each, in one pattern (what it loads, then what sets it
 apart), and the words its node search also finds them by. The frontend ranks a phrase found in a short title
 above one found in a long one, and reads no alias for its ranking, so the titles are short: "text encoder"
-finds the encoder loader before core's other text encoders. nodes/ declares them; the loaders' error messages name a node
-by its title, so a message never names a node the UI does not show."""
+finds the encoder loader before core's other text encoders. nodes/ declares them; the loaders' error messages
+name a node by its title, so a message never names a node the UI does not show."""
 
 from __future__ import annotations
 

@@ -8,15 +8,15 @@ encoder's config, when present, must have the width of that variant's encoder.""
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
 
 from ...errors import UnknownModelError, VariantMismatchError, WrongModelError
 from ..formats.files import ENCODER_CONFIG, MODEL_INDEX, PIPELINE_INDEX, TRANSFORMER_CONFIG, read_json
-from .transformer_layout import geometry_from_shapes, transformer_files, variant_for_geometry
 from ..formats.safetensors_file import SafetensorsFiles
 from .node_titles import title
+from .transformer_layout import geometry_from_shapes, transformer_files, variant_for_geometry
 from .variants import Flux2Variant, variant_by_key, variant_for_transformer
 
 # diffusers' FLUX.2 pipeline classes (0.42) and the variants each may hold.
@@ -88,11 +88,13 @@ def pipeline_variant(
     weights = variant_for_geometry(geometry, layout)
     config_variant, config_said = _config_variant(transformer_config)
     if config_variant is None:
-        raise UnknownModelError(f"{name}: transformer/config.json describes no known FLUX.2 transformer ({config_said}).")
+        raise UnknownModelError(f"{name}: transformer/config.json describes no known FLUX.2 transformer "
+                                f"({config_said}).")
     says = {
         f"model_index.json names {class_name}": allowed,
         f"transformer/config.json ({config_said}) describes {config_variant.name}": (config_variant.key,),
-        f"the transformer weights (hidden {geometry.hidden_size}, context {geometry.context_in_dim}) are {weights.name}": (weights.key,),
+        f"the transformer weights (hidden {geometry.hidden_size}, context {geometry.context_in_dim}) "
+        f"are {weights.name}": (weights.key,),
     }
     width = _encoder_width(encoder_config) if encoder_config is not None else None
     if width is not None:
@@ -146,6 +148,7 @@ def klein_encoder_error(name: str, class_name: str, found: Flux2Variant) -> Vari
     return VariantMismatchError(
         f"{name} is a {found.name} pipeline ({class_name}). Its {found.encoder_name} text encoder gives "
         f"{found.context_in_dim}-wide conditioning, but {dev.name} needs {dev.context_in_dim} (the {dev.encoder_name} "
-        f"encoder). Use this pipeline only for its VAE (with {title('Flux2DevVAESource')}: the VAE is shared); for the text encoder "
-        f"choose a {dev.name} pipeline folder, or a {dev.encoder_name} encoder file or folder in models/text_encoders."
+        f"encoder). Use this pipeline only for its VAE (with {title('Flux2DevVAESource')}: the VAE is shared); for "
+        f"the text encoder choose a {dev.name} pipeline folder, or a {dev.encoder_name} encoder file or folder in "
+        "models/text_encoders."
     )

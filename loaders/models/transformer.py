@@ -8,9 +8,9 @@ weight is read. diffusers keys are renamed to the host's BFL keys through one ta
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Mapping
 
 import torch
 

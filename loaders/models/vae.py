@@ -28,13 +28,14 @@ def check_flux2_vae(shapes: dict[str, tuple[int, ...]], where: str) -> None:
         raise WrongModelError(f"{where} is not a VAE (it has no {DECODER_IN_KEY}).")
     if len(shapes[DECODER_IN_KEY]) != 4:
         raise UnknownModelError(
-            f"{where}: {DECODER_IN_KEY} has shape {list(shapes[DECODER_IN_KEY])}, not a convolution's [out, in, height, "
-            "width]; the file is damaged or not a VAE. Download it again."
+            f"{where}: {DECODER_IN_KEY} has shape {list(shapes[DECODER_IN_KEY])}, not a convolution's "
+            "[out, in, height, width]; the file is damaged or not a VAE. Download it again."
         )
     latent = shapes[DECODER_IN_KEY][1]
     if BATCH_NORM_KEY not in shapes or latent != LATENT_CHANNELS:
         raise WrongModelError(
-            f"{where} is a VAE with {latent} latent channels{'' if BATCH_NORM_KEY in shapes else ' and no latent batch norm'}"
+            f"{where} is a VAE with {latent} latent channels"
+            f"{'' if BATCH_NORM_KEY in shapes else ' and no latent batch norm'}"
             f", not the FLUX.2 VAE ({LATENT_CHANNELS} latent channels with batch-norm statistics); "
             f"{'it is the FLUX.1 VAE. ' if latent == 16 else ''}Choose the ae.safetensors or vae/ of a FLUX.2 model."
         )

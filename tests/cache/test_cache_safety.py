@@ -21,11 +21,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from helpers import DATA, restricted, run_flux2dev, run_python, time_bound
 from cache_keys import key_of
 from comfyui_flux2dev.errors import CacheError, CorruptFileError
 from comfyui_flux2dev.loaders.cache import store as cc
 from comfyui_flux2dev.loaders.cache.store import TAG, ConditioningCache
+from helpers import DATA, restricted, run_flux2dev, run_python, time_bound
 
 ENTRY_BYTES = 4096  # about what one small entry below takes
 
@@ -156,7 +156,8 @@ def test_the_command_refuses_a_models_folder_and_changes_nothing(tmp_path):
 @pytest.mark.parametrize("dangling", [False, True], ids=["links-to-files", "dangling-links"])
 def test_links_planted_at_every_name_the_cache_writes_are_never_written_through(cache_dir, tmp_path, dangling):
     """Links at the names the cache writes in a tagged folder (an entry, the fingerprint index, the lock, and
-    the index's old predictable temporary name); a dangling one would make its target if opened with O_CREAT."""
+    a temporary name of the index one could predict from the process id); a dangling one would make its target
+    if opened with O_CREAT."""
     victims = tmp_path / "victims"
     victims.mkdir()
     cache = ConditioningCache(cache_dir)
@@ -420,7 +421,8 @@ def test_a_long_prompt_is_tokenized_only_as_far_as_the_template_uses_and_gives_t
     tokenizer = tokenizers.resolve_tokenizer([tekken_folder]).tokenizer
     system = tokenizer.encode(tokenizers.SYSTEM_PROMPT)
     corpus = [json.loads(line) for line in (DATA / "prompts.jsonl").read_text().splitlines() if line.strip()]
-    pieces = ["[INST]", "[/INST]", "<s>", "<pad>", "[SYSTEM_PROMPT]", "<SPECIAL_10>", "<SPECIAL_1>", "[IMG]", "'s", "123456"]
+    pieces = ["[INST]", "[/INST]", "<s>", "<pad>", "[SYSTEM_PROMPT]", "<SPECIAL_10>", "<SPECIAL_1>", "[IMG]", "'s",
+              "123456"]
     rng = random.Random(0)
     for trial in range(120):
         parts = []
@@ -563,7 +565,8 @@ def test_the_fingerprint_covers_the_files_the_encoder_reads_and_no_others(comfy_
 # --- the command line refuses a bad file before importing torch ------------------------------------------------------
 
 
-@pytest.mark.parametrize("name, content", [("bad.safetensors", b"12345678"), ("bad.gguf", b"GGUF\x03\x00\x00\x00" + b"\xff" * 16),
+@pytest.mark.parametrize("name, content", [("bad.safetensors", b"12345678"),
+                                           ("bad.gguf", b"GGUF\x03\x00\x00\x00" + b"\xff" * 16),
                                            ("short.gguf", b"GGUF"), ("fifo.safetensors", None)])
 def test_a_bad_file_is_refused_before_torch_or_the_host_is_imported(tmp_path, name, content):
     path = tmp_path / name

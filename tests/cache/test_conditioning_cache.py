@@ -13,9 +13,8 @@ import sys
 import pytest
 import torch
 
-from comfyui_flux2dev.loaders.cache.store import ConditioningCache, stat_signature, tensors_digest, weights_fingerprint
-
 from cache_keys import key_of
+from comfyui_flux2dev.loaders.cache.store import ConditioningCache, stat_signature, tensors_digest, weights_fingerprint
 from helpers import cuda_param, on_device, run_flux2dev
 
 PROMPT = "a red fox in the snow"
@@ -172,7 +171,8 @@ def test_each_key_part_changed_alone_is_a_miss(comfy_host, tiny_root, encoder, t
     changed = _encode(clip, prompt)
     assert clip.flux2dev_source.loaded, "a miss reads the weights"
     assert _entries(cache) == 2
-    # (bf16 weights run in float32 either way; another vocabulary may give the same ids; another device the same numbers)
+    # (bf16 weights run in float32 either way; another vocabulary may give the same ids; another device the same
+    # numbers)
     if part not in ("vocabulary", "dtype", "device"):
         assert not (changed.shape == before.shape and torch.equal(changed.to(before.dtype), before))
 

@@ -42,13 +42,15 @@ def pairs(tiny_root, tmp_path_factory) -> dict[str, tuple]:
     with torch.random.fork_rng():
         torch.manual_seed(77)  # the tiny [dev] geometry, another seed
         other = Flux2Transformer2DModel(**diffusers_config(TINY_VARIANTS[0])).bfloat16()
-    save_file({k: v.contiguous() for k, v in diffusers_to_bfl(other.state_dict()).items()}, str(folder / "other-seed.safetensors"))
+    save_file({k: v.contiguous() for k, v in diffusers_to_bfl(other.state_dict()).items()},
+              str(folder / "other-seed.safetensors"))
     return {
         "copy": (tiny_root / ENCODER, folder / "copy.safetensors"),
         "fp8": (tiny_root / ENCODER, folder / "fp8.safetensors"),
         "gguf": (tiny_root / TRANSFORMER, folder / "q8.gguf"),
         "seeds": (tiny_root / TRANSFORMER, folder / "other-seed.safetensors"),
-        "vae": (tiny_root / "diffusers/flux2-klein-4b-tiny-pipeline/vae", tiny_root / "diffusers/flux2-dev-tiny-pipeline/vae"),
+        "vae": (tiny_root / "diffusers/flux2-klein-4b-tiny-pipeline/vae",
+                tiny_root / "diffusers/flux2-dev-tiny-pipeline/vae"),
     }
 
 
@@ -108,7 +110,8 @@ def test_the_command_reports_identity_and_figures(comfy_host, pairs, tmp_path):
     report = json.loads(done.stdout)
     assert report["kind"] == "encoder" and report["identity"]["counts"] == {"identical": 271}
     assert [r["prompt"] for r in report["parity"]["rows"]] == ["a red fox in the snow", "three cats on a sofa"]
-    assert all(r["cosine"] == pytest.approx(1.0, abs=1e-12) and r["rel_l2"] == 0 and r["max_abs"] == 0 for r in report["parity"]["rows"])
+    assert all(r["cosine"] == pytest.approx(1.0, abs=1e-12) and r["rel_l2"] == 0 and r["max_abs"] == 0
+               for r in report["parity"]["rows"])
 
     done = run_flux2dev("compare", *pairs["fp8"])
     assert done.returncode == 0, done.stderr
@@ -117,7 +120,8 @@ def test_the_command_reports_identity_and_figures(comfy_host, pairs, tmp_path):
     done = run_flux2dev("compare", *pairs["seeds"], "--json")
     assert done.returncode == 0, done.stderr
     rows = json.loads(done.stdout)["parity"]["rows"]
-    assert [r["timestep"] for r in rows] == [0.9, 0.5, 0.1] and all(r["cosine"] < 0.9 and r["rel_l2"] > 0.3 for r in rows)
+    assert [r["timestep"] for r in rows] == [0.9, 0.5, 0.1] \
+        and all(r["cosine"] < 0.9 and r["rel_l2"] > 0.3 for r in rows)
 
 
 def test_an_fp8_conditioning_is_near_its_sources_and_the_worst_prompt_is_named(comfy_host, pairs):

@@ -43,7 +43,8 @@ def converted(tiny_root, tmp_path_factory) -> dict[tuple[str, str], str]:
 
 def _read(key: str) -> bool:
     """Whether the encoder reads a tensor: the embeddings and layers 0-29."""
-    return key == "model.embed_tokens.weight" or key.startswith("model.layers.") and int(key.split(".")[2]) < tiny.PRUNED
+    return key == "model.embed_tokens.weight" \
+        or key.startswith("model.layers.") and int(key.split(".")[2]) < tiny.PRUNED
 
 
 @functools.cache
@@ -107,7 +108,8 @@ def test_fp8_holds_each_projection_cast_with_its_own_scale(tiny_root, converted,
     assert len(projections) == tiny.PRUNED * len(FP8_PARTS)
     layers = json.loads(metadata["_quantization_metadata"])["layers"]
     assert layers == {k.removesuffix(".weight"): {"format": "float8_e4m3fn"} for k in projections}
-    assert set(stored) == set(reference) | {k.removesuffix("weight") + "weight_scale" for k in projections} | {"model.norm.weight", "tekken_model"}
+    assert set(stored) == set(reference) | {k.removesuffix("weight") + "weight_scale" for k in projections} \
+        | {"model.norm.weight", "tekken_model"}
     for key, want in reference.items():
         if not _projection(key):
             assert torch.equal(stored[key], want.to(torch.bfloat16)), key
@@ -157,12 +159,14 @@ def test_a_bf16_sources_conditioning_is_kept_bit_for_bit(comfy_host, tiny_root, 
 
 # One source per packed family written as bf16, and fp8 from a bf16 and a GGUF source (the weights of every
 # conversion are checked above).
-CAST = [("mistral_3_small_flux2_fp8_channel.safetensors", "bf16"), ("mistral_3_small_flux2_fp4_mixed.safetensors", "bf16"),
-        ("mistral3-q4_k.gguf", "bf16"), ("mistral_3_small_flux2_bf16.safetensors", "fp8"), ("mistral3-q4_0.gguf", "fp8")]
+CAST = [("mistral_3_small_flux2_fp8_channel.safetensors", "bf16"),
+        ("mistral_3_small_flux2_fp4_mixed.safetensors", "bf16"), ("mistral3-q4_k.gguf", "bf16"),
+        ("mistral_3_small_flux2_bf16.safetensors", "fp8"), ("mistral3-q4_0.gguf", "fp8")]
 
 
 @pytest.mark.parametrize("name, dtype", CAST, ids=[f"{n}-{d}" for n, d in CAST])
-def test_the_conditioning_is_the_dense_weights_cast_bit_for_bit(comfy_host, tiny_root, converted, tmp_path, name, dtype):
+def test_the_conditioning_is_the_dense_weights_cast_bit_for_bit(comfy_host, tiny_root, converted, tmp_path, name,
+                                                                dtype):
     """A packed source's values are not bf16 numbers in general, and fp8 output is a cast: the conversion gives
     exactly the conditioning of the source's dense weights (dequantized without the pack) rounded to bf16 or
     cast to fp8 with each weight's largest magnitude / 448, as written by safetensors' own writer."""

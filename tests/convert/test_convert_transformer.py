@@ -28,7 +28,8 @@ SOURCES = {
     "pipeline": ("diffusers/flux2-dev-tiny-pipeline", "diffusion_models/flux2-dev-tiny.safetensors", None),
     "fp8-scale_weight": ("diffusion_models/flux2-dev-tiny-fp8-scale_weight.safetensors", None, "scale_weight"),
     "fp8-weight_scale": ("diffusion_models/flux2-dev-tiny-fp8-weight_scale.safetensors", None, "weight_scale"),
-    "klein-4b": ("diffusion_models/flux2-klein-4b-tiny.safetensors", "diffusion_models/flux2-klein-4b-tiny.safetensors", None),
+    "klein-4b": ("diffusion_models/flux2-klein-4b-tiny.safetensors", "diffusion_models/flux2-klein-4b-tiny.safetensors",
+                 None),
 }
 # What the README says stays unquantized: FLUX's embedders and final layer, FLUX.2's shared modulation (kept in
 # the file's 16-bit float type), and vectors and tiny tensors (F32).
@@ -51,7 +52,8 @@ def dense(tiny_root) -> dict[str, dict[str, np.ndarray]]:
 
     out = {}
     for name, (path, plain, spelling) in SOURCES.items():
-        weights = dequantized(tiny_root / path, spelling) if spelling else {k: v.float() for k, v in load_file(str(tiny_root / plain)).items()}
+        weights = dequantized(tiny_root / path, spelling) if spelling \
+            else {k: v.float() for k, v in load_file(str(tiny_root / plain)).items()}
         out[name] = {k: v.numpy() for k, v in weights.items()}
     return out
 
@@ -118,7 +120,8 @@ def test_a_weight_that_is_not_finite_is_refused_naming_it(tiny_root, tmp_path):
     weights = load_file(str(tiny_root / SOURCES["bfl"][0]))
     weights["single_blocks.1.linear2.weight"][3, 5] = float("nan")
     save_file(weights, str(tmp_path / "nan.safetensors"))
-    with pytest.raises(CorruptFileError, match=r"single_blocks\.1\.linear2\.weight cannot be written as Q8_0: it holds NaN"):
+    with pytest.raises(CorruptFileError,
+                       match=r"single_blocks\.1\.linear2\.weight cannot be written as Q8_0: it holds NaN"):
         convert_transformer(str(tmp_path / "nan.safetensors"), str(tmp_path / "out.gguf"), qtype="Q8_0")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["nan.safetensors"]
 
@@ -128,7 +131,8 @@ def test_a_weight_that_is_not_finite_is_refused_naming_it(tiny_root, tmp_path):
 HIDDEN = 256  # the tiny [dev]'s width
 
 
-def _lora_pair(prefix: str, up: str, down: str, out_features: int, in_features: int, seed: int, rank: int = 4, alpha=None):
+def _lora_pair(prefix: str, up: str, down: str, out_features: int, in_features: int, seed: int, rank: int = 4,
+               alpha=None):
     g = torch.Generator().manual_seed(seed)
     pair = {f"{prefix}.{up}.weight": torch.randn(out_features, rank, generator=g) * 0.2,
             f"{prefix}.{down}.weight": torch.randn(rank, in_features, generator=g) * 0.2}
@@ -137,34 +141,42 @@ def _lora_pair(prefix: str, up: str, down: str, out_features: int, in_features: 
     return pair
 
 
-def test_a_baked_lora_is_the_dense_weight_plus_its_product_then_quantized(comfy_host, tiny_root, dense, converted, tmp_path):
+def test_a_baked_lora_is_the_dense_weight_plus_its_product_then_quantized(comfy_host, tiny_root, dense, converted,
+                                                                          tmp_path):
     """Two LoRAs in the formats the host reads for FLUX.2: generic BFL names and kohya's lora_unet_ names (with
     alpha), and diffusers' transformer.* names whose q, k and v land in slices of the fused qkv weight."""
     from safetensors.torch import save_file
 
     from comfyui_flux2dev.host.lora_bake import lora_patch
 
-    first = {**_lora_pair("diffusion_model.double_blocks.0.img_attn.qkv", "lora_up", "lora_down", 3 * HIDDEN, HIDDEN, 1, alpha=2),
-             **_lora_pair("lora_unet_single_blocks_1_linear2", "lora_up", "lora_down", HIDDEN, HIDDEN + 3 * HIDDEN, 2, alpha=8)}
+    first = {**_lora_pair("diffusion_model.double_blocks.0.img_attn.qkv", "lora_up", "lora_down", 3 * HIDDEN, HIDDEN,
+                          1, alpha=2),
+             **_lora_pair("lora_unet_single_blocks_1_linear2", "lora_up", "lora_down", HIDDEN, HIDDEN + 3 * HIDDEN,
+                          2, alpha=8)}
     second = _lora_pair("transformer.transformer_blocks.1.attn.to_k", "lora_A", "lora_B", HIDDEN, HIDDEN, 3, rank=2)
     second = {k.replace("lora_A", "X").replace("lora_B", "lora_A").replace("X", "lora_B"): v for k, v in second.items()}
     save_file(first, str(tmp_path / "first.safetensors"))
     save_file(second, str(tmp_path / "second.safetensors"))
     out = tmp_path / "baked.gguf"
     convert_transformer(str(tiny_root / SOURCES["bfl"][0]), str(out), qtype="Q8_0",
-                        patch=lora_patch([(str(tmp_path / "first.safetensors"), 0.7), (str(tmp_path / "second.safetensors"), -1.5)]))
+                        patch=lora_patch([(str(tmp_path / "first.safetensors"), 0.7),
+                                          (str(tmp_path / "second.safetensors"), -1.5)]))
 
     want = {k: torch.from_numpy(v.copy()) for k, v in dense["bfl"].items()}
-    up, down = first["diffusion_model.double_blocks.0.img_attn.qkv.lora_up.weight"], first["diffusion_model.double_blocks.0.img_attn.qkv.lora_down.weight"]
+    up, down = (first["diffusion_model.double_blocks.0.img_attn.qkv.lora_up.weight"],
+                first["diffusion_model.double_blocks.0.img_attn.qkv.lora_down.weight"])
     want["double_blocks.0.img_attn.qkv.weight"] += (0.7 * (2 / 4)) * (up @ down)
-    up, down = first["lora_unet_single_blocks_1_linear2.lora_up.weight"], first["lora_unet_single_blocks_1_linear2.lora_down.weight"]
+    up, down = (first["lora_unet_single_blocks_1_linear2.lora_up.weight"],
+                first["lora_unet_single_blocks_1_linear2.lora_down.weight"])
     want["single_blocks.1.linear2.weight"] += (0.7 * (8 / 4)) * (up @ down)
-    up, down = second["transformer.transformer_blocks.1.attn.to_k.lora_B.weight"], second["transformer.transformer_blocks.1.attn.to_k.lora_A.weight"]
+    up, down = (second["transformer.transformer_blocks.1.attn.to_k.lora_B.weight"],
+                second["transformer.transformer_blocks.1.attn.to_k.lora_A.weight"])
     want["double_blocks.1.img_attn.qkv.weight"][HIDDEN : 2 * HIDDEN] += -1.5 * (up @ down)
 
     found = _tensors(str(out))
     plain = _tensors(converted[("bfl", "Q8_0")])
-    patched = {"double_blocks.0.img_attn.qkv.weight", "single_blocks.1.linear2.weight", "double_blocks.1.img_attn.qkv.weight"}
+    patched = {"double_blocks.0.img_attn.qkv.weight", "single_blocks.1.linear2.weight",
+               "double_blocks.1.img_attn.qkv.weight"}
     for key, values in want.items():
         qtype, got = found[key]
         if key in patched:
@@ -179,7 +191,8 @@ def test_a_lora_of_another_model_is_refused(comfy_host, tiny_root, tmp_path):
 
     from comfyui_flux2dev.host.lora_bake import lora_patch
 
-    save_file(_lora_pair("lora_unet_input_blocks_1_1_proj_in", "lora_up", "lora_down", 320, 320, 4), str(tmp_path / "sdxl.safetensors"))
+    save_file(_lora_pair("lora_unet_input_blocks_1_1_proj_in", "lora_up", "lora_down", 320, 320, 4),
+              str(tmp_path / "sdxl.safetensors"))
     with pytest.raises(WrongModelError, match="patches no weight of this FLUX.2 \\[dev\\]"):
         convert_transformer(str(tiny_root / SOURCES["bfl"][0]), str(tmp_path / "out.gguf"), qtype="Q4_0",
                             patch=lora_patch([(str(tmp_path / "sdxl.safetensors"), 1.0)]))

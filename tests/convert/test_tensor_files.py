@@ -64,7 +64,8 @@ def test_safetensors_are_read_back_by_safetensors_and_the_pack(tmp_path):
             assert got.dtype == t.dtype and torch.equal(_bytes(got), _bytes(t)), name
     pack = SafetensorsFiles([str(tmp_path / "a.safetensors")])
     for name, info in pack.infos.items():  # laid out so that every tensor starts at a multiple of its size
-        assert (info.start - pack.infos[min(pack.infos, key=lambda n: pack.infos[n].start)].start) % TENSORS[name].element_size() == 0
+        assert (info.start - pack.infos[min(pack.infos, key=lambda n: pack.infos[n].start)].start) \
+            % TENSORS[name].element_size() == 0
         assert torch.equal(_bytes(pack.read(name)), _bytes(TENSORS[name]))
 
 
@@ -85,20 +86,24 @@ def test_a_tensor_left_unwritten_stops_the_file(tmp_path):
 
 def test_gguf_is_read_back_by_gguf_and_the_pack(tmp_path):
     rng = np.random.default_rng(3)
-    values = {"w.weight": rng.standard_normal((4, 64)).astype(np.float32), "n.scale": rng.standard_normal(5).astype(np.float32)}
+    values = {"w.weight": rng.standard_normal((4, 64)).astype(np.float32),
+              "n.scale": rng.standard_normal(5).astype(np.float32)}
     types = {"w.weight": Q.Q4_1, "n.scale": Q.F32}
     path = tmp_path / "x.gguf"
     metadata = [("general.architecture", V.STRING, "flux"), ("general.file_type", V.UINT32, 3)]
     with new_file(path) as f:
-        file = gguf_file(f, metadata, {k: (types[k], v.shape, quantized_nbytes(types[k], v.shape)) for k, v in values.items()})
+        file = gguf_file(f, metadata,
+                         {k: (types[k], v.shape, quantized_nbytes(types[k], v.shape)) for k, v in values.items()})
         for name in reversed(values):
             file.write(name, quantize(torch.from_numpy(values[name]), types[name]))
         file.finish()
     reader = gguf.GGUFReader(str(path))
-    assert reader.fields["general.architecture"].contents() == "flux" and reader.fields["general.file_type"].contents() == 3
+    assert reader.fields["general.architecture"].contents() == "flux" \
+        and reader.fields["general.file_type"].contents() == 3
     for t in reader.tensors:
         want = gguf.quants.quantize(values[t.name], types[t.name])
-        assert t.tensor_type == types[t.name] and np.array_equal(np.asarray(t.data).view(np.uint8).reshape(-1), want.view(np.uint8).reshape(-1))
+        assert t.tensor_type == types[t.name] \
+            and np.array_equal(np.asarray(t.data).view(np.uint8).reshape(-1), want.view(np.uint8).reshape(-1))
     with open_gguf(path) as g:
         assert g.metadata["general.architecture"] == "flux"
         assert {n: t.shape for n, t in g.tensors.items()} == {"w.weight": (4, 64), "n.scale": (5,)}

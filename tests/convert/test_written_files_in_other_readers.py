@@ -58,7 +58,8 @@ def _at_real_width(sd: dict) -> dict:
     real = next(g for g in known_mistral_encoders() if g.width == 5120)
     out = {}
     for key, value in sd.items():
-        if not isinstance(value, torch.Tensor) or key == "tekken_model" or key.endswith((".comfy_quant", ".weight_scale")):
+        if not isinstance(value, torch.Tensor) or key == "tekken_model" \
+                or key.endswith((".comfy_quant", ".weight_scale")):
             out[key] = value
             continue
         part = ".".join(key.split(".")[3:5])
@@ -87,7 +88,8 @@ def test_comfyuis_detection_takes_it_for_the_pruned_flux2_encoder_in_bf16(comfy_
         assert {v["format"] for v in json.loads(quantization)["layers"].values()} == {"float8_e4m3fn"}
     else:  # 0.33: comfy_quant tensors, one per fp8 layer
         assert quantization == {"mixed_ops": True}
-        declared = {k.removesuffix(".comfy_quant"): json.loads(bytes(v.tolist())) for k, v in sd.items() if k.endswith(".comfy_quant")}
+        declared = {k.removesuffix(".comfy_quant"): json.loads(bytes(v.tolist())) for k, v in sd.items()
+                    if k.endswith(".comfy_quant")}
         assert sorted(declared) == projections and all(v["format"] == "float8_e4m3fn" for v in declared.values())
 
 
@@ -128,11 +130,13 @@ def test_comfyuis_own_encoder_loads_every_tensor_and_gives_the_packs_conditionin
             got = host.encode_from_tokens(tokens).float()
         except RuntimeError as e:
             if dtype == "fp8" and compat.host_version() == "0.3.75" and "same dtype" in str(e):
-                pytest.skip("ComfyUI 0.3.75's mixed-precision layers dequantize fp8 weights to bf16 whatever dtype they "
-                            "are cast to (its QuantizedTensor.to(float32) keeps bf16), and its text encoder computes in "
-                            f"float32, so its own fp8 encoders do not run on it ({e}); the file's load is checked above")
+                pytest.skip("ComfyUI 0.3.75's mixed-precision layers dequantize fp8 weights to bf16 whatever dtype "
+                            "they are cast to (its QuantizedTensor.to(float32) keeps bf16), and its text encoder "
+                            f"computes in float32, so its own fp8 encoders do not run on it ({e}); the file's load is "
+                            "checked above")
             raise
-        assert got.shape == want.shape and (got - want).norm() / want.norm() < 1e-3, (prompt, ((got - want).norm() / want.norm()).item())
+        assert got.shape == want.shape and (got - want).norm() / want.norm() < 1e-3, \
+            (prompt, ((got - want).norm() / want.norm()).item())
 
 
 def test_comfyuis_own_tokenizer_reads_the_embedded_vocabulary_as_the_pack_does(comfy_host, encoders):
@@ -147,7 +151,8 @@ def test_comfyuis_own_tokenizer_reads_the_embedded_vocabulary_as_the_pack_does(c
     except TypeError as e:
         if "vocab_file" not in str(e):
             raise
-        pytest.skip(f"this ComfyUI's own FLUX.2 tokenizer does not build under transformers {transformers.__version__} ({e})")
+        pytest.skip(f"this ComfyUI's own FLUX.2 tokenizer does not build under transformers "
+                    f"{transformers.__version__} ({e})")
     mine = load_clip(str(encoders["bf16"]), padding="comfy")
     for prompt in ("a red fox in the snow", "Ein Café, 2024: [IMG] 3 cats <s>!", "東京の夜"):
         assert [t[0] for t in host.tokenize_with_weights(prompt)["mistral3_24b"][0]] == \
@@ -158,8 +163,8 @@ def test_comfyuis_own_tokenizer_reads_the_embedded_vocabulary_as_the_pack_does(c
 def peer(comfy_host):
     folder = os.environ.get(PEER_ENV)
     if not folder or not Path(folder, "loader.py").is_file():
-        pytest.skip("ComfyUI-GGUF is not here: tests/run unpacks it from ../shared/peers/ where that is beside the clone "
-                    f"(as in CI) and names it in {PEER_ENV}; a user's clone has none")
+        pytest.skip("ComfyUI-GGUF is not here: tests/run unpacks it from ../shared/peers/ where that is beside the "
+                    f"clone (as in CI) and names it in {PEER_ENV}; a user's clone has none")
     package = types.ModuleType("comfyui_gguf_peer")  # its own package, without running its __init__ (node registration)
     package.__path__ = [folder]
     sys.modules.setdefault("comfyui_gguf_peer", package)
@@ -176,6 +181,7 @@ def test_comfyui_gguf_reads_every_type_into_the_same_tensors(peer, tiny_root, tm
         reference = gguf.GGUFReader(str(path)).tensors
         assert set(sd) == {t.name for t in reference}
         for t in reference:
-            want = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32).reshape([int(d) for d in reversed(t.shape)])
+            want = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32).reshape(
+                [int(d) for d in reversed(t.shape)])
             got = dequant.dequantize_tensor(sd[t.name], dtype=torch.float32, dequant_dtype=torch.float32)
             assert tuple(got.shape) == want.shape and np.array_equal(got.numpy(), want), (qtype, t.name)

@@ -26,9 +26,9 @@ def _positive(x) -> bool:
 
 
 def test_documented_keys(results):
-    assert set(results) == {"machine", "dequant", "forward_dequant", "forward_dequant_slow_memory", "contention", "header",
-                            "tokenizer", "encoder_load", "load", "conditioning_cache", "refusal", "long_prompt", "quantize",
-                            "kquant", "conversion", "upsampling"}
+    assert set(results) == {"machine", "dequant", "forward_dequant", "forward_dequant_slow_memory", "contention",
+                            "header", "tokenizer", "encoder_load", "load", "conditioning_cache", "refusal",
+                            "long_prompt", "quantize", "kquant", "conversion", "upsampling"}
     assert {"cpu_count", "torch_threads", "torch_version", "platform", "date"} <= set(results["machine"])
     assert {"first_s", "second_s", "rung"} <= set(results["tokenizer"])
     assert {"file_bytes", "peak_rss_bytes", "seconds", "header_parses", "synthetic_read"} <= set(results["load"])
@@ -110,7 +110,8 @@ def test_conditioning_cache_row_is_the_tiny_bf16_encoder_and_a_hit_reads_no_weig
     for name in ("cold", "warm", "hit", "keep_loaded_off"):
         assert {"seconds", "read_bytes", "peak_rss_bytes"} <= set(r[name]) and _positive(r[name]["seconds"]), name
     assert 0 < r["cold"]["read_bytes"] <= r["file_bytes"] + 2**20  # the cache was evicted: the load reads the disk
-    assert r["hit"]["read_bytes"] <= r["entry_bytes"] + 2**20 and r["warm"]["read_bytes"] < r["file_bytes"]  # no weights read
+    # no weights read
+    assert r["hit"]["read_bytes"] <= r["entry_bytes"] + 2**20 and r["warm"]["read_bytes"] < r["file_bytes"]
     assert r["keep_loaded_off"]["rss_left_bytes"] < r["keep_loaded_off"]["peak_rss_bytes"]
 
 
@@ -152,9 +153,10 @@ def test_header_and_report(results):
     h = results["header"]
     assert _positive(h["pack_s"]) and _positive(h["reference_s"])
     report = bench.format_report(results)
-    for line in ("Dequantization", "geometric mean", "inside a CPU forward pass", "memory-bound process", "copy ceiling",
-                 "of the copy ceiling", "busy processes", "lowest ratio",
-                 "tokenizer", "encoder load", "GGUF transformer load", "synthetic GGUF", "conditioning cache (encoder 64 wide",
+    for line in ("Dequantization", "geometric mean", "inside a CPU forward pass", "memory-bound process",
+                 "copy ceiling", "of the copy ceiling", "busy processes", "lowest ratio",
+                 "tokenizer", "encoder load", "GGUF transformer load", "synthetic GGUF",
+                 "conditioning cache (encoder 64 wide",
                  "  bf16 (", "hit / warm", "keep_loaded off leaves", "GGUF quantization of float32 weights",
                  "encoder conversion (width 64", "x the largest tensor"):
         assert line in report

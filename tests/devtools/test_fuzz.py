@@ -18,7 +18,6 @@ import pytest
 from comfyui_flux2dev.devtools.fuzz import files, harness, targets
 from comfyui_flux2dev.errors import CorruptFileError
 
-
 PLANTED = {0: ("exception", "KeyError"), 1: ("hang", "-"), 2: ("memory", "-"), 3: ("leak", "CorruptFileError")}
 
 
@@ -72,8 +71,9 @@ def test_inputs_are_reproducible():
 def test_fuzz_quick(target, tiny_root, tmp_path):
     inputs, report_file = tmp_path / "inputs", tmp_path / "report.json"
     run = subprocess.run(
-        [sys.executable, "-P", "-m", "comfyui_flux2dev.devtools", "fuzz", "--target", target, "--fixtures", str(tiny_root),
-         "--inputs", str(harness.QUICK_INPUTS), "--out", str(inputs), "--json", str(report_file)],
+        [sys.executable, "-P", "-m", "comfyui_flux2dev.devtools", "fuzz", "--target", target,
+         "--fixtures", str(tiny_root), "--inputs", str(harness.QUICK_INPUTS), "--out", str(inputs),
+         "--json", str(report_file)],
         capture_output=True, text=True, timeout=1200,
     )
     assert report_file.is_file(), f"the fuzz harness did not finish:\n{run.stdout[-4000:]}\n{run.stderr[-4000:]}"

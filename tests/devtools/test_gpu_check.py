@@ -52,7 +52,8 @@ def test_the_steps_run_on_the_cpu_and_make_a_report(comfy_server, comfy_host, tm
     linear = measured["linear"]["rows"]
     assert len(linear) == FORMATS and all(r["pack_s"] > 0 and r["dense_s"] > 0 for r in linear)
     if PEERS.is_dir():  # ComfyUI-GGUF reads every GGUF type the pack does
-        assert measured["peer"] and all((r["peer_gbps"] is None) == (r["format"] in ("fp8-scaled", "nvfp4")) for r in dequant)
+        assert measured["peer"] \
+            and all((r["peer_gbps"] is None) == (r["format"] in ("fp8-scaled", "nvfp4")) for r in dequant)
         assert all((r["peer_s"] is None) == (r["format"] in ("fp8-scaled", "nvfp4")) for r in linear)
     else:
         assert measured["peer"] is None and str(PEERS) in measured["no_peer"]

@@ -17,14 +17,14 @@ import torch
 from safetensors.torch import save_file
 
 from comfyui_flux2dev.errors import CorruptFileError, Flux2DevError, MissingWeightsError, UnknownModelError
-from comfyui_flux2dev.loaders.models.encoder import plan_encoder
 from comfyui_flux2dev.loaders.formats.files import ENCODER_CONFIG, PIPELINE_INDEX, TRANSFORMER_CONFIG, part_files
+from comfyui_flux2dev.loaders.formats.safetensors_file import SafetensorsFiles
+from comfyui_flux2dev.loaders.formats.validate import JSON_LIMITS, checked
+from comfyui_flux2dev.loaders.models.encoder import plan_encoder
 from comfyui_flux2dev.loaders.models.inspect import inspect_path
 from comfyui_flux2dev.loaders.models.pipeline import describe_pipeline
-from comfyui_flux2dev.loaders.formats.safetensors_file import SafetensorsFiles
 from comfyui_flux2dev.loaders.models.transformer_layout import identify_transformer
 from comfyui_flux2dev.loaders.models.vae import load_vae_state_dict
-from comfyui_flux2dev.loaders.formats.validate import JSON_LIMITS, checked
 
 SECRET = b"marker:x:0:0:marker:/home/marker:/bin/sh\n"  # what a file that is no model file holds
 
@@ -83,7 +83,8 @@ def diffusers_folder(folder: Path, index: dict | None = None) -> Path:
     ({"dtype": "F32", "shape": [2], "data_offsets": [0, 64]}, "points outside the file"),
 ])
 def test_a_bad_tensor_entry_is_refused_naming_the_field(tmp_path, entry, words):
-    path = raw_safetensors(tmp_path / "bad.safetensors", entry if isinstance(entry, bytes) else {"t": entry}, b"\0" * 16)
+    path = raw_safetensors(tmp_path / "bad.safetensors", entry if isinstance(entry, bytes) else {"t": entry},
+                           b"\0" * 16)
     message = refusal(CorruptFileError, SafetensorsFiles, [str(path)])
     assert words in message and "damaged" in message
 
@@ -144,7 +145,8 @@ def test_a_text_file_named_safetensors_is_refused_without_quoting_it(tmp_path):
 def test_shards_of_one_model_never_share_a_tensor(tmp_path):
     save_file({"a": torch.zeros(2)}, tmp_path / "one.safetensors")
     save_file({"a": torch.ones(2)}, tmp_path / "two.safetensors")
-    message = refusal(CorruptFileError, SafetensorsFiles, [str(tmp_path / "one.safetensors"), str(tmp_path / "two.safetensors")])
+    message = refusal(CorruptFileError, SafetensorsFiles,
+                      [str(tmp_path / "one.safetensors"), str(tmp_path / "two.safetensors")])
     assert "hold tensor 'a'" in message
 
 
@@ -259,7 +261,8 @@ def _pipeline(tmp_path, model_index, transformer_config=None) -> Path:
 @pytest.mark.parametrize("model_index, words", [
     ([], "model_index.json holds a list of 0 items, expected a JSON object"),
     ({"_class_name": ["Flux2Pipeline"]}, "_class_name is a list of 1 items, expected a string"),
-    ({"_class_name": "Flux2Pipeline", "vae": "AutoencoderKLFlux2"}, "vae is 'AutoencoderKLFlux2', expected a list or null"),
+    ({"_class_name": "Flux2Pipeline", "vae": "AutoencoderKLFlux2"},
+     "vae is 'AutoencoderKLFlux2', expected a list or null"),
     ("[" * 100 + "]" * 100, "nests deeper than 32 levels"),
     ("[" * 100_000, "holds more strings, objects and lists than any real config file"),
     ('{"_class_name": NaN}', "NaN is not a number JSON allows"),
@@ -270,8 +273,10 @@ def test_a_damaged_model_index_is_refused_naming_the_field(tmp_path, model_index
 
 
 @pytest.mark.parametrize("config, words", [
-    ({"num_attention_heads": "a" * 100, "attention_head_dim": 10 ** 9}, "num_attention_heads is a string of 100 characters"),
-    ({"num_attention_heads": 48, "attention_head_dim": 10 ** 9}, "attention_head_dim is 1000000000, expected an integer from 1 to 4096"),
+    ({"num_attention_heads": "a" * 100, "attention_head_dim": 10 ** 9},
+     "num_attention_heads is a string of 100 characters"),
+    ({"num_attention_heads": 48, "attention_head_dim": 10 ** 9},
+     "attention_head_dim is 1000000000, expected an integer from 1 to 4096"),
     ({"num_attention_heads": [1] * 10}, "num_attention_heads is a list of 10 items"),
     ({"num_attention_heads": 0}, "num_attention_heads is 0"),
     ({"guidance_embeds": "yes"}, "guidance_embeds is 'yes', expected true or false"),
@@ -309,7 +314,8 @@ REAL_ENCODERS = [
     {"architectures": ["Mistral3ForConditionalGeneration"], "model_type": "mistral3", "text_config": {
         "head_dim": 128, "hidden_size": 5120, "intermediate_size": 32768, "max_position_embeddings": 131072,
         "num_attention_heads": 32, "num_hidden_layers": 40, "num_key_value_heads": 8, "rms_norm_eps": 1e-05,
-        "rope_theta": 1000000000.0, "sliding_window": None, "vocab_size": 131072}, "vision_config": {"hidden_size": 1024}},
+        "rope_theta": 1000000000.0, "sliding_window": None, "vocab_size": 131072},
+     "vision_config": {"hidden_size": 1024}},
     {"architectures": ["Qwen3ForCausalLM"], "head_dim": 128, "hidden_size": 2560, "intermediate_size": 9728,
      "num_attention_heads": 32, "num_hidden_layers": 36, "num_key_value_heads": 8, "rms_norm_eps": 1e-06,
      "rope_scaling": None, "rope_theta": 1000000, "vocab_size": 151936, "tie_word_embeddings": True},
@@ -387,7 +393,8 @@ def test_damaged_params_are_refused_naming_the_field(native_folder, tmp_path, ch
 # --- shapes from headers -----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("shape, words", [((), "has shape []"), ((0, 64), "has shape [0, 64]"), ((131072,), "has shape [131072]")])
+@pytest.mark.parametrize("shape, words", [((), "has shape []"), ((0, 64), "has shape [0, 64]"),
+                                          ((131072,), "has shape [131072]")])
 def test_an_embedding_that_is_no_table_is_refused(tmp_path, shape, words):
     save_file({"model.embed_tokens.weight": torch.zeros(shape)}, tmp_path / "enc.safetensors")
     message = refusal(UnknownModelError, plan_encoder, str(tmp_path / "enc.safetensors"))
@@ -396,22 +403,26 @@ def test_an_embedding_that_is_no_table_is_refused(tmp_path, shape, words):
 
 def test_a_tensor_name_longer_than_any_real_one_is_refused(tmp_path):
     save_file({f"model.layers.{'9' * 5000}.self_attn.q_proj.weight": torch.zeros(2, 2)}, tmp_path / "enc.safetensors")
-    assert "a tensor name is 5037 characters long" in refusal(CorruptFileError, plan_encoder, str(tmp_path / "enc.safetensors"))
+    assert "a tensor name is 5037 characters long" in refusal(CorruptFileError, plan_encoder,
+                                                              str(tmp_path / "enc.safetensors"))
 
 
 def test_layer_numbers_are_plain_digits(tmp_path):
     # "²" is a digit to str.isdigit but not to int(); a layer number of 7 digits is no real model's
-    tensors = {"model.embed_tokens.weight": torch.zeros(131072, 1), "model.layers.².self_attn.q_proj.weight": torch.zeros(2, 2),
+    tensors = {"model.embed_tokens.weight": torch.zeros(131072, 1),
+               "model.layers.².self_attn.q_proj.weight": torch.zeros(2, 2),
                "model.layers.1000000.self_attn.q_proj.weight": torch.zeros(2, 2)}
     save_file(tensors, tmp_path / "enc.safetensors")
-    assert "lacks an embedding table or layer-0" in refusal(UnknownModelError, plan_encoder, str(tmp_path / "enc.safetensors"))
+    assert "lacks an embedding table or layer-0" in refusal(UnknownModelError, plan_encoder,
+                                                            str(tmp_path / "enc.safetensors"))
 
 
 def test_transformer_and_vae_inputs_must_be_matrices(tmp_path):
     save_file({"img_in.weight": torch.zeros(4), "txt_in.weight": torch.zeros(4, 2),
                "double_stream_modulation_img.lin.weight": torch.zeros(2, 2)}, tmp_path / "t.safetensors")
     assert "img_in.weight [4]" in refusal(UnknownModelError, identify_transformer, tmp_path / "t.safetensors")
-    save_file({"decoder.conv_in.weight": torch.zeros(4), "bn.running_mean": torch.zeros(4)}, tmp_path / "ae.safetensors")
+    save_file({"decoder.conv_in.weight": torch.zeros(4), "bn.running_mean": torch.zeros(4)},
+              tmp_path / "ae.safetensors")
     assert "not a convolution's" in refusal(UnknownModelError, load_vae_state_dict, tmp_path / "ae.safetensors")
 
 

@@ -36,7 +36,8 @@ def _same(got: torch.Tensor, want: torch.Tensor) -> None:
     assert torch.equal(torch.isnan(got), nan), f"NaN at {int((torch.isnan(got) != nan).sum())} other places"
     bits = {4: torch.int32, 2: torch.int16}[got.element_size()]
     differ = (got.view(bits) != want.view(bits)) & ~nan
-    assert not differ.any(), f"{int(differ.sum())} values differ, first at flat index {int(differ.view(-1).nonzero()[0])}"
+    assert not differ.any(), \
+        f"{int(differ.sum())} values differ, first at flat index {int(differ.view(-1).nonzero()[0])}"
 
 
 def _edge_blocks(qtype: Q, seed: int) -> np.ndarray:
@@ -199,7 +200,8 @@ def test_several_threads_give_the_same_bits(monkeypatch):
     raw = torch.from_numpy(_edge_blocks(qtype, seed=2)[:37])
     weight, scale = _fp8_cases(torch.float8_e4m3fn, per_row=True)
     packed = torch.randint(0, 256, (133, 64), dtype=torch.uint8, generator=torch.Generator().manual_seed(5))
-    tiled = quant.swizzle_block_scales(torch.rand(133, 8, generator=torch.Generator().manual_seed(6)).to(torch.float8_e4m3fn))
+    tiled = quant.swizzle_block_scales(
+        torch.rand(133, 8, generator=torch.Generator().manual_seed(6)).to(torch.float8_e4m3fn))
 
     def everything():
         return (dequantize(raw, qtype, shape, torch.float16), quant.dequantize_fp8(weight, scale, torch.bfloat16),
@@ -238,7 +240,8 @@ _EVERY_KERNEL_ONCE = """
     quant.dequantize_fp8(torch.zeros(4, 8).to(torch.float8_e4m3fn), torch.ones(1), torch.float16)
     kernels = fused._kernels()
     used = {k: v.stats for k, v in vars(kernels).items() if isinstance(v, numba.core.registry.CPUDispatcher)}
-    used |= {f"quantize {k}": v.stats for k, v in QUANTIZE.items()} | {f"dequantize {k}": v.stats for k, v in GGUF.items()}
+    used |= {f"quantize {k}": v.stats for k, v in QUANTIZE.items()} \
+        | {f"dequantize {k}": v.stats for k, v in GGUF.items()}
     print(json.dumps({k: [sum(s.cache_hits.values()), sum(s.cache_misses.values())] for k, s in used.items()}))
 """
 

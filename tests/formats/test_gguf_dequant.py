@@ -14,9 +14,8 @@ from gguf import GGMLQuantizationType as Q
 from comfyui_flux2dev.devtools.tiny.gguf_blocks import random_blocks
 from comfyui_flux2dev.errors import CorruptFileError, UnsupportedFormatError
 from comfyui_flux2dev.loaders.formats import dequant_steps, gguf_dequant
-from helpers import GGUF_FLOAT_TYPES, GGUF_QUANTIZED_TYPES
-
 from comfyui_flux2dev.loaders.formats.gguf_dequant import TORCH_TYPES, dequantize
+from helpers import GGUF_FLOAT_TYPES, GGUF_QUANTIZED_TYPES
 
 # Types gguf-py can quantize: their test data is real quantizer output rather than random blocks.
 QUANTIZABLE = {Q.F32, Q.F16, Q.BF16, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0}

@@ -12,12 +12,11 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from gguf import GGUFValueType as V
 
-from helpers import gguf_bytes, gguf_kv, gguf_string, gguf_tensor_info
-
 from comfyui_flux2dev.devtools.tiny.gguf_blocks import random_blocks, write_and_close
 from comfyui_flux2dev.errors import CorruptFileError, UnsupportedFormatError
 from comfyui_flux2dev.loaders.formats import gguf_file
 from comfyui_flux2dev.loaders.formats.gguf_file import open_gguf
+from helpers import gguf_bytes, gguf_kv, gguf_string, gguf_tensor_info
 
 TOKENS = ["<unk>", "<s>", "", "ÿ", "Ġthe", "日本", "a b", "\n", "🙂", "ĊĠĠ"] * 30
 # (name, gguf shape in torch order, type)
@@ -109,13 +108,15 @@ def test_views_outlive_close(written):
         expected = view.clone()
     assert torch.equal(view, expected)  # the map stays alive for the view
     with pytest.raises(ValueError, match="closed"):
-        f.tensors["output_norm.weight"].data
+        _ = f.tensors["output_norm.weight"].data
 
 
 # Hostile files, built byte by byte so each field can be set to anything.
 
 
-GOOD_KVS = [gguf_kv("general.architecture", V.STRING, gguf_string("llama")), gguf_kv("tokenizer.ggml.tokens", V.ARRAY, struct.pack("<IQ", V.STRING, 3) + gguf_string("a") + gguf_string("ÿ") + gguf_string(""))]
+GOOD_KVS = [gguf_kv("general.architecture", V.STRING, gguf_string("llama")),
+            gguf_kv("tokenizer.ggml.tokens", V.ARRAY,
+                    struct.pack("<IQ", V.STRING, 3) + gguf_string("a") + gguf_string("ÿ") + gguf_string(""))]
 GOOD_INFOS = [gguf_tensor_info("a", [32, 2], Q.F32, 0), gguf_tensor_info("b", [32], Q.Q8_0, 256)]
 GOOD = gguf_bytes(GOOD_KVS, GOOD_INFOS, bytes(range(256)) + bytes(34))
 
@@ -145,23 +146,33 @@ HOSTILE = {
     "absurd metadata count": gguf_bytes(GOOD_KVS, GOOD_INFOS, bytes(290), n_kv=2**60),
     "key length past the end": gguf_bytes([struct.pack("<Q", 2**40) + b"general"], [], bytes(64)),
     "string value past the end": gguf_bytes([gguf_kv("k", V.STRING, struct.pack("<Q", 10**6) + b"abc")], [], bytes(64)),
-    "string array count": gguf_bytes([gguf_kv("k", V.ARRAY, struct.pack("<IQ", V.STRING, 2**62) + gguf_string("a"))], [], bytes(64)),
-    "string in array past the end": gguf_bytes([gguf_kv("k", V.ARRAY, struct.pack("<IQ", V.STRING, 2) + gguf_string("a") + struct.pack("<Q", 2**50))], [], bytes(64)),
+    "string array count": gguf_bytes([gguf_kv("k", V.ARRAY, struct.pack("<IQ", V.STRING, 2**62) + gguf_string("a"))],
+                                     [], bytes(64)),
+    "string in array past the end": gguf_bytes(
+        [gguf_kv("k", V.ARRAY, struct.pack("<IQ", V.STRING, 2) + gguf_string("a") + struct.pack("<Q", 2**50))], [],
+        bytes(64)),
     "numeric array count": gguf_bytes([gguf_kv("k", V.ARRAY, struct.pack("<IQ", V.INT32, 2**61))], [], bytes(64)),
     "nested arrays": gguf_bytes([gguf_kv("k", V.ARRAY, struct.pack("<IQ", V.ARRAY, 1) * 20)], [], bytes(400)),
     "unknown value type": gguf_bytes([gguf_kv("k", 99, b"\0" * 8)], [], bytes(64)),
-    "invalid UTF-8 in a string array": gguf_bytes([gguf_kv("k", V.ARRAY, struct.pack("<IQ", V.STRING, 2) + gguf_string(b"\xc3") + gguf_string(b"\xa9"))], [], bytes(64)),
-    "0xFF inside a string array": gguf_bytes([gguf_kv("k", V.ARRAY, struct.pack("<IQ", V.STRING, 1) + gguf_string(b"a\xffb"))], [], bytes(64)),
+    "invalid UTF-8 in a string array": gguf_bytes(
+        [gguf_kv("k", V.ARRAY, struct.pack("<IQ", V.STRING, 2) + gguf_string(b"\xc3") + gguf_string(b"\xa9"))], [],
+        bytes(64)),
+    "0xFF inside a string array": gguf_bytes(
+        [gguf_kv("k", V.ARRAY, struct.pack("<IQ", V.STRING, 1) + gguf_string(b"a\xffb"))], [], bytes(64)),
     "duplicate key": gguf_bytes(GOOD_KVS + GOOD_KVS[:1], GOOD_INFOS, bytes(290)),
-    "tensor past the end": gguf_bytes(GOOD_KVS, [gguf_tensor_info("a", [32, 2], Q.F32, 0), gguf_tensor_info("b", [32], Q.Q8_0, 2**40)], bytes(290)),
+    "tensor past the end": gguf_bytes(GOOD_KVS, [gguf_tensor_info("a", [32, 2], Q.F32, 0),
+                                                 gguf_tensor_info("b", [32], Q.Q8_0, 2**40)], bytes(290)),
     "tensor dims past the end": gguf_bytes(GOOD_KVS, [gguf_tensor_info("a", [2**40, 2**20], Q.F32, 0)], bytes(290)),
-    "overlapping tensors": gguf_bytes(GOOD_KVS, [gguf_tensor_info("a", [32, 2], Q.F32, 0), gguf_tensor_info("b", [32], Q.Q8_0, 224)], bytes(290)),
+    "overlapping tensors": gguf_bytes(GOOD_KVS, [gguf_tensor_info("a", [32, 2], Q.F32, 0),
+                                                 gguf_tensor_info("b", [32], Q.Q8_0, 224)], bytes(290)),
     "misaligned tensor": gguf_bytes(GOOD_KVS, [gguf_tensor_info("a", [32, 2], Q.F32, 8)], bytes(290)),
     "row not a whole block": gguf_bytes(GOOD_KVS, [gguf_tensor_info("b", [33], Q.Q8_0, 0)], bytes(290)),
     "too many dims": gguf_bytes(GOOD_KVS, [gguf_tensor_info("a", [1, 1, 1, 1, 1], Q.F32, 0)], bytes(290)),
     "duplicate tensor": gguf_bytes(GOOD_KVS, GOOD_INFOS[:1] * 2, bytes(290)),
-    "alignment not a power of two": gguf_bytes(GOOD_KVS + [gguf_kv("general.alignment", V.UINT32, struct.pack("<I", 48))], [], bytes(64)),
-    "alignment zero": gguf_bytes(GOOD_KVS + [gguf_kv("general.alignment", V.UINT32, struct.pack("<I", 0))], [], bytes(64)),
+    "alignment not a power of two": gguf_bytes(
+        GOOD_KVS + [gguf_kv("general.alignment", V.UINT32, struct.pack("<I", 48))], [], bytes(64)),
+    "alignment zero": gguf_bytes(GOOD_KVS + [gguf_kv("general.alignment", V.UINT32, struct.pack("<I", 0))], [],
+                                 bytes(64)),
 }
 UNSUPPORTED = {
     "unknown tensor type": gguf_bytes(GOOD_KVS, [gguf_tensor_info("a", [32], 200, 0)], bytes(290)),

@@ -13,7 +13,7 @@ from gguf import GGMLQuantizationType as Q
 
 from comfyui_flux2dev.errors import UnsupportedFormatError
 from comfyui_flux2dev.loaders.formats import fused, gguf_quant
-from comfyui_flux2dev.loaders.formats.gguf_quant import NotQuantizable, WRITE_TYPES, quantize
+from comfyui_flux2dev.loaders.formats.gguf_quant import WRITE_TYPES, NotQuantizable, quantize
 from helpers import numba_unavailable
 
 
@@ -31,7 +31,8 @@ def test_the_one_pass_kernels_run_for_float32_and_bfloat16_values(quantizer_path
     block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
     out = torch.empty(4, type_size, dtype=torch.uint8)
     for dtype in (torch.float32, torch.bfloat16):
-        assert fused.gguf_quantize(qtype.name, torch.ones(4, block_size, dtype=dtype), out) == (quantizer_path == "numba")
+        assert fused.gguf_quantize(qtype.name, torch.ones(4, block_size, dtype=dtype), out) \
+            == (quantizer_path == "numba")
     assert not fused.gguf_quantize(qtype.name, torch.ones(4, block_size, dtype=torch.float16), out)
 
 def test_a_kernel_whose_conversion_is_unlike_torch_leaves_its_type_to_the_torch_path(quantizer_path, monkeypatch):
@@ -40,7 +41,8 @@ def test_a_kernel_whose_conversion_is_unlike_torch_leaves_its_type_to_the_torch_
     monkeypatch.setattr(fused, "_converts", lambda dtype: dtype != torch.bfloat16)
     values = torch.randn(4, 64)
     assert not fused.gguf_quantize("BF16", values.view(-1, 1), torch.empty(256, 2, dtype=torch.uint8))
-    assert fused.gguf_quantize("F16", values.view(-1, 1), torch.empty(256, 2, dtype=torch.uint8)) == (quantizer_path == "numba")
+    assert fused.gguf_quantize("F16", values.view(-1, 1), torch.empty(256, 2, dtype=torch.uint8)) \
+        == (quantizer_path == "numba")
     want = gguf.quants.quantize(values.numpy(), Q.BF16).view(np.uint8)
     assert np.array_equal(quantize(values, Q.BF16).numpy(), want.reshape(4, 128))
 
@@ -113,7 +115,8 @@ def test_bytes_equal_the_reference(qtype, dtype):
         got = quantize(tensor, qtype).numpy()
         want = want.view(np.uint8).reshape(got.shape)
         bad = np.flatnonzero((got != want).any(axis=1))
-        assert bad.size == 0, f"{name}: {bad.size} rows differ, first {bad[0]}: {got[bad[0]][:40]} != {want[bad[0]][:40]}"
+        assert bad.size == 0, \
+            f"{name}: {bad.size} rows differ, first {bad[0]}: {got[bad[0]][:40]} != {want[bad[0]][:40]}"
 
 
 @pytest.mark.parametrize("qtype", MIN_MAX_TYPES, ids=lambda q: q.name)

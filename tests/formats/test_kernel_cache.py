@@ -44,7 +44,8 @@ assert np.array_equal(got.numpy(), gguf.quants.dequantize(blocks.numpy(), Q.Q8_0
 kernels = fused._kernels()
 used = {"convert": kernels.convert, "quantize": kernels.QUANTIZE["Q8_0"], "dequantize": kernels.GGUF["Q8_0"]}
 print(json.dumps({"failed": sorted(fused._FAILED), "path": fused.path("cpu", torch.float16),
-                  "cache": {k: [sum(v.stats.cache_hits.values()), sum(v.stats.cache_misses.values())] for k, v in used.items()}}))
+                  "cache": {k: [sum(v.stats.cache_hits.values()), sum(v.stats.cache_misses.values())]
+                            for k, v in used.items()}}))
 """
 
 
@@ -77,7 +78,8 @@ def _compiled(result: dict) -> bool:
 
 
 def _loaded(result: dict) -> bool:
-    return result["failed"] == [] and result["path"] == "numba" and all(h > 0 and m == 0 for h, m in result["cache"].values())
+    return result["failed"] == [] and result["path"] == "numba" \
+        and all(h > 0 and m == 0 for h, m in result["cache"].values())
 
 
 @pytest.mark.parametrize("first_as_comfyui", [True, False], ids=["comfyui-first", "installed-first"])
@@ -114,8 +116,8 @@ def test_a_damaged_cache_leaves_its_kernels_to_the_torch_path(tmp_path):
 
 def _read_only(folder: Path) -> list[str]:
     """A command prefix that runs its command with `folder` mounted read-only (root's chmod would not stop root)."""
-    probe = subprocess.run(["unshare", "-m", "sh", "-c", f"mount --bind -o ro '{folder}' '{folder}' && ! touch '{folder}/x'"],
-                           capture_output=True)
+    probe = subprocess.run(["unshare", "-m", "sh", "-c",
+                            f"mount --bind -o ro '{folder}' '{folder}' && ! touch '{folder}/x'"], capture_output=True)
     if probe.returncode != 0:
         pytest.skip("a read-only bind mount needs root and unshare (util-linux); not available here")
     return ["unshare", "-m", "sh", "-c", f"mount --bind -o ro '{folder}' '{folder}' && exec \"$@\"", "read-only"]

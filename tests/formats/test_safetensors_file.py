@@ -45,7 +45,8 @@ def _file(tmp_path, header, data=b"\0" * 16):
     {"t": {"dtype": "F32", "shape": [2], "data_offsets": [8, 0]}},
     {"t": {"dtype": "F32", "shape": [2], "data_offsets": [0, 64]}},
     {"t": {"dtype": "F32", "shape": [3], "data_offsets": [0, 8]}},
-], ids=["not-an-object", "no-offsets", "one-offset", "shape-not-a-list", "negative-dim", "reversed", "past-the-end", "size-mismatch"])
+], ids=["not-an-object", "no-offsets", "one-offset", "shape-not-a-list", "negative-dim", "reversed", "past-the-end",
+        "size-mismatch"])
 def test_a_damaged_header_is_a_corrupt_file_error(tmp_path, header):
     with pytest.raises(CorruptFileError):
         SafetensorsFiles([_file(tmp_path, header)])

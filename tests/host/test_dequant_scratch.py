@@ -11,9 +11,8 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from helpers import GGUF_QUANTIZED_TYPES
-
 from comfyui_flux2dev.devtools.tiny.gguf_blocks import random_blocks
+from helpers import GGUF_QUANTIZED_TYPES
 
 WIDTH = 512  # two NVFP4 scale tiles wide, two K-quant blocks
 
@@ -138,9 +137,9 @@ def _forward(patcher, grad_mode, device):
 
 @pytest.mark.parametrize("fmt", ("Q4_0", "Q6_K"))
 def test_host_forward_scratch_equals_fresh_and_gguf_with_and_without_lora(gguf_dir, comfy_host, fmt, device):
+    from comfyui_flux2dev.host import model as host_model
+    from comfyui_flux2dev.host import ops
     from helpers import reference_model, tiny_lora
-
-    from comfyui_flux2dev.host import model as host_model, ops
 
     ops._scratch.buffer = None  # what earlier tests left
     path = gguf_dir[("dev", fmt)]

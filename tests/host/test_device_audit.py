@@ -125,7 +125,8 @@ def test_the_audit_sees_a_tensor_made_without_its_device():
 
 
 def _layers(name: str):
-    """A packed Linear, and for GGUF also a Conv2d and an Embedding, with `name`'s weight loaded as the host loads it."""
+    """A packed Linear, and for GGUF also a Conv2d and an Embedding, with `name`'s weight loaded as the host loads
+    it."""
     from comfyui_flux2dev.host.ops import packed_operations
 
     ops = packed_operations()

@@ -161,9 +161,8 @@ def test_model_as_lora_hook_reads_the_dequantized_weight(comfy_host, tiny_root, 
     weights (gguf-py's dequantization) over a Q8_0 model give the Q4_0 model's output."""
     import comfy.hooks
 
-    from helpers import reference_model
-
     from comfyui_flux2dev.host import model as host_model
+    from helpers import reference_model
 
     q8 = host_model.load_gguf_model(str(tiny_root / "unet/flux2-dev-tiny-Q8_0.gguf"), dtype=torch.float32)
     on_device(q8, device)

@@ -77,7 +77,8 @@ def _host_names(path) -> set[str]:
         if isinstance(node, ast.Import):
             for alias in node.names:
                 if alias.name.split(".")[0] in HOST_ROOTS:
-                    aliases[(alias.asname or alias.name).split(".")[0]] = alias.name if alias.asname else alias.name.split(".")[0]
+                    aliases[(alias.asname or alias.name).split(".")[0]] = \
+                        alias.name if alias.asname else alias.name.split(".")[0]
         elif isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] in HOST_ROOTS:
             for alias in node.names:
                 aliases[alias.asname or alias.name] = f"{node.module}.{alias.name}"
@@ -104,7 +105,8 @@ def test_every_host_name_the_pack_uses_is_probed_in_compat():
             used |= _host_names(path)
     probed = [spec.replace(":", ".") for _, spec in REQUIRED] + [spec.replace(":", ".") for _, spec, _ in OPTIONAL]
     assert len(used) > 30, sorted(used)  # the scan sees the code's host names
-    unprobed = sorted(n for n in used if not any(p == n or p.startswith(n + ".") or n.startswith(p + ".") for p in probed))
+    unprobed = sorted(n for n in used
+                      if not any(p == n or p.startswith(n + ".") or n.startswith(p + ".") for p in probed))
     assert not unprobed, f"host names the pack uses that compat's REQUIRED does not list: {unprobed}"
 
 
@@ -112,7 +114,7 @@ def test_optional_internals_are_there_from_their_release_on(comfy_host):
     from comfyui_flux2dev.host import compat
 
     release = compat._release(compat.host_version())
-    for what, spec, since in compat.OPTIONAL:
+    for _what, spec, since in compat.OPTIONAL:
         if release >= compat._release(since):
             compat._lookup(spec)  # raises with the name when a release that should have it lacks it
 
@@ -171,7 +173,8 @@ def test_reload_factory_rebuilds_an_equal_model(comfy_host, paths, kind):
 
 
 def test_device_nodes_take_the_packs_models(comfy_host, paths):
-    nodes_multigpu = pytest.importorskip("comfy_extras.nodes_multigpu", reason="this ComfyUI has no device nodes (older than 0.33)")
+    nodes_multigpu = pytest.importorskip("comfy_extras.nodes_multigpu",
+                                         reason="this ComfyUI has no device nodes (older than 0.33)")
 
     from comfyui_flux2dev.host.ops import PackedPatching
 
@@ -184,7 +187,8 @@ def test_device_nodes_take_the_packs_models(comfy_host, paths):
         assert torch.equal(_output("gguf", moved), _output("gguf", model))
         moved_clip = nodes_multigpu.SelectCLIPDeviceNode.execute(clip, device).result[0]
         assert moved_clip.patcher.load_device == CPU and isinstance(moved_clip.patcher, PackedPatching)
-    assert nodes_multigpu.SelectVAEDeviceNode.execute(vae, "default").result[0].patcher.load_device == vae.patcher.load_device
+    assert nodes_multigpu.SelectVAEDeviceNode.execute(vae, "default").result[0].patcher.load_device \
+        == vae.patcher.load_device
 
     # The multi-GPU clone loads a model of its own through the factory.
     twin = model.deepclone_multigpu(new_load_device=CPU)

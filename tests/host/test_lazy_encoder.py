@@ -5,7 +5,6 @@ page cache included), memory by /proc/self/status."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
@@ -96,8 +95,8 @@ def test_the_clip_reads_headers_and_tokenizer_only(comfy_host, encoder, weights_
     assert not clip.flux2dev_source.loaded
 
 
-def test_a_workflow_whose_prompts_are_all_cached_never_reads_the_weights(comfy_host, encoder, weights_bytes, fresh, device,
-                                                                          tmp_path):
+def test_a_workflow_whose_prompts_are_all_cached_never_reads_the_weights(comfy_host, encoder, weights_bytes, fresh,
+                                                                          device, tmp_path):
     cache = str(tmp_path / "cache")
     filler = _lazy(encoder, device, cache=cache)
     reads = _read_bytes()
@@ -118,7 +117,8 @@ def test_a_workflow_whose_prompts_are_all_cached_never_reads_the_weights(comfy_h
     assert _weights_in_memory(clip) < weights_bytes / 100 and not clip.flux2dev_source.loaded
 
 
-def test_keep_loaded_off_frees_the_weights_after_each_encode(comfy_host, encoder, weights_bytes, fresh, device, tmp_path):
+def test_keep_loaded_off_frees_the_weights_after_each_encode(comfy_host, encoder, weights_bytes, fresh, device,
+                                                             tmp_path):
     import comfy.model_management
 
     clip = _lazy(encoder, device, cache=str(tmp_path / "cache"), keep_loaded=False)

@@ -1,4 +1,4 @@
-"""Memory comes back (issue 12, item 8), measured in processes of their own so that nothing else the test
+"""Memory comes back, measured in processes of their own so that nothing else the test
 session holds counts. Loading each node's model and releasing it ten times in one host process leaves the
 resident memory within 5% of its level after the first load and release, and no file of a released model
 stays mapped or open. A load that fails half way (a GGUF whose tensor table is fine but whose later checks
@@ -84,7 +84,8 @@ nodes = {
         sorted((pipeline / "transformer").glob("*.safetensors"))),
     "Flux2DevVAESource": (lambda: Flux2DevVAESource.execute(vae="flux2-dev-tiny-pipeline/"),
         [pipeline / "vae/diffusion_pytorch_model.safetensors"]),
-    "Flux2DevEncoderSource": (lambda: Flux2DevEncoderSource.execute(pipeline="flux2-dev-tiny-pipeline/", padding="reference"),
+    "Flux2DevEncoderSource": (lambda: Flux2DevEncoderSource.execute(
+        pipeline="flux2-dev-tiny-pipeline/", padding="reference"),
         sorted((pipeline / "text_encoder").glob("*.safetensors"))),
 }
 report = {}
@@ -112,8 +113,9 @@ from comfyui_flux2dev.loaders.models.gguf_transformer import load_gguf_transform
 from comfyui_flux2dev.loaders.models.inspect import inspect_path
 from comfyui_flux2dev.loaders.models.transformer import load_transformer
 
-verbs = {"gguf loader": load_gguf_transformer, "GGUF node's load": load_gguf_model, "transformer loader": load_transformer,
-         "transformer node's load": load_model, "encoder loader": lambda p: load_encoder(str(p)), "inspect": inspect_path}
+verbs = {"gguf loader": load_gguf_transformer, "GGUF node's load": load_gguf_model,
+         "transformer loader": load_transformer, "transformer node's load": load_model,
+         "encoder loader": lambda p: load_encoder(str(p)), "inspect": inspect_path}
 report = []
 for case, verb, path in json.loads(sys.argv[2]):
     files = [path] if os.path.isfile(path) else [str(p) for p in Path(path).iterdir()]
@@ -150,7 +152,8 @@ def test_loading_and_releasing_ten_times_keeps_memory_level(released, node):
     r = released[node]
     levels = r["released_kb"]
     assert len(levels) == LOADS
-    assert max(levels) <= r["first_load_kb"] * GROWTH, f"first load {r['first_load_kb']} KiB, after each release {levels}"
+    assert max(levels) <= r["first_load_kb"] * GROWTH, \
+        f"first load {r['first_load_kb']} KiB, after each release {levels}"
     assert max(levels[1:]) - levels[1] < r["files_kb"], f"model files {r['files_kb']} KiB, after each release {levels}"
 
 

@@ -12,8 +12,8 @@ import torch
 from comfyui_flux2dev.devtools.tiny import encoders as tiny
 
 # Where the language model's tensors are stored in the tiny files -> transformers' MistralForCausalLM names.
-STORED_PREFIXES = {"model.language_model.": "model.", "language_model.model.": "model.", "language_model.lm_head.": "lm_head.",
-                   "model.": "model.", "lm_head.": "lm_head."}
+STORED_PREFIXES = {"model.language_model.": "model.", "language_model.model.": "model.",
+                   "language_model.lm_head.": "lm_head.", "model.": "model.", "lm_head.": "lm_head."}
 
 
 def _safetensors(path) -> dict[str, torch.Tensor]:
@@ -55,7 +55,8 @@ def nvfp4_weights(path) -> dict[str, torch.Tensor]:
     def dequantize(weight, companions):
         if weight.dtype != torch.uint8:
             return weight
-        return dequantize_nvfp4(weight, companions["weight_scale_2"], companions["weight_scale"], output_type=torch.float32)
+        return dequantize_nvfp4(weight, companions["weight_scale_2"], companions["weight_scale"],
+                                output_type=torch.float32)
 
     return _dequantized(path, dequantize)
 

@@ -11,10 +11,9 @@ import pytest
 import torch
 
 import references
-
+from comfyui_flux2dev.devtools.tiny import encoders as tiny
 from comfyui_flux2dev.errors import MissingWeightsError, UnknownModelError, UnsupportedFormatError, WrongModelError
 from comfyui_flux2dev.loaders.models import encoder as enc
-from comfyui_flux2dev.devtools.tiny import encoders as tiny
 from helpers import on_device
 
 PROMPTS = ("a red fox in the snow", "Ein Café, 2024: [IMG] 3 cats <s>!")
@@ -78,7 +77,8 @@ def _mistral_with(state_dict: dict) -> torch.nn.Module:
 def _encoder_weights(weights: dict) -> dict:
     """The embeddings and layers 0..29 of a file's weights (references.WEIGHTS) in MistralModel's names."""
     def kept(key: str) -> bool:
-        return key == "model.embed_tokens.weight" or key.startswith("model.layers.") and int(key.split(".")[2]) < tiny.PRUNED
+        return key == "model.embed_tokens.weight" \
+            or key.startswith("model.layers.") and int(key.split(".")[2]) < tiny.PRUNED
 
     return {k[len("model."):]: v for k, v in weights.items() if kept(k)}
 
@@ -101,7 +101,8 @@ def _check(clip, reference, tokenizer, padding, device=torch.device("cpu")):
             want = _hidden(reference, ids, mask)
         assert got.shape == want.shape == (1, len(ids), 3 * 64)
         assert torch.isfinite(got).all()
-        assert (got - want).abs().max().item() <= TOLERANCE[device.type], (prompt, padding, (got - want).abs().max().item())
+        assert (got - want).abs().max().item() <= TOLERANCE[device.type], \
+            (prompt, padding, (got - want).abs().max().item())
 
 
 @pytest.mark.transformers_matrix
@@ -138,7 +139,8 @@ def test_quantized_weights_stay_packed_in_the_host(comfy_host, encoders):
 
 
 @pytest.mark.parametrize(
-    "name", ("mistral_3_small_flux2_fp8_channel.safetensors", "mistral_3_small_flux2_fp4_mixed.safetensors", "llama-q8_0.gguf")
+    "name",
+    ("mistral_3_small_flux2_fp8_channel.safetensors", "mistral_3_small_flux2_fp4_mixed.safetensors", "llama-q8_0.gguf")
 )
 def test_lora_applies_to_the_dequantized_encoder_weight(comfy_host, encoders, name, device):
     from comfy.model_management import load_model_gpu
@@ -172,7 +174,8 @@ def test_lora_applies_to_the_dequantized_encoder_weight(comfy_host, encoders, na
     assert torch.equal(again, plain)
     # the stored weight stays packed and untouched
     assert layer.weight.device.type == device.type
-    assert layer.weight.dtype == stored.dtype and torch.equal(layer.weight.cpu().view(torch.uint8), stored.view(torch.uint8))
+    assert layer.weight.dtype == stored.dtype \
+        and torch.equal(layer.weight.cpu().view(torch.uint8), stored.view(torch.uint8))
 
 
 def test_nvfp4_dequant_is_exact_against_comfy_kitchen(device):
@@ -203,7 +206,8 @@ def test_only_layers_0_to_29_and_embeddings_are_read(encoders, monkeypatch):
     assert loaded.layers_in_file == 40 and loaded.layout == "hf-mistral3"
     layers = {int(k.split(".")[3]) for k in read if ".layers." in k}
     assert layers == set(range(30))
-    assert not any(k.startswith(("lm_head", "model.vision_tower", "model.multi_modal_projector")) or "norm.weight" == k[-11:] and ".layers." not in k for k in read)
+    assert not any(k.startswith(("lm_head", "model.vision_tower", "model.multi_modal_projector"))
+                   or "norm.weight" == k[-11:] and ".layers." not in k for k in read)
     assert len(read) == 1 + 30 * 9 == len(loaded.reads)
     assert "lm_head.weight" in loaded.skips and "model.language_model.layers.39.mlp.up_proj.weight" in loaded.skips
     assert any(k.startswith("model.vision_tower.") for k in loaded.skips)
@@ -213,7 +217,8 @@ def test_only_layers_0_to_29_and_embeddings_are_read(encoders, monkeypatch):
 def test_inspect_reports_layout_formats_and_tokenizer(encoders):
     info = enc.inspect_encoder(os.path.join(encoders, "mistral_3_small_flux2_fp8_channel.safetensors"))
     assert info["kind"] == "encoder" and info["layout"] == "comfy-single-file" and info["variant"] == "dev"
-    assert info["layers"] == 30 and info["reads"] == 1 + 30 * 9 + 210 and info["formats"] == {"bf16": 61, "fp8-scaled": 210}
+    assert info["layers"] == 30 and info["reads"] == 1 + 30 * 9 + 210 \
+        and info["formats"] == {"bf16": 61, "fp8-scaled": 210}
     assert info["tokenizer"]["rung"] == "embedded-tekken"
     # fp8 linears (1 byte) + fp32 per-channel scales + bf16 embeddings and norms
     assert info["memory_bytes"] < 131072 * 64 * 2 + 30 * 73728 * 1.2
@@ -247,12 +252,14 @@ def _save(path, tensors):
     return path
 
 
-@pytest.mark.parametrize("width, klein", [(2560, "Qwen3-4B text encoder of FLUX.2 Klein 4B"), (4096, "Qwen3-8B text encoder of FLUX.2 Klein 9B")])
+@pytest.mark.parametrize("width, klein", [(2560, "Qwen3-4B text encoder of FLUX.2 Klein 4B"),
+                                          (4096, "Qwen3-8B text encoder of FLUX.2 Klein 9B")])
 def test_klein_encoder_shapes_name_the_klein_model(monkeypatch, width, klein):
     monkeypatch.delenv("FLUX2DEV_TINY_MODELS")
     shapes = {"model.embed_tokens.weight": (151936, width), "model.layers.0.self_attn.q_proj.weight": (4096, width),
               "model.layers.0.self_attn.q_norm.weight": (128,)}
-    with pytest.raises(WrongModelError, match=rf"^This is the {klein} \(hidden size {width}, attention q_norm present\)"):
+    with pytest.raises(WrongModelError,
+                       match=rf"^This is the {klein} \(hidden size {width}, attention q_norm present\)"):
         enc.identify(shapes)
 
 
@@ -265,7 +272,8 @@ Z = torch.zeros
 WRONG_FILES = {
     "qwen": ({"model.embed_tokens.weight": Z(151936, 32), "model.layers.0.self_attn.q_norm.weight": Z(128)},
              WrongModelError, r"This is the tiny Qwen3 text encoder of FLUX.2 Klein 4B \(tiny test model\)"),
-    "flux2": ({"double_blocks.0.img_attn.qkv.weight": Z(12, 4)}, WrongModelError, r"This is a FLUX.2 diffusion transformer"),
+    "flux2": ({"double_blocks.0.img_attn.qkv.weight": Z(12, 4)}, WrongModelError,
+              r"This is a FLUX.2 diffusion transformer"),
     "ae": ({"decoder.conv_in.weight": Z(4, 4, 3, 3), "bn.running_mean": Z(128)}, WrongModelError, r"This is a VAE"),
     "llama": ({"model.embed_tokens.weight": Z(32000, 64)}, WrongModelError,
               r"This is a Llama-family model with a 32000-token vocabulary"),

@@ -7,10 +7,9 @@ import numpy as np
 import pytest
 import torch
 
-from helpers import flux2_forward, reference_model, tiny_lora
-
 from comfyui_flux2dev.errors import UnknownModelError, VariantMismatchError, WrongModelError
 from comfyui_flux2dev.loaders.models.variants import variant_by_key
+from helpers import flux2_forward, reference_model, tiny_lora
 
 DEV_FILES = ("F16", "Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K")
 CPU = torch.device("cpu")
@@ -151,7 +150,8 @@ def _rewrite(src, dst, architecture="flux", drop=()):
 
     from comfyui_flux2dev.devtools.tiny.gguf_transformers import write_gguf
 
-    tensors = {t.name: (np.array(t.data), t.tensor_type) for t in GGUFReader(str(src)).tensors if not t.name.startswith(drop)}
+    tensors = {t.name: (np.array(t.data), t.tensor_type) for t in GGUFReader(str(src)).tensors
+               if not t.name.startswith(drop)}
     write_gguf(dst, tensors, architecture)
     return dst
 

@@ -7,18 +7,21 @@ from __future__ import annotations
 import pytest
 import torch
 
+from comfyui_flux2dev.devtools.tiny.geometry import TINY_VARIANTS
 from comfyui_flux2dev.errors import VariantMismatchError
 from comfyui_flux2dev.loaders.models.transformer import check_conditioning_width
 from comfyui_flux2dev.loaders.models.transformer_layout import geometry_from_shapes, variant_for_geometry
-from comfyui_flux2dev.devtools.tiny.geometry import TINY_VARIANTS
 from comfyui_flux2dev.loaders.models.variants import VARIANTS
 
 DEV, KLEIN_4B, KLEIN_9B = VARIANTS
 # The diffusers configs of the published transformers (only the geometry differs).
 REAL_CONFIGS = {
-    "dev": dict(num_layers=8, num_single_layers=48, num_attention_heads=48, joint_attention_dim=15360, guidance_embeds=True),
-    "klein-4b": dict(num_layers=5, num_single_layers=20, num_attention_heads=24, joint_attention_dim=7680, guidance_embeds=False),
-    "klein-9b": dict(num_layers=8, num_single_layers=24, num_attention_heads=32, joint_attention_dim=12288, guidance_embeds=False),
+    "dev": dict(num_layers=8, num_single_layers=48, num_attention_heads=48, joint_attention_dim=15360,
+                guidance_embeds=True),
+    "klein-4b": dict(num_layers=5, num_single_layers=20, num_attention_heads=24, joint_attention_dim=7680,
+                     guidance_embeds=False),
+    "klein-9b": dict(num_layers=8, num_single_layers=24, num_attention_heads=32, joint_attention_dim=12288,
+                     guidance_embeds=False),
 }
 
 
@@ -41,18 +44,18 @@ def test_real_transformers_are_told_apart_by_shape(variant):
         (7680, DEV, "The conditioning is 7680 wide (the Qwen3-4B encoder of FLUX.2 Klein 4B) but this FLUX.2 [dev] "
                     "transformer expects 15360 (the Mistral-Small 24B encoder of FLUX.2 [dev]). Encode the prompt with "
                     "the text encoder that belongs to FLUX.2 [dev]; encoders of different FLUX.2 variants do not mix."),
-        (15360, KLEIN_4B, "The conditioning is 15360 wide (the Mistral-Small 24B encoder of FLUX.2 [dev]) but this FLUX.2 "
-                          "Klein 4B transformer expects 7680 (the Qwen3-4B encoder of FLUX.2 Klein 4B). Encode the prompt "
-                          "with the text encoder that belongs to FLUX.2 Klein 4B; encoders of different FLUX.2 variants "
-                          "do not mix."),
+        (15360, KLEIN_4B, "The conditioning is 15360 wide (the Mistral-Small 24B encoder of FLUX.2 [dev]) but this "
+                          "FLUX.2 Klein 4B transformer expects 7680 (the Qwen3-4B encoder of FLUX.2 Klein 4B). Encode "
+                          "the prompt with the text encoder that belongs to FLUX.2 Klein 4B; encoders of different "
+                          "FLUX.2 variants do not mix."),
         (12288, KLEIN_4B, "The conditioning is 12288 wide (the Qwen3-8B encoder of FLUX.2 Klein 9B) but this FLUX.2 "
-                          "Klein 4B transformer expects 7680 (the Qwen3-4B encoder of FLUX.2 Klein 4B). Encode the prompt "
-                          "with the text encoder that belongs to FLUX.2 Klein 4B; encoders of different FLUX.2 variants "
-                          "do not mix."),
-        (7680, KLEIN_9B, "The conditioning is 7680 wide (the Qwen3-4B encoder of FLUX.2 Klein 4B) but this FLUX.2 Klein "
-                         "9B transformer expects 12288 (the Qwen3-8B encoder of FLUX.2 Klein 9B). Encode the prompt with "
-                         "the text encoder that belongs to FLUX.2 Klein 9B; encoders of different FLUX.2 variants do not "
-                         "mix."),
+                          "Klein 4B transformer expects 7680 (the Qwen3-4B encoder of FLUX.2 Klein 4B). Encode "
+                          "the prompt with the text encoder that belongs to FLUX.2 Klein 4B; encoders of different "
+                          "FLUX.2 variants do not mix."),
+        (7680, KLEIN_9B, "The conditioning is 7680 wide (the Qwen3-4B encoder of FLUX.2 Klein 4B) but this FLUX.2 "
+                         "Klein 9B transformer expects 12288 (the Qwen3-8B encoder of FLUX.2 Klein 9B). Encode the "
+                         "prompt with the text encoder that belongs to FLUX.2 Klein 9B; encoders of different FLUX.2 "
+                         "variants do not mix."),
     ],
 )
 def test_cross_wiring_on_real_dimensions(width, variant, text):
@@ -95,7 +98,8 @@ def models(comfy_host, parts):
     from comfyui_flux2dev.host.model import load_model
 
     transformers, _ = parts
-    return {v.key: load_model(transformers / f"flux2-{v.key}-tiny.safetensors", dtype=torch.float32) for v in TINY_VARIANTS}
+    return {v.key: load_model(transformers / f"flux2-{v.key}-tiny.safetensors", dtype=torch.float32)
+            for v in TINY_VARIANTS}
 
 
 @torch.no_grad()
@@ -156,5 +160,6 @@ def test_cross_wired_conditioning_stops_before_the_first_step(models, conditioni
     assert str(e.value) == (
         f"The conditioning is {src.context_in_dim} wide (the {src.encoder_name} encoder of {src.name}) but this "
         f"{dst.name} transformer expects {dst.context_in_dim} (the {dst.encoder_name} encoder of {dst.name}). Encode "
-        f"the prompt with the text encoder that belongs to {dst.name}; encoders of different FLUX.2 variants do not mix."
+        f"the prompt with the text encoder that belongs to {dst.name}; encoders of different FLUX.2 variants do not "
+        "mix."
     )

@@ -7,9 +7,8 @@ import json
 
 import pytest
 
-from helpers import DATA
-
 from comfyui_flux2dev import cli
+from helpers import DATA
 
 GOLDEN = json.loads((DATA / "inspect_golden.json").read_text())
 

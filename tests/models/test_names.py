@@ -11,8 +11,8 @@ import torch
 from gguf import MODEL_ARCH
 from gguf.tensor_mapping import get_tensor_name_map
 
-from comfyui_flux2dev.loaders.models import encoder_identify, encoder_layouts, kinds
 from comfyui_flux2dev.devtools.tiny import encoders as tiny
+from comfyui_flux2dev.loaders.models import encoder_identify, encoder_layouts, kinds
 
 LAYERS = 40
 GGUF_NAMES = get_tensor_name_map(MODEL_ARCH.LLAMA, LAYERS)

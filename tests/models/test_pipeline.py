@@ -9,6 +9,7 @@ import shutil
 import pytest
 import torch
 
+from comfyui_flux2dev.devtools.tiny.geometry import TINY_VARIANTS
 from comfyui_flux2dev.errors import VariantMismatchError, WrongModelError
 from comfyui_flux2dev.loaders.models.pipeline import (
     describe_pipeline,
@@ -17,7 +18,6 @@ from comfyui_flux2dev.loaders.models.pipeline import (
     pipeline_class,
     pipeline_variant,
 )
-from comfyui_flux2dev.devtools.tiny.geometry import TINY_VARIANTS
 from comfyui_flux2dev.loaders.models.variants import VARIANTS
 
 
@@ -66,8 +66,9 @@ def test_klein_pipeline_is_refused_as_dev_encoder_before_any_weight_is_read(pipe
     assert refusal(dev_encoder_folder, klein) == (
         "FLUX.2-klein-4B is a FLUX.2 Klein 4B (tiny test model) pipeline (Flux2KleinPipeline). Its tiny Qwen3 text "
         "encoder gives 96-wide conditioning, but FLUX.2 [dev] (tiny test model) needs 192 (the tiny Mistral encoder). "
-        "Use this pipeline only for its VAE (with Load FLUX.2 VAE (file or pipeline): the VAE is shared); for the text encoder choose a "
-        "FLUX.2 [dev] (tiny test model) pipeline folder, or a tiny Mistral encoder file or folder in models/text_encoders."
+        "Use this pipeline only for its VAE (with Load FLUX.2 VAE (file or pipeline): the VAE is shared); for the "
+        "text encoder choose a FLUX.2 [dev] (tiny test model) pipeline folder, or a tiny Mistral encoder file or "
+        "folder in models/text_encoders."
     )
     assert dev_encoder_folder(root / "flux2-dev-tiny-pipeline") == root / "flux2-dev-tiny-pipeline"
 
@@ -77,9 +78,10 @@ def test_klein_refusal_on_real_dimensions(variant):
     size = variant.key.split("-")[1].upper()
     assert str(klein_encoder_error(f"FLUX.2-klein-{size}", "Flux2KleinPipeline", variant)) == (
         f"FLUX.2-klein-{size} is a FLUX.2 Klein {size} pipeline (Flux2KleinPipeline). Its {variant.encoder_name} text "
-        f"encoder gives {variant.context_in_dim}-wide conditioning, but FLUX.2 [dev] needs 15360 (the Mistral-Small 24B "
-        "encoder). Use this pipeline only for its VAE (with Load FLUX.2 VAE (file or pipeline): the VAE is shared); for the text encoder "
-        "choose a FLUX.2 [dev] pipeline folder, or a Mistral-Small 24B encoder file or folder in models/text_encoders."
+        f"encoder gives {variant.context_in_dim}-wide conditioning, but FLUX.2 [dev] needs 15360 (the Mistral-Small "
+        "24B encoder). Use this pipeline only for its VAE (with Load FLUX.2 VAE (file or pipeline): the VAE is "
+        "shared); for the text encoder choose a FLUX.2 [dev] pipeline folder, or a Mistral-Small 24B encoder file or "
+        "folder in models/text_encoders."
     )
     assert {7680: "klein-4b", 12288: "klein-9b"}[variant.context_in_dim] == variant.key
 
@@ -91,11 +93,11 @@ def test_a_pipeline_that_contradicts_itself_says_which_part_says_what(pipelines,
     shutil.rmtree(mixed / "transformer")
     shutil.copytree(root / "flux2-dev-tiny-pipeline" / "transformer", mixed / "transformer")
     assert refusal(describe_pipeline, mixed) == (
-        "The pipeline folder mixed contradicts itself: model_index.json names Flux2KleinPipeline; transformer/config.json "
-        "(joint_attention_dim 192, 2 heads x 128, guidance_embeds True) describes FLUX.2 [dev] (tiny test model); the "
-        "transformer weights (hidden 256, context 192) are FLUX.2 [dev] (tiny test model); text_encoder/config.json is "
-        "32 wide. A FLUX.2 [dev] (tiny test model) text encoder is 64 wide (tiny Mistral). Parts of different FLUX.2 "
-        "variants were mixed in one folder; download the pipeline again."
+        "The pipeline folder mixed contradicts itself: model_index.json names Flux2KleinPipeline; "
+        "transformer/config.json (joint_attention_dim 192, 2 heads x 128, guidance_embeds True) describes FLUX.2 [dev] "
+        "(tiny test model); the transformer weights (hidden 256, context 192) are FLUX.2 [dev] (tiny test model); "
+        "text_encoder/config.json is 32 wide. A FLUX.2 [dev] (tiny test model) text encoder is 64 wide (tiny "
+        "Mistral). Parts of different FLUX.2 variants were mixed in one folder; download the pipeline again."
     )
 
 
@@ -105,15 +107,16 @@ def test_config_and_weights_must_agree_on_real_dimensions():
     dev_config = dict(num_layers=8, num_single_layers=48, num_attention_heads=48, joint_attention_dim=15360)
     with torch.device("meta"):
         shapes = {k: tuple(t.shape) for k, t in Flux2Transformer2DModel(**dev_config).state_dict().items()}
-    klein_config = {"num_attention_heads": 24, "attention_head_dim": 128, "joint_attention_dim": 7680, "guidance_embeds": False}
+    klein_config = {"num_attention_heads": 24, "attention_head_dim": 128, "joint_attention_dim": 7680,
+                    "guidance_embeds": False}
     with pytest.raises(VariantMismatchError) as e:
         pipeline_variant("FLUX.2-dev", "Flux2Pipeline", klein_config, shapes, {"text_config": {"hidden_size": 5120}})
     assert str(e.value) == (
-        "The pipeline folder FLUX.2-dev contradicts itself: model_index.json names Flux2Pipeline; transformer/config.json "
-        "(joint_attention_dim 7680, 24 heads x 128, guidance_embeds False) describes FLUX.2 Klein 4B; the transformer "
-        "weights (hidden 6144, context 15360) are FLUX.2 [dev]; text_encoder/config.json is 5120 wide. A FLUX.2 [dev] "
-        "text encoder is 5120 wide (Mistral-Small 24B). Parts of different FLUX.2 variants were mixed in one folder; "
-        "download the pipeline again."
+        "The pipeline folder FLUX.2-dev contradicts itself: model_index.json names Flux2Pipeline; "
+        "transformer/config.json (joint_attention_dim 7680, 24 heads x 128, guidance_embeds False) describes FLUX.2 "
+        "Klein 4B; the transformer weights (hidden 6144, context 15360) are FLUX.2 [dev]; text_encoder/config.json is "
+        "5120 wide. A FLUX.2 [dev] text encoder is 5120 wide (Mistral-Small 24B). Parts of different FLUX.2 variants "
+        "were mixed in one folder; download the pipeline again."
     )
     dev_config_json = {**klein_config, "num_attention_heads": 48, "joint_attention_dim": 15360, "guidance_embeds": True}
     assert pipeline_variant("FLUX.2-dev", "Flux2Pipeline", dev_config_json, shapes, None) == VARIANTS[0]
@@ -143,7 +146,8 @@ def test_nodes_list_pipelines_and_klein_vae_serves_dev(registered):
     from comfyui_flux2dev.nodes import NODES
     from comfyui_flux2dev.nodes.sources import Flux2DevTransformerSource, Flux2DevVAESource
 
-    assert {"Flux2DevVAESource", "Flux2DevEncoderSource", "Flux2DevTransformerSource"} <= {n.define_schema().node_id for n in NODES}
+    assert {"Flux2DevVAESource", "Flux2DevEncoderSource", "Flux2DevTransformerSource"} \
+        <= {n.define_schema().node_id for n in NODES}
     options = Flux2DevVAESource.define_schema().inputs[0].options
     assert "flux2-klein-4b-tiny-pipeline/" in options
     vae = Flux2DevVAESource.execute(vae="flux2-klein-4b-tiny-pipeline/").result[0]
@@ -156,7 +160,8 @@ def test_nodes_list_pipelines_and_klein_vae_serves_dev(registered):
 def test_encoder_node_refuses_klein_and_loads_dev(registered):
     from comfyui_flux2dev.nodes.sources import Flux2DevEncoderSource
 
-    with pytest.raises(VariantMismatchError, match=r"^flux2-klein-9b-tiny-pipeline is a FLUX.2 Klein 9B \(tiny test model\)"):
+    with pytest.raises(VariantMismatchError,
+                       match=r"^flux2-klein-9b-tiny-pipeline is a FLUX.2 Klein 9B \(tiny test model\)"):
         Flux2DevEncoderSource.execute(pipeline="flux2-klein-9b-tiny-pipeline/", padding="reference")
     clip = Flux2DevEncoderSource.execute(pipeline="flux2-dev-tiny-pipeline/", padding="reference").result[0]
     cond = clip.encode_from_tokens_scheduled(clip.tokenize("a red cube"))

@@ -3,14 +3,17 @@ Flux2Transformer2DModel on the same weights."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
-from comfyui_flux2dev.errors import MissingWeightsError, UnknownModelError, WrongModelError
-from comfyui_flux2dev.loaders.models.transformer_layout import geometry_from_shapes, identify_transformer, variant_for_geometry
 from comfyui_flux2dev.devtools.tiny.geometry import TINY_VARIANTS
 from comfyui_flux2dev.devtools.tiny.transformers import FP8_SPELLINGS
+from comfyui_flux2dev.errors import MissingWeightsError, UnknownModelError, WrongModelError
+from comfyui_flux2dev.loaders.models.transformer_layout import (
+    geometry_from_shapes,
+    identify_transformer,
+    variant_for_geometry,
+)
 
 
 @pytest.fixture(scope="module")
@@ -173,13 +176,15 @@ def test_unknown_geometry_fails_closed_naming_the_shapes():
         variant_for_geometry(*geometry_from_shapes(shapes))
     assert str(e.value).startswith(
         "Unknown FLUX.2 transformer geometry: x_embedder.weight [128, 128], context_embedder.weight [128, 200], "
-        "a guidance embedder, 1 double and 1 single blocks. Known: FLUX.2 [dev]: hidden 6144, context 15360, with guidance;"
+        "a guidance embedder, 1 double and 1 single blocks. Known: FLUX.2 [dev]: hidden 6144, context 15360, "
+        "with guidance;"
     )
 
 
 def test_a_flux1_transformer_is_named():
     shapes = {"img_in.weight": (3072, 64), "txt_in.weight": (3072, 4096), "vector_in.in_layer.weight": (3072, 768)}
-    with pytest.raises(WrongModelError, match=r"^This is not a FLUX.2 transformer: it lacks double_stream_modulation_img"):
+    with pytest.raises(WrongModelError,
+                       match=r"^This is not a FLUX.2 transformer: it lacks double_stream_modulation_img"):
         geometry_from_shapes(shapes)
 
 
@@ -204,5 +209,6 @@ def test_a_missing_tensor_is_never_zero_filled(comfy_host, tiny, tmp_path):
     sd = load_file(str(root / entry["path"]))
     del sd["double_blocks.0.txt_mlp.2.weight"]
     save_file(sd, str(tmp_path / "holed.safetensors"))
-    with pytest.raises(MissingWeightsError, match=r"lacks 1 tensor\(s\) the model needs \(double_blocks\.0\.txt_mlp\.2\.weight\)"):
+    with pytest.raises(MissingWeightsError,
+                       match=r"lacks 1 tensor\(s\) the model needs \(double_blocks\.0\.txt_mlp\.2\.weight\)"):
         load_model(tmp_path / "holed.safetensors", dtype=torch.float32)

@@ -18,10 +18,9 @@ import torch
 from PIL import Image
 
 import references
-from helpers import DATA, link_tree, run_flux2dev
-
 from comfyui_flux2dev.devtools.tiny import encoders as tiny
 from comfyui_flux2dev.errors import InputError, MissingWeightsError, PromptTooLongError, WrongModelError
+from helpers import DATA, link_tree, run_flux2dev
 
 NEW_TOKENS = 8
 # The tiny layouts that hold the whole model (all 40 layers, the final norm, lm_head) -> their reference: "bf16"

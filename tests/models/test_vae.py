@@ -3,7 +3,6 @@ host VAE encodes and decodes as diffusers' AutoencoderKLFlux2 on the same weight
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 

@@ -14,11 +14,10 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from helpers import run_devtools, run_flux2dev
-
 from comfyui_flux2dev.devtools import example_workflows as examples
 from comfyui_flux2dev.devtools.headless import PACK_FOLDER, HeadlessComfy
 from comfyui_flux2dev.devtools.workflow_files import ui_to_api
+from helpers import run_devtools, run_flux2dev
 
 NAMES = sorted(examples.EXAMPLES)
 README = Path(__file__).resolve().parents[2] / "README.md"
@@ -77,14 +76,17 @@ def test_each_model_file_a_template_names_has_a_download_address_the_readme_list
 def test_the_official_size_and_steps():
     """ComfyUI's own FLUX.2 [dev] template samples 1248x832 in 20 steps."""
     twin = _load(examples.API_FOLDER, examples.TEXT_TO_IMAGE)
-    sizes = {(n["class_type"], k): v for n in twin.values() for k, v in n["inputs"].items() if k in ("width", "height", "steps")}
-    assert sizes == {("Flux2Scheduler", "steps"): 20, ("Flux2Scheduler", "width"): 1248, ("Flux2Scheduler", "height"): 832,
-                     ("EmptyFlux2LatentImage", "width"): 1248, ("EmptyFlux2LatentImage", "height"): 832}
+    sizes = {(n["class_type"], k): v for n in twin.values() for k, v in n["inputs"].items()
+             if k in ("width", "height", "steps")}
+    assert sizes == {("Flux2Scheduler", "steps"): 20, ("Flux2Scheduler", "width"): 1248,
+                     ("Flux2Scheduler", "height"): 832, ("EmptyFlux2LatentImage", "width"): 1248,
+                     ("EmptyFlux2LatentImage", "height"): 832}
 
 
 def test_the_edit_examples_pictures_are_in_the_input_folder(comfy_server):
     """The host loads the pack, which copies the pictures the edit example names into ComfyUI's input folder."""
-    images = [n["inputs"]["image"] for n in _load(examples.API_FOLDER, "Image edit, two reference images - FLUX.2 dev").values()
+    images = [n["inputs"]["image"]
+              for n in _load(examples.API_FOLDER, "Image edit, two reference images - FLUX.2 dev").values()
               if n["class_type"] == "LoadImage"]
     assert images == list(examples.REFERENCES)
     for image in images:
@@ -130,7 +132,8 @@ def test_tiny_comfyui_writes_models_and_tiny_workflows_that_run_there(tmp_path):
     assert sorted((p, p.stat().st_mtime_ns) for p in comfyui.rglob("*") if p.is_file()) == everything
 
     workflows = comfyui / "user" / "default" / "workflows"
-    with HeadlessComfy(os.environ["COMFYUI_ROOT"], base_dir=comfyui, env={"FLUX2DEV_TINY_MODELS": str(declaration)}) as server:
+    with HeadlessComfy(os.environ["COMFYUI_ROOT"], base_dir=comfyui,
+                       env={"FLUX2DEV_TINY_MODELS": str(declaration)}) as server:
         listed = server.get("/api/userdata?dir=workflows")
         object_info = server.get("/object_info")
         for name in NAMES:
@@ -139,6 +142,7 @@ def test_tiny_comfyui_writes_models_and_tiny_workflows_that_run_there(tmp_path):
             ui = json.loads((workflows / saved).read_text(encoding="utf-8"))
             graph = ui_to_api(ui, object_info)
             assert graph == examples.tiny_form(_load(examples.API_FOLDER, name))
-            names = [v for n in graph.values() for v in n["inputs"].values() if isinstance(v, str) and re.search(r"\.(gguf|safetensors)$|/$", v)]
+            names = [v for n in graph.values() for v in n["inputs"].values()
+                     if isinstance(v, str) and re.search(r"\.(gguf|safetensors)$|/$", v)]
             assert names and all(v.startswith(examples.TINY_FOLDER + "/") for v in names), names
             assert _saved_image(server, server.run(graph)).size == (256, 256)

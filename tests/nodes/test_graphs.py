@@ -40,7 +40,8 @@ def image_of(server, outputs) -> np.ndarray:
 
 
 def test_the_tiny_factory_writes_every_encoder_of_its_table(tiny_manifest):
-    made = {(e["path"].removeprefix("text_encoders/"), e["layout"], e["format"]) for e in tiny_manifest if e["kind"] == "encoder"}
+    made = {(e["path"].removeprefix("text_encoders/"), e["layout"], e["format"]) for e in tiny_manifest
+            if e["kind"] == "encoder"}
     assert made == {(e.name, e.layout, e.format) for e in ENCODERS}
 
 
@@ -94,12 +95,12 @@ ENCODER_REFUSALS = {
     ),
     "flux2-dev-transformer.safetensors": (
         "This is a FLUX.2 diffusion transformer, not a text encoder. Load it with Load FLUX.2 transformer "
-        "(safetensors or pipeline) or Load FLUX.2 transformer (GGUF), and pick a Mistral-Small text encoder (e.g. mistral_3_small_flux2_bf16.safetensors) "
-        "here."
+        "(safetensors or pipeline) or Load FLUX.2 transformer (GGUF), and pick a Mistral-Small text encoder (e.g. "
+        "mistral_3_small_flux2_bf16.safetensors) here."
     ),
     "flux2-vae.safetensors": (
-        "This is a VAE (autoencoder), not a text encoder. Load it with Load FLUX.2 VAE (file or pipeline) or Load VAE, and pick a "
-        "Mistral-Small text encoder (e.g. mistral_3_small_flux2_bf16.safetensors) here."
+        "This is a VAE (autoencoder), not a text encoder. Load it with Load FLUX.2 VAE (file or pipeline) or Load VAE, "
+        "and pick a Mistral-Small text encoder (e.g. mistral_3_small_flux2_bf16.safetensors) here."
     ),
 }
 

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import time
 
-from test_graphs import encoder, gguf_model, vae
-
 from comfyui_flux2dev.devtools.workflows import node, official_dev_graph
+from test_graphs import encoder, gguf_model, vae
 
 NODE_IDS = ("Flux2DevEncoderLoader", "Flux2DevGGUFTransformerLoader", "Flux2DevVAESource", "Flux2DevEncoderSource",
             "Flux2DevTransformerSource")

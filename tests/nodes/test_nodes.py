@@ -36,7 +36,8 @@ def test_menus_list_files_in_subfolders_and_model_folders_once(encoder_menu):
     assert choices["x.safetensors"] == str(root / "a" / "x.safetensors")  # the first root wins, as in the host
     for name, path in choices.items():
         assert chosen_path("encoder", name, "The text encoder") == path
-    for gone in ("gone.safetensors", "sub/notes.txt", "sub/", "../b/z.safetensors", str(root / "b" / "z.safetensors"), ""):
+    for gone in ("gone.safetensors", "sub/notes.txt", "sub/", "../b/z.safetensors", str(root / "b" / "z.safetensors"),
+                 ""):
         with pytest.raises(FileNotFoundError, match=r"^The text encoder '.*' is no longer there"):
             chosen_path("encoder", gone, "The text encoder")
 
@@ -61,14 +62,17 @@ def test_a_name_in_two_folders_of_one_menu_is_listed_from_each(comfy_host, tmp_p
         (tmp_path / key / "same" / "config.json").write_text("{}")
         (tmp_path / key / f"only-{key}.safetensors").write_bytes(b"")
         monkeypatch.setitem(folder_paths.folder_names_and_paths, key, ([str(tmp_path / key)], set()))
-    sources = tuple(menus.MenuSource(key, (".safetensors",), menus.has_config) for key in ("flux2dev_test_first", "flux2dev_test_second"))
+    sources = tuple(menus.MenuSource(key, (".safetensors",), menus.has_config)
+                    for key in ("flux2dev_test_first", "flux2dev_test_second"))
     monkeypatch.setitem(menus.MENUS, "vae", sources)
     choices = menus.model_choices("vae")
     assert choices == {
         "flux2dev_test_first:same/": str(tmp_path / "flux2dev_test_first" / "same"),
         "flux2dev_test_second:same/": str(tmp_path / "flux2dev_test_second" / "same"),
-        "only-flux2dev_test_first.safetensors": str(tmp_path / "flux2dev_test_first" / "only-flux2dev_test_first.safetensors"),
-        "only-flux2dev_test_second.safetensors": str(tmp_path / "flux2dev_test_second" / "only-flux2dev_test_second.safetensors"),
+        "only-flux2dev_test_first.safetensors":
+            str(tmp_path / "flux2dev_test_first" / "only-flux2dev_test_first.safetensors"),
+        "only-flux2dev_test_second.safetensors":
+            str(tmp_path / "flux2dev_test_second" / "only-flux2dev_test_second.safetensors"),
     }
     for name, path in choices.items():
         assert menus.chosen_path("vae", name, "The VAE") == path

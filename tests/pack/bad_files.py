@@ -1,4 +1,4 @@
-"""Bad and hostile inputs for the hardening tests (issue 12), and the tools to watch what a call does with
+"""Bad and hostile inputs for the hardening tests (docs/hardening.md), and the tools to watch what a call does with
 them: a time bound (a FIFO opened for reading waits for a writer forever), the files it opens (Python's
 audit hooks), and the checks every message of the pack must pass.
 
@@ -29,7 +29,7 @@ ESCAPES = {"relative": "../../x", "passwd": "/etc/passwd", "environ": "/proc/sel
 BUILTIN_ERRORS = sorted(
     name for name, obj in vars(builtins).items() if isinstance(obj, type) and issubclass(obj, BaseException)
 ) + ["PanicException"]
-RAW_NAME = re.compile(r"\b(?:%s)\b" % "|".join(BUILTIN_ERRORS))
+RAW_NAME = re.compile(rf"\b(?:{'|'.join(BUILTIN_ERRORS)})\b")
 ODD = "evil\nname\u202e"  # a newline and a right-to-left override, as a downloaded name may carry
 
 
@@ -93,7 +93,8 @@ def message_faults(message: str) -> list[str]:
         faults.append(f"it names Python exception types {sorted(set(raw))}")
     hidden = sorted({f"U+{ord(c):04X}" for c in message if unicodedata.category(c) == "Cf"})
     if hidden:
-        faults.append(f"it holds invisible format characters {hidden} (a right-to-left override reorders what the user reads)")
+        faults.append(f"it holds invisible format characters {hidden} (a right-to-left override reorders what the "
+                      "user reads)")
     return faults
 
 
@@ -350,9 +351,11 @@ def run_cli(runs: list[tuple[str, Path]], work: Path, env: dict | None = None) -
     import subprocess
 
     listing = work / "runs.json"
-    listing.write_text(json.dumps([(verb, str(path), str(work / "out.safetensors")) for verb, path in runs]), encoding="utf-8")
-    done = subprocess.run([sys.executable, "-P", "-c", _CLI_CHILD, str(listing), str(Path(__file__).parent), str(TESTS)],
-                          capture_output=True, text=True, timeout=600, env={**os.environ, **(env or {})})
+    listing.write_text(json.dumps([(verb, str(path), str(work / "out.safetensors")) for verb, path in runs]),
+                       encoding="utf-8")
+    done = subprocess.run([sys.executable, "-P", "-c", _CLI_CHILD, str(listing), str(Path(__file__).parent),
+                           str(TESTS)], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, **(env or {})})
     assert done.returncode == 0, done.stderr[-5000:]
     return json.loads(done.stdout.splitlines()[-1])
 

@@ -1,4 +1,4 @@
-"""The bad-input matrix (issue 12, item 5). Each bad input (tests/bad_files.py: the wrong kind of model for a
+"""The bad-input matrix. Each bad input (tests/bad_files.py: the wrong kind of model for a
 loader, a folder without weights, half a sharded set, an index naming a file outside the model folder, an
 empty file, a folder named like a file, a symlink loop, odd file names, a FIFO) given to each loader, to
 `flux2dev inspect`'s reader and to the tokenizer ladder ends in the pack's own error type, whose message
@@ -12,8 +12,17 @@ from pathlib import Path
 
 import pytest
 
-from bad_files import ESCAPES, build_all, entry_points, message_faults, outcome, outside_target, run_cli, secret_faults, time_bound
-from helpers import point_model_folders
+from bad_files import (
+    ESCAPES,
+    build_all,
+    entry_points,
+    message_faults,
+    outcome,
+    outside_target,
+    run_cli,
+    secret_faults,
+    time_bound,
+)
 from comfyui_flux2dev.errors import (
     MODULE,
     CorruptFileError,
@@ -25,7 +34,7 @@ from comfyui_flux2dev.errors import (
     VariantMismatchError,
     WrongModelError,
 )
-
+from helpers import point_model_folders
 
 ENCODER = ("encoder", "tokenizer", "inspect")  # the verbs that read a text encoder
 NOT_GGUF = (CorruptFileError, [r"not a GGUF file"])
@@ -37,7 +46,8 @@ NOT_A_TRANSFORMER = ((UnknownModelError, WrongModelError), [r"(no|not a) FLUX\.2
 NO_TRANSFORMER_WEIGHTS = (MissingWeightsError, [r"holds no transformer weights"])
 NO_VAE_WEIGHTS = (MissingWeightsError, [r"holds no vae weights"])
 NOT_A_PIPELINE = (WrongModelError, [r"is not a diffusers pipeline folder"])
-KLEIN_ENCODER = (WrongModelError, [r"Qwen3 text encoder of FLUX\.2 Klein 4B", r"not the Mistral-Small 24B encoder FLUX\.2 \[dev\] needs"])
+KLEIN_ENCODER = (WrongModelError, [r"Qwen3 text encoder of FLUX\.2 Klein 4B",
+                                    r"not the Mistral-Small 24B encoder FLUX\.2 \[dev\] needs"])
 
 
 def each(targets, expected) -> dict:
@@ -55,11 +65,13 @@ EXPECTED = {
         "dev-encoder": NOT_A_PIPELINE,
     },
     "encoder-gguf": {
-        "gguf": (WrongModelError, [r"Mistral-Small text encoder", r"not a FLUX\.2 transformer", r"Load FLUX\.2 text encoder \(Mistral\)"]),
+        "gguf": (WrongModelError, [r"Mistral-Small text encoder", r"not a FLUX\.2 transformer",
+                                   r"Load FLUX\.2 text encoder \(Mistral\)"]),
         "transformer": NOT_SAFETENSORS, "vae": NOT_SAFETENSORS,
     },
     "flux1-file": {
-        **each(("transformer", "inspect"), (WrongModelError, [r"not a FLUX\.2 transformer", r"FLUX\.1", r"Load Diffusion Model"])),
+        **each(("transformer", "inspect"),
+               (WrongModelError, [r"not a FLUX\.2 transformer", r"FLUX\.1", r"Load Diffusion Model"])),
         **each(("encoder", "tokenizer"), (WrongModelError, [r"diffusion transformer, not a text encoder"])),
         "vae": (WrongModelError, [r"is not a VAE"]), "gguf": NOT_GGUF,
     },
@@ -74,7 +86,8 @@ EXPECTED = {
         "transformer": NOT_A_TRANSFORMER, "vae": (WrongModelError, [r"FLUX\.2 VAE|not a VAE"]), "gguf": NOT_GGUF,
     },
     "llama-gguf": {
-        **each(ENCODER, (WrongModelError, [r"Llama-family model with a 32000-token vocabulary", r"Mistral-Small 24B encoder"])),
+        **each(ENCODER,
+               (WrongModelError, [r"Llama-family model with a 32000-token vocabulary", r"Mistral-Small 24B encoder"])),
         "gguf": (WrongModelError, [r"text encoder", r"not a FLUX\.2 transformer"]),
     },
     "klein-encoder": {**each(ENCODER, KLEIN_ENCODER), "transformer": NO_TRANSFORMER_WEIGHTS},
@@ -95,13 +108,19 @@ EXPECTED = {
         **each(("transformer", "dev-encoder", "inspect"), NO_TRANSFORMER_WEIGHTS),
         "vae": NO_VAE_WEIGHTS, "encoder": (MissingWeightsError, [r"no \.safetensors weights"]),
     },
-    "damaged-model-index": each(("dev-encoder", "inspect"), (CorruptFileError, [r"model_index\.json is not valid JSON"])),
-    "missing-shard": each(ENCODER, (MissingWeightsError, [r"the index names shard\(s\) that are not there: model-00002-of-00002\.safetensors"])),
-    "transformer-missing-shard": each(("transformer", "inspect"), (MissingWeightsError, [r"not there: diffusion_pytorch_model-00002-of-00002\.safetensors"])),
-    "index-names-a-missing-file": each(ENCODER, (MissingWeightsError, [r"not there: model-00003-of-00003\.safetensors"])),
+    "damaged-model-index": each(("dev-encoder", "inspect"),
+                                (CorruptFileError, [r"model_index\.json is not valid JSON"])),
+    "missing-shard": each(ENCODER, (MissingWeightsError, [r"the index names shard\(s\) that are not there: "
+                                                          r"model-00002-of-00002\.safetensors"])),
+    "transformer-missing-shard": each(("transformer", "inspect"),
+                                      (MissingWeightsError,
+                                       [r"not there: diffusion_pytorch_model-00002-of-00002\.safetensors"])),
+    "index-names-a-missing-file": each(ENCODER,
+                                       (MissingWeightsError, [r"not there: model-00003-of-00003\.safetensors"])),
     **{f"encoder-index-escape-{k}": each(ENCODER, OUTSIDE) for k in ESCAPES},
     **{f"transformer-index-escape-{k}": each(("transformer", "inspect"), OUTSIDE) for k in ESCAPES},
-    "empty-safetensors": each(ENCODER + ("transformer", "vae"), (CorruptFileError, [r"too short to be a safetensors file \(0 bytes\)"])),
+    "empty-safetensors": each(ENCODER + ("transformer", "vae"),
+                              (CorruptFileError, [r"too short to be a safetensors file \(0 bytes\)"])),
     "empty-gguf": {
         **each(ENCODER + ("gguf",), (CorruptFileError, [r"too short to be a GGUF file \(0 bytes\)"])),
         **each(("transformer", "vae"), NOT_SAFETENSORS),
@@ -117,9 +136,12 @@ EXPECTED = {
     },
     "folder-named-safetensors-inside": each(ENCODER, (CorruptFileError, [r"model\.safetensors is a folder"])),
     "symlink-loop-inside": each(ENCODER, (CorruptFileError, [r"model\.safetensors", r"symbolic links"])),
-    "symlink-loop-in-transformer": {"transformer": ((MissingWeightsError, CorruptFileError), [r"diffusion_pytorch_model"])},
-    "symlink-loop": each(ENCODER + ("transformer", "vae"), ((ModelNotFoundError, CorruptFileError, MissingWeightsError), [r"x\.safetensors"])),
-    "odd-file-name": each(ENCODER + ("transformer", "vae"), (CorruptFileError, [r"not a readable safetensors file", r"evil"])),
+    "symlink-loop-in-transformer": {"transformer": ((MissingWeightsError, CorruptFileError),
+                                                    [r"diffusion_pytorch_model"])},
+    "symlink-loop": each(ENCODER + ("transformer", "vae"),
+                         ((ModelNotFoundError, CorruptFileError, MissingWeightsError), [r"x\.safetensors"])),
+    "odd-file-name": each(ENCODER + ("transformer", "vae"),
+                          (CorruptFileError, [r"not a readable safetensors file", r"evil"])),
     "odd-folder-name": each(ENCODER, (MissingWeightsError, [r"no \.safetensors weights", r"evil"])),
     "fifo-gguf": {
         **each(ENCODER + ("gguf",), NOT_REGULAR),
@@ -189,13 +211,16 @@ NODE_CALLS = {
     "Flux2DevEncoderLoader": ("encoder", "encoder",
                               lambda n, name: n.execute(encoder=name, padding="reference", allow_network=False)),
     "Flux2DevGGUFTransformerLoader": ("gguf", "gguf",
-                                      lambda n, name: n.execute(gguf_name=name, dequant_dtype="default", patch_dtype="float32")),
+                                      lambda n, name: n.execute(gguf_name=name, dequant_dtype="default",
+                                                                patch_dtype="float32")),
     "Flux2DevTransformerSource": ("transformer", "transformer", lambda n, name: n.execute(transformer=name)),
     "Flux2DevVAESource": ("vae", "vae", lambda n, name: n.execute(vae=name)),
-    "Flux2DevEncoderSource": ("dev pipeline", "dev-encoder", lambda n, name: n.execute(pipeline=name, padding="reference")),
+    "Flux2DevEncoderSource": ("dev pipeline", "dev-encoder",
+                              lambda n, name: n.execute(pipeline=name, padding="reference")),
 }
 MODEL_FOLDERS = ("text_encoders", "diffusion_models", "diffusers", "vae")
-NODE_MATRIX = [(case, node) for case, row in EXPECTED.items() for node, (_, target, _) in NODE_CALLS.items() if target in row]
+NODE_MATRIX = [(case, node) for case, row in EXPECTED.items() for node, (_, target, _) in NODE_CALLS.items()
+               if target in row]
 
 
 def node_class(node_id: str):
@@ -240,7 +265,8 @@ def test_menus_over_every_bad_input_list_only_what_can_be_read(bad, model_folder
     for menu in MENUS:
         with time_bound():
             choices = model_choices(menu)
-        odd = [name for name, path in choices.items() if not (os.path.isdir(path) if name.endswith("/") else os.path.isfile(path))]
+        odd = [name for name, path in choices.items()
+               if not (os.path.isdir(path) if name.endswith("/") else os.path.isfile(path))]
         assert not odd, (menu, odd)
 
 

@@ -4,11 +4,8 @@ import json
 
 import pytest
 
-from helpers import run_devtools, run_flux2dev
-
 from comfyui_flux2dev import tokenizers
-
-
+from helpers import run_devtools, run_flux2dev
 
 
 @pytest.fixture

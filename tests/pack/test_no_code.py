@@ -1,4 +1,4 @@
-"""No code from files, ever (issue 12, item 6). Payloads that would write a marker file, if run, are planted
+"""No code from files, ever. Payloads that would write a marker file, if run, are planted
 where every verb looks: pickled checkpoints (.ckpt, .pt, .bin) whose unpickling writes it, and tokenizer and
 model configs whose auto_map names a custom class in a Python file beside them that writes it when
 imported. Each verb (the encoder loader, the tokenizer ladder, inspect, the pipeline sources, the nodes, the
@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from bad_files import entry_points, link_tree, message_faults, run_cli, time_bound, watching
-from helpers import TINY_FOLDERS, point_model_folders
 from comfyui_flux2dev.errors import MODULE, MissingWeightsError, UnsupportedFormatError
+from helpers import TINY_FOLDERS, point_model_folders
 
 PACKAGE = Path(__file__).resolve().parents[2]
 PLANTED_MODULES = ("tokenization_planted", "processing_planted", "configuration_planted", "modeling_planted")
@@ -45,7 +45,8 @@ def plant_code(folder: Path, marker: Path, configs: tuple[str, ...] = MODEL_CONF
     for module in PLANTED_MODULES:
         (folder / f"{module}.py").write_text(
             f"open({str(marker)!r}, 'a').write('imported {module}\\n')\n"
-            "class PlantedTokenizer: pass\nclass PlantedProcessor: pass\nclass PlantedConfig: pass\nclass PlantedModel: pass\n"
+            "class PlantedTokenizer: pass\nclass PlantedProcessor: pass\n"
+            "class PlantedConfig: pass\nclass PlantedModel: pass\n"
         )
     auto_map = {
         "AutoTokenizer": ["tokenization_planted.PlantedTokenizer", None],
@@ -94,7 +95,8 @@ def planted(tmp_path_factory, tiny_root) -> dict:
 
     pickled_transformer = root / "pickled-transformer"
     pickled_transformer.mkdir()
-    os.link(tiny_root / "diffusion_models/flux2-klein-4b-tiny-diffusers/config.json", pickled_transformer / "config.json")
+    os.link(tiny_root / "diffusion_models/flux2-klein-4b-tiny-diffusers/config.json",
+            pickled_transformer / "config.json")
     pickles(pickled_transformer, marker, ("diffusion_pytorch_model.bin",))
 
     # Real safetensors weights beside a tokenizer whose config names planted code (and no tekken.json).
@@ -125,7 +127,8 @@ def test_the_payloads_do_run_when_loaded_the_unsafe_way(tmp_path):
     ckpt, pt = pickles(tmp_path, marker, ("model.ckpt", "model.pt"))
     plant_code(tmp_path, marker)
     unsafe = (f"import pickle, sys, torch\npickle.load(open({str(ckpt)!r}, 'rb'))\n"
-              f"torch.load({str(pt)!r}, weights_only=False)\nsys.path.insert(0, {str(tmp_path)!r})\nimport tokenization_planted\n")
+              f"torch.load({str(pt)!r}, weights_only=False)\nsys.path.insert(0, {str(tmp_path)!r})\n"
+              "import tokenization_planted\n")
     done = subprocess.run([sys.executable, "-P", "-c", unsafe], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert marker.read_text().splitlines() == ["unpickled", "unpickled", "imported tokenization_planted"]
@@ -144,15 +147,18 @@ def run_verb(call, *args):
 PICKLED = r"unpickle|pickled"
 # (input, verb) -> None: it loads (what the pack reads itself), or (error, pattern its message holds).
 EXPECTED = {
-    **{(f, v): (UnsupportedFormatError, PICKLED) for f in ("ckpt", "pt", "bin") for v in ("encoder", "tokenizer", "inspect", "transformer", "vae")},
+    **{(f, v): (UnsupportedFormatError, PICKLED) for f in ("ckpt", "pt", "bin")
+       for v in ("encoder", "tokenizer", "inspect", "transformer", "vae")},
     **{(f, "gguf"): (Exception, r"not a GGUF file") for f in ("ckpt", "pt", "bin")},
-    **{("pickled-encoder", v): (MissingWeightsError, r"no \.safetensors weights") for v in ("encoder", "tokenizer", "inspect")},
+    **{("pickled-encoder", v): (MissingWeightsError, r"no \.safetensors weights")
+       for v in ("encoder", "tokenizer", "inspect")},
     ("pickled-transformer", "transformer"): (MissingWeightsError, r"holds no transformer weights"),
     ("pickled-transformer", "inspect"): (MissingWeightsError, r"no \.safetensors weights"),
     **{("encoder-with-code", v): None for v in ("encoder", "tokenizer", "ladder", "inspect")},
     ("tokenizer-with-code", "tokenizer"): None,
     ("tokenizer-with-code", "ladder"): None,
-    **{("pipeline-with-code", v): None for v in ("encoder", "tokenizer", "inspect", "transformer", "vae", "dev-encoder")},
+    **{("pipeline-with-code", v): None
+       for v in ("encoder", "tokenizer", "inspect", "transformer", "vae", "dev-encoder")},
 }
 
 
@@ -180,8 +186,10 @@ def test_the_ladder_notes_why_a_tokenizer_naming_custom_code_was_refused(planted
 
     folder = planted["tokenizer-with-code"]
     resolution = resolve_tokenizer([folder])
-    refused = [reason for rung, source, reason in resolution.attempts if rung == "transformers" and source == str(folder)]
-    assert refused and all(re.search(r"custom code|trust_remote_code|auto_map", r) for r in refused), resolution.attempts
+    refused = [reason for rung, source, reason in resolution.attempts
+               if rung == "transformers" and source == str(folder)]
+    assert refused and all(re.search(r"custom code|trust_remote_code|auto_map", r) for r in refused), \
+        resolution.attempts
     assert not planted["marker"].exists()
 
 
@@ -193,7 +201,8 @@ def test_nodes_and_sources_run_no_code_from_a_models_folder(planted, comfy_host,
     root = planted["encoder-with-code"].parent
     point_model_folders(monkeypatch, {key: [root] for key in TINY_FOLDERS})
     with watching("pickle.find_class", "import") as seen:
-        clip = Flux2DevEncoderLoader.execute(encoder="encoder-with-code/", padding="reference", allow_network=False).result[0]
+        clip = Flux2DevEncoderLoader.execute(encoder="encoder-with-code/", padding="reference",
+                                             allow_network=False).result[0]
         assert clip.flux2dev_encoder["tokenizer"] != "transformers"
         Flux2DevEncoderSource.execute(pipeline="pipeline-with-code/", padding="comfy")
         Flux2DevTransformerSource.execute(transformer="diffusers:pipeline-with-code/")
@@ -211,7 +220,8 @@ def test_the_command_line_runs_no_code_from_the_files_it_is_given(planted, tmp_p
         stderr = run["stderr"]
         assert run["status"] in (0, 2), (verb, path, run)
         if run["status"] == 2:
-            assert stderr.startswith(f"flux2dev {verb}: ") and stderr.count("\n") == 1 and not message_faults(stderr), stderr
+            assert stderr.startswith(f"flux2dev {verb}: ") and stderr.count("\n") == 1 \
+                and not message_faults(stderr), stderr
     assert not planted["marker"].exists(), planted["marker"].read_text()
 
 
@@ -221,5 +231,6 @@ def test_trust_remote_code_is_never_set():
     for path in PACKAGE.rglob("*.py"):
         if {".venv", ".comfyui", ".hosts", "tests"} & set(path.relative_to(PACKAGE).parts):
             continue
-        mentions += [(path.name, m) for m in re.findall(r"trust_remote_code\s*=\s*\w+", path.read_text(encoding="utf-8"))]
+        mentions += [(path.name, m)
+                     for m in re.findall(r"trust_remote_code\s*=\s*\w+", path.read_text(encoding="utf-8"))]
     assert mentions and all(m.endswith("False") for _, m in mentions), mentions

@@ -1,4 +1,4 @@
-"""Offline (issue 12, item 7): with HF_HUB_OFFLINE=1 and TRANSFORMERS_OFFLINE=1 set before anything is
+"""Offline: with HF_HUB_OFFLINE=1 and TRANSFORMERS_OFFLINE=1 set before anything is
 imported (huggingface_hub and transformers read them at import time, so the run is a process of its own),
 every node works on local tiny files, even with downloads allowed, and nothing touches the network: the
 hub rung is never reached when a lower rung gives the tokenizer, and when none does it is skipped with a note
@@ -46,7 +46,8 @@ runs = {
     "GGUF transformer loader": lambda: Flux2DevGGUFTransformerLoader.execute(
         gguf_name="flux2-dev-tiny-Q8_0.gguf", dequant_dtype="default", patch_dtype="float32"),
     "transformer source, pipeline": lambda: Flux2DevTransformerSource.execute(transformer="flux2-dev-tiny-pipeline/"),
-    "transformer source, file": lambda: Flux2DevTransformerSource.execute(transformer="flux2-klein-4b-tiny.safetensors"),
+    "transformer source, file": lambda: Flux2DevTransformerSource.execute(
+        transformer="flux2-klein-4b-tiny.safetensors"),
     "VAE source": lambda: Flux2DevVAESource.execute(vae="flux2-klein-4b-tiny-pipeline/"),
 }
 for name, run in runs.items():

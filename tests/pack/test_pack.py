@@ -48,6 +48,7 @@ def test_the_server_loads_the_pack_and_lists_its_nodes(comfy_server):
 
 def test_requirements_txt_lists_exactly_the_pyproject_dependencies():
     import pathlib
+
     import tomllib
 
     root = pathlib.Path(__file__).resolve().parents[2]
@@ -81,15 +82,15 @@ def test_the_wheel_ships_every_module_of_the_pack_and_no_dev_tool(tmp_path):
     import zipfile
 
     root = pathlib.Path(__file__).resolve().parents[2]
-    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=root, capture_output=True,
-                            text=True, check=True).stdout.splitlines()
+    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=root,
+                            capture_output=True, text=True, check=True).stdout.splitlines()
     source = tmp_path / "source"
     for name in listed:
         if (root / name).is_file():
             (source / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(root / name, source / name)
-    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(tmp_path / "dist"),
-                            str(source)], capture_output=True, text=True, timeout=600)
+    built = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
+                            "-w", str(tmp_path / "dist"), str(source)], capture_output=True, text=True, timeout=600)
     assert built.returncode == 0, built.stdout[-3000:] + built.stderr[-3000:]
     (wheel,) = (tmp_path / "dist").glob("*.whl")
     shipped = {n.removeprefix("comfyui_flux2dev/") for n in zipfile.ZipFile(wheel).namelist() if n.endswith(".py")}

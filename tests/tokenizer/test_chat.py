@@ -10,8 +10,6 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from test_tokenizers import corpus_prompts, reference  # noqa: F401  (reference: a fixture)
-
 from comfyui_flux2dev.errors import PromptTooLongError
 from comfyui_flux2dev.tokenizers import SYSTEM_PROMPT, Flux2Tokenizer, bundled_tekken_path, parse_tekken_json
 from comfyui_flux2dev.tokenizers.chat import (
@@ -22,6 +20,7 @@ from comfyui_flux2dev.tokenizers.chat import (
     chat_ids,
     reply_text,
 )
+from test_tokenizers import corpus_prompts, reference  # noqa: F401  (reference: a fixture)
 
 pytestmark = pytest.mark.transformers_matrix
 
@@ -118,7 +117,8 @@ def test_edit_ids_and_pixels_equal_the_processors(tokenizer, processor, size):
                              "spatial_merge_size": MERGE}, 64, 1e-5)
     prepared = prepare([image], vision)
     want = _processed(processor, _messages(EDIT_SYSTEM, "paint the [IMG] roof red", image))
-    assert chat_ids(tokenizer, EDIT_SYSTEM, "paint the [IMG] roof red", prepared.grid) == list(np.ravel(want["input_ids"]))
+    assert chat_ids(tokenizer, EDIT_SYSTEM, "paint the [IMG] roof red", prepared.grid) \
+        == list(np.ravel(want["input_ids"]))
     expected = np.asarray(want["pixel_values"], dtype=np.float32).reshape(prepared.pixels.shape)
     assert prepared.size == tuple(np.ravel(want["image_sizes"]))
     assert np.abs(prepared.pixels.numpy() - expected).max() <= 1e-5

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
+
 from test_tokenizers import V3_NAMES, _v7_tekken, corpus_prompts
 
 pytestmark = pytest.mark.transformers_matrix
@@ -31,7 +32,8 @@ def test_comfy_padding_gives_the_hosts_own_ids(comfy_host, tiny_root):
     except TypeError as e:
         if "vocab_file" not in str(e):
             raise
-        pytest.skip(f"this ComfyUI's own FLUX.2 tokenizer does not build under transformers {transformers.__version__} ({e})")
+        pytest.skip(f"this ComfyUI's own FLUX.2 tokenizer does not build under transformers "
+                    f"{transformers.__version__} ({e})")
     clip = load_clip(str(tiny_root / "text_encoders/mistral_3_small_flux2_bf16.safetensors"), padding="comfy")
     for prompt in corpus_prompts() + HOST_SYNTAX:
         want = [t[0] for t in host.tokenize_with_weights(prompt)["mistral3_24b"][0]]

@@ -1,4 +1,4 @@
-"""Hostile vocabularies and tokenizer folders (issue 12): tekken.json and GGUF vocabularies are checked field
+"""Hostile vocabularies and tokenizer folders: tekken.json and GGUF vocabularies are checked field
 by field before anything is built from them, the build stays linear in the vocabulary, a panic of the
 tokenizers library ends as a failed rung of the ladder (never a crash), and no tokenizer file runs code."""
 
@@ -23,8 +23,10 @@ BYTES = [bytes([b]) for b in range(256)]
 def _tekken(ranks: list[bytes], n_special: int = 1000, **config) -> dict:
     """A v3 tekken document (no special_tokens list) over `ranks`."""
     return {
-        "config": {"default_num_special_tokens": n_special, "default_vocab_size": n_special + len(ranks), "version": "v3", **config},
-        "vocab": [{"rank": i, "token_bytes": base64.b64encode(t).decode(), "token_str": None} for i, t in enumerate(ranks)],
+        "config": {"default_num_special_tokens": n_special, "default_vocab_size": n_special + len(ranks),
+                   "version": "v3", **config},
+        "vocab": [{"rank": i, "token_bytes": base64.b64encode(t).decode(), "token_str": None}
+                  for i, t in enumerate(ranks)],
     }
 
 
@@ -51,40 +53,50 @@ def _with(doc: dict, path: tuple, value) -> dict:
 
 
 GOOD = _tekken(BYTES)
-LISTED = {**GOOD, "special_tokens": [{"rank": i, "token_str": s, "is_control": True} for i, s in enumerate(V3_SPECIAL_TOKENS)]}
+LISTED = {**GOOD, "special_tokens": [{"rank": i, "token_str": s, "is_control": True}
+                                    for i, s in enumerate(V3_SPECIAL_TOKENS)]}
 
 # name -> (document, words of the message)
 HOSTILE_TEKKEN = {
     "not an object": ([1, 2], ("hostile/tekken.json", "expected a JSON object")),
     "config a list": (_with(GOOD, ("config",), []), ("config", "expected an object")),
-    "10**7 specials": (_with(GOOD, ("config", "default_num_special_tokens"), 10**7), ("default_num_special_tokens", "10000000")),
-    "specials a string": (_with(GOOD, ("config", "default_num_special_tokens"), "1000"), ("default_num_special_tokens", "expected an integer")),
-    "vocab size below the specials": (_with(GOOD, ("config", "default_vocab_size"), 1000), ("default_vocab_size", "no room")),
+    "10**7 specials": (_with(GOOD, ("config", "default_num_special_tokens"), 10**7),
+                       ("default_num_special_tokens", "10000000")),
+    "specials a string": (_with(GOOD, ("config", "default_num_special_tokens"), "1000"),
+                          ("default_num_special_tokens", "expected an integer")),
+    "vocab size below the specials": (_with(GOOD, ("config", "default_vocab_size"), 1000),
+                                      ("default_vocab_size", "no room")),
     "vocab size a float": (_with(GOOD, ("config", "default_vocab_size"), 1256.5), ("default_vocab_size",)),
     "version a number": (_with(GOOD, ("config", "version"), 3), ("version", "expected a string")),
     "pattern a list": (_with(GOOD, ("config", "pattern"), ["a"]), ("pattern", "expected a string")),
     "vocab an object": (_with(GOOD, ("vocab",), {}), ("vocab", "expected a list")),
-    "vocab shorter than the config says": (_with(GOOD, ("config", "default_vocab_size"), 2000), ("vocab has 256 entries",)),
+    "vocab shorter than the config says": (_with(GOOD, ("config", "default_vocab_size"), 2000),
+                                           ("vocab has 256 entries",)),
     "vocab entry a string": (_with(GOOD, ("vocab", 3), "AA=="), ("vocab[3]", "expected a JSON object")),
     "vocab rank a string": (_with(GOOD, ("vocab", 3, "rank"), "3"), ("vocab[3]", "rank", "expected an integer")),
     "vocab rank out of order": (_with(GOOD, ("vocab", 3, "rank"), 4), ("vocab[3]", "rank is 4")),
     "vocab entry without bytes": (_with(GOOD, ("vocab", 3), {"rank": 3}), ("vocab[3]", "lacks token_bytes")),
     "token_bytes a number": (_with(GOOD, ("vocab", 3, "token_bytes"), 3), ("vocab[3]", "token_bytes")),
-    "token_bytes not base64": (_with(GOOD, ("vocab", 3, "token_bytes"), "!!!!"), ("vocab[3].token_bytes", "not base64")),
-    "a token of 3000 bytes": (_with(GOOD, ("vocab", 3, "token_bytes"), base64.b64encode(b"a" * 3000).decode()), ("vocab[3]", "token_bytes")),
+    "token_bytes not base64": (_with(GOOD, ("vocab", 3, "token_bytes"), "!!!!"),
+                               ("vocab[3].token_bytes", "not base64")),
+    "a token of 3000 bytes": (_with(GOOD, ("vocab", 3, "token_bytes"), base64.b64encode(b"a" * 3000).decode()),
+                              ("vocab[3]", "token_bytes")),
     "an empty token": (_with(GOOD, ("vocab", 3, "token_bytes"), ""), ("BPE token 3",)),
     "a token twice": (_with(GOOD, ("vocab", 3, "token_bytes"), "AA=="), ("appears twice",)),
     "v13 without special_tokens": (_with(GOOD, ("config", "version"), "v13"), ("'v13'", "no special_tokens list")),
     "special_tokens an object": (_with(LISTED, ("special_tokens",), {}), ("special_tokens", "expected a list")),
-    "special_tokens entry a string": (_with(LISTED, ("special_tokens", 2), "</s>"), ("special_tokens[2]", "expected a JSON object")),
+    "special_tokens entry a string": (_with(LISTED, ("special_tokens", 2), "</s>"),
+                                      ("special_tokens[2]", "expected a JSON object")),
     "special rank a string": (_with(LISTED, ("special_tokens", 2, "rank"), "2"), ("special_tokens[2]", "rank")),
-    "special token_str a number": (_with(LISTED, ("special_tokens", 2, "token_str"), 2), ("special_tokens[2]", "token_str")),
+    "special token_str a number": (_with(LISTED, ("special_tokens", 2, "token_str"), 2),
+                                   ("special_tokens[2]", "token_str")),
     "special ranks with a gap": (_with(LISTED, ("special_tokens", 2, "rank"), 900), ("ranks are not 0, 1, 2",)),
     "more listed specials than the config": (
         _with(_with(LISTED, ("config", "default_num_special_tokens"), 19), ("config", "default_vocab_size"), 19 + 256),
         ("20 special tokens", "(19)"),
     ),
-    "10**5 listed specials": ({**LISTED, "special_tokens": [{"rank": i, "token_str": f"<x{i}>"} for i in range(10**5)]}, ("special_tokens", "100000 items")),
+    "10**5 listed specials": ({**LISTED, "special_tokens": [{"rank": i, "token_str": f"<x{i}>"} for i in range(10**5)]},
+                              ("special_tokens", "100000 items")),
     "an empty special": (_with(LISTED, ("special_tokens", 19, "token_str"), ""), ("special token 19",)),
 }
 
@@ -104,8 +116,9 @@ def test_damaged_json_and_the_size_bound(tmp_path):
         _refused_text('{"config": {"default_num_special_tokens": NaN}}')
 
 
-# A vocabulary whose tokens are each other's prefixes made the merge builder quadratic (3,000 tokens ran
-# past 120 s at 6 GB). Now tokens are bounded in length and the build is linear in the vocabulary's bytes.
+# A vocabulary whose tokens are each other's prefixes is the merge builder's worst case: built naively it is
+# quadratic (3,000 tokens take over 120 s and 6 GB). Tokens are bounded in length and the build is linear in the
+# vocabulary's bytes; the child below resolves a folder's tokenizer and reports its peak memory growth.
 PREFIX_CHAIN = """
     import base64, json, resource, sys
     from comfyui_flux2dev.errors import Flux2DevError
@@ -121,7 +134,8 @@ PREFIX_CHAIN = """
 
 def _child(code: str, *args: str, timeout: int = 300) -> str:
     """Run `code` in a fresh interpreter (its peak memory is its own); a hang fails the test, not the run."""
-    done = subprocess.run([sys.executable, "-P", "-c", textwrap.dedent(code), *args], capture_output=True, text=True, timeout=timeout)
+    done = subprocess.run([sys.executable, "-P", "-c", textwrap.dedent(code), *args], capture_output=True, text=True,
+                          timeout=timeout)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout
 
@@ -149,7 +163,8 @@ def test_huge_special_counts_cost_bounded_memory(tmp_path):
 
 
 def test_gguf_vocabulary_arrays_are_checked():
-    good = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": [*V3_SPECIAL_TOKENS, "a", "b"], "tokenizer.ggml.token_type": [3] * 20 + [1, 1]}
+    good = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.tokens": [*V3_SPECIAL_TOKENS, "a", "b"],
+            "tokenizer.ggml.token_type": [3] * 20 + [1, 1]}
     assert vocab_from_gguf(good).ranks == (b"a", b"b")
     cases = {
         "tokenizer.ggml.model": ("llama", WrongModelError, "'llama'"),
@@ -193,7 +208,8 @@ def test_tokenizers_panic_is_a_failed_rung(tmp_path):
     res = resolve_tokenizer([tmp_path])
     assert res.rung == "bundled-tekken"
     transformers = [reason for rung, _, reason in res.attempts if rung == "transformers"]
-    assert len(transformers) == 2 and all("PanicException" in reason and "Precompiled" in reason for reason in transformers), res.attempts
+    assert len(transformers) == 2 \
+        and all("PanicException" in reason and "Precompiled" in reason for reason in transformers), res.attempts
 
 
 MARKER_MODULE = """
@@ -217,7 +233,8 @@ def test_custom_tokenizer_code_is_refused_without_import(tmp_path, config_file):
     res = resolve_tokenizer([folder])
     assert res.rung == "bundled-tekken" and not marker.exists()
     reasons = [reason for rung, _, reason in res.attempts if rung == "transformers"]
-    assert len(reasons) == 2 and all("custom tokenizer code (auto_map)" in r and config_file in r for r in reasons), res.attempts
+    assert len(reasons) == 2 and all("custom tokenizer code (auto_map)" in r and config_file in r for r in reasons), \
+        res.attempts
 
 
 def test_tokenizer_files_that_are_not_files(tmp_path):

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from comfyui_flux2dev.devtools.tiny.gguf_blocks import write_and_close
 from comfyui_flux2dev.errors import CorruptFileError, TokenizerNotFoundError
 from comfyui_flux2dev.tokenizers import (
     MAX_LENGTH,
@@ -29,7 +30,6 @@ from comfyui_flux2dev.tokenizers import (
     resolve_tokenizer,
     tekken_bytes,
 )
-from comfyui_flux2dev.devtools.tiny.gguf_blocks import write_and_close
 from comfyui_flux2dev.tokenizers.vocab import vocab_from_transformers
 
 pytestmark = pytest.mark.transformers_matrix
@@ -207,7 +207,8 @@ def test_embedded_f16_per_byte_cow_gguf(reference, tmp_path):
 
     path = tmp_path / "encoder-cow.gguf"
     writer = gguf.GGUFWriter(str(path), "cow")
-    writer.add_tensor("tekken_model", np.frombuffer(bundled_tekken_path().read_bytes(), dtype=np.uint8).astype(np.float16))
+    writer.add_tensor("tekken_model",
+                      np.frombuffer(bundled_tekken_path().read_bytes(), dtype=np.uint8).astype(np.float16))
     write_and_close(writer)
     tensor = next(t for t in gguf.GGUFReader(str(path)).tensors if t.name == "tekken_model")
     assert tensor.data.dtype == np.float16
@@ -340,7 +341,8 @@ def test_mistral3_folder_without_preprocessor_config(reference, tmp_path):
 
 def test_diffusers_pipeline_tokenizer_folder(reference, tmp_path):
     root = tmp_path / "FLUX.2-dev"
-    _write_json(root / "model_index.json", {"_class_name": "Flux2Pipeline", "tokenizer": ["transformers", "PixtralProcessor"]})
+    _write_json(root / "model_index.json",
+                {"_class_name": "Flux2Pipeline", "tokenizer": ["transformers", "PixtralProcessor"]})
     _write_json(root / "text_encoder" / "config.json", MISTRAL3_CONFIG)
     _hf_folder(root / "tokenizer", reference)
     (root / "text_encoder" / "model.safetensors").touch()
