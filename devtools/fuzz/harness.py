@@ -28,8 +28,11 @@ from .files import FILE_KINDS, FileSpec, Gguf, JsonDoc, JsonLines, RawFile, Safe
 from .mutations import mutate_bytes, mutate_gguf, mutate_json, mutate_lines, mutate_safetensors
 from .targets import LADDER_TARGETS, TARGETS, Fixtures, Tree, target_trees
 
-QUICK_INPUTS = 2000
-LONG_INPUTS = 20000
+QUICK_INPUTS = 300  # per target in the quick run (the tests run it with seed 0)
+LONG_INPUTS = 20000  # per target in the long campaign (`fuzz --long`), a developer's run
+# The regression corpus: by target, the seed-0 indices of inputs that once failed. Every run with seed 0 runs them
+# besides its own; an input the long campaign finds is fixed, then its index joins here.
+REGRESSIONS: dict[str, tuple[int, ...]] = {}
 CPU_LIMIT_S = 5.0  # refusing a damaged file should take well under a second
 WALL_LIMIT_S = 120.0  # even on a loaded machine
 BLOCKED_S = 3.0  # this long asleep without using CPU is a hang (a FIFO opened, a lock never released)
@@ -377,11 +380,12 @@ def save_input(case: Case, folder: Path, verdict: dict) -> Path:
 
 def fuzz_target(target: str, fixtures: Fixtures | list[Tree], *, inputs: int, seed: int, out: Path, jobs: int = 2,
                 cpu_limit: float = CPU_LIMIT_S, log: Callable[[str], None] = print) -> Report:
-    """Every seed tree unchanged (each must pass), then `inputs` mutated inputs. `fixtures` may also be the
-    trees themselves (the tests' own)."""
+    """Every seed tree unchanged (each must pass), then `inputs` mutated inputs, and with seed 0 the target's
+    REGRESSIONS beyond them. `fixtures` may also be the trees themselves (the tests' own)."""
     trees = target_trees(target, fixtures) if isinstance(fixtures, Fixtures) else fixtures
     fuzzer = Fuzzer(target, trees, seed, out, jobs, cpu_limit, log)
-    return fuzzer.run([-1 - k for k in range(len(trees))] + list(range(inputs)))
+    again = sorted(i for i in REGRESSIONS.get(target, ()) if i >= inputs) if seed == 0 else []
+    return fuzzer.run([-1 - k for k in range(len(trees))] + list(range(inputs)) + again)
 
 
 def reproduce(target: str, fixtures: Fixtures, seed: int, index: int, out: Path) -> int:

@@ -1,5 +1,6 @@
 """Mutation fuzzing of every parser and loader entry point (devtools/fuzz/) in its quick mode: each target
-first runs its seed files unchanged (they must load), then 2,000 mutated inputs, each of which must end
+first runs its seed files unchanged (they must load), then 300 mutated inputs of seed 0 and the regression
+corpus (harness.REGRESSIONS), each of which must end
 normally or in the pack's own error, in bounded time and memory. Each target runs in a process of its own
 (`python -m comfyui_flux2dev.devtools fuzz`), as a developer runs it; failing inputs are written under the
 test's tmp_path. The harness itself is tested first: a planted escape, hang and blowup must be reported."""
@@ -58,6 +59,18 @@ def test_harness_reports_each_kind_of_failure(tmp_path):
     assert report.inputs == 40
 
 
+def test_the_regression_corpus_runs_with_seed_0(tmp_path, monkeypatch):
+    tree = targets.Tree("planted", {"x.json": files.JsonDoc({"a": [1, "b"]})}, "x.json", ("x.json",), _planted)
+    escapes = [i for i in range(10, 200)
+               if (case := harness.make_case("planted", [tree], 0, i)).spec is not None
+               and _planted_bug(case.spec.bytes()) == 0]
+    monkeypatch.setattr(harness, "REGRESSIONS", {"planted": (escapes[0],)})
+    report = harness.fuzz_target("planted", [tree], inputs=5, seed=0, out=tmp_path, jobs=1, log=lambda line: None)
+    assert report.inputs == 6 and escapes[0] in {f["index"] for f in report.failures}
+    report = harness.fuzz_target("planted", [tree], inputs=5, seed=1, out=tmp_path, jobs=1, log=lambda line: None)
+    assert report.inputs == 5
+
+
 def test_inputs_are_reproducible():
     tree = targets.Tree("t", {"x.json": files.JsonDoc({"config": {"n": 1000}, "vocab": [{"rank": 0}]})}, "x.json",
                      ("x.json",), _planted)
@@ -78,6 +91,7 @@ def test_fuzz_quick(target, tiny_root, tmp_path):
     )
     assert report_file.is_file(), f"the fuzz harness did not finish:\n{run.stdout[-4000:]}\n{run.stderr[-4000:]}"
     (report,) = json.loads(report_file.read_text())
-    assert report["inputs"] == harness.QUICK_INPUTS
+    assert report["inputs"] == harness.QUICK_INPUTS + sum(i >= harness.QUICK_INPUTS
+                                                         for i in harness.REGRESSIONS.get(target, ()))
     summary = run.stdout[run.stdout.rfind(f"{target}: "):]
     assert not report["failures"], f"inputs written under {inputs}:\n{summary[-6000:]}"
