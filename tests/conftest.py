@@ -30,7 +30,8 @@ os.environ[CACHE_DIR_ENV] = _session_cache.name
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "cuda: the CUDA variant of a test that runs on every device (the `device` fixture)")
+    config.addinivalue_line("markers",
+                            "cuda: the CUDA variant of a test that runs on every device (the `device` fixture)")
 
 
 # Tests that run a model or a packed op take the `device` fixture: they run on the CPU always and on CUDA where
@@ -53,6 +54,18 @@ def _leave_out_cuda_variants(config, items) -> None:
 
 
 _CUDA_LEFT_OUT = pytest.StashKey[int]()
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own, which sends the worker's output
+def pytest_sessionfinish(session):
+    """A pytest-xdist worker hands its count of CUDA variants left out to the controller, which prints it."""
+    if hasattr(session.config, "workeroutput"):
+        session.config.workeroutput["cuda_left_out"] = session.config.stash.get(_CUDA_LEFT_OUT, 0)
+
+
+def pytest_testnodedown(node, error):
+    left_out = getattr(node, "workeroutput", {}).get("cuda_left_out", 0)  # each worker collects every test
+    node.config.stash[_CUDA_LEFT_OUT] = max(node.config.stash.get(_CUDA_LEFT_OUT, 0), left_out)
 
 
 def pytest_terminal_summary(terminalreporter):
@@ -200,7 +213,8 @@ QUICK = (
 def _in_entry(nodeid: str, entry: str) -> bool:
     """Whether a test id falls under a QUICK entry: the file, the test, or (an entry ending inside [...]) its
     parameters that start so."""
-    return nodeid == entry or nodeid.startswith((entry + "::", entry + "[")) or ("[" in entry and nodeid.startswith(entry))
+    return (nodeid == entry or nodeid.startswith((entry + "::", entry + "["))
+            or ("[" in entry and nodeid.startswith(entry)))
 
 
 def _mark_quick_tier(config, items) -> None:
@@ -247,14 +261,16 @@ def _print_log_if_failed(server, request) -> None:
 
 @pytest.fixture
 def comfy_server(_server_session, request):
-    """The real ComfyUI, headless on 127.0.0.1 with the pack loaded, on the CPU; its log is printed when a test fails."""
+    """The real ComfyUI, headless on 127.0.0.1 with the pack loaded, on the CPU; its log is printed when a test
+    fails."""
     yield _server_session
     _print_log_if_failed(_server_session, request)
 
 
 @pytest.fixture
 def server_on_device(device, request):
-    """comfy_server, or for the CUDA variant the same server run on the GPU (a second one, started when first asked for)."""
+    """comfy_server, or for the CUDA variant the same server run on the GPU (a second one, started when first
+    asked for)."""
     server = request.getfixturevalue("_server_session" if device.type == "cpu" else "_gpu_server_session")
     yield server
     _print_log_if_failed(server, request)
