@@ -1,7 +1,8 @@
 """Prompt upsampling end to end on the tiny encoders: on every layout that holds the whole model, greedy generation
 through the pack equals transformers' generate(do_sample=False) on the same weights (the bf16 layouts against
 transformers' own Mistral3 loaded from the hub-style folder; packed ones against MistralForCausalLM on weights
-expanded independently, tests/models/references.py), token for token, for 20 prompts of the tests' corpus; edits
+expanded independently, tests/models/references.py), token for token, for 20 prompts of the tests' corpus on the
+reference layout and 4 on each other; edits
 with 1 and 3 reference images on the folder layouts against transformers' Mistral3 on the processor's pixels
 (joined by diffusers' own functions); sampled runs are repeatable, in this process and a fresh one; files that
 cannot write text are refused from their headers, each with its message; the cache serves a prompt upsampled
@@ -30,6 +31,12 @@ WHOLE = {
     "hf-mistral3-fp8": "fp8", "mistral_3_small_whole_fp4_mixed.safetensors": "nvfp4",
     "llama-q8_0.gguf": "gguf", "mistral3-q4_0.gguf": "gguf", "mistral3-q4_k.gguf": "gguf",
 }
+# Every weight but the embedding's rows takes part in every token, so a few prompts show that a layout's weights
+# are read right; the generation itself (chat layout, sampling, stopping) meets the corpus's 20 on one layout.
+REFERENCE_LAYOUT, CORPUS_PROMPTS, LAYOUT_PROMPTS = "hf-mistral3", 20, 4
+# What transformers 4.57 changes here is the tokenizer a folder's rung builds and the reference itself: one
+# layout per tokenizer source (a folder's files, a GGUF's vocabulary) runs again under it.
+MATRIX = (REFERENCE_LAYOUT, "mistral3-q4_k.gguf")
 FOLDERS_WITH_VISION = ("hf-mistral3", "hf-mistral3-old-prefix", "pipeline", "hf-mistral3-fp8")
 PRUNED = "holds 30 of Mistral-Small's 40 layers: it is a pruned FLUX.2 encoder"
 # Each tiny layout that cannot write text -> the words of its refusal.
@@ -39,9 +46,15 @@ REFUSED = {
 }
 
 
+def _matrix(names) -> list:
+    """`names` as parameters, those in MATRIX marked to run again under transformers 4.57."""
+    return [pytest.param(n, marks=[pytest.mark.transformers_matrix] if n in MATRIX else []) for n in names]
+
+
 def corpus(count: int = 20) -> list[str]:
     """The first `count` prompts of the tests' own corpus that are not blank."""
-    prompts = [json.loads(line) for line in (DATA / "prompts.jsonl").read_text(encoding="utf-8").splitlines() if line.strip()]
+    lines = (DATA / "prompts.jsonl").read_text(encoding="utf-8").splitlines()
+    prompts = [json.loads(line) for line in lines if line.strip()]
     return [p for p in prompts if p.strip() and len(p) < 2000][:count]
 
 
@@ -59,7 +72,8 @@ def hf_model(encoders):
     """transformers' Mistral3 as saved on the hub (the vision tower too), float32."""
     from transformers import Mistral3ForConditionalGeneration
 
-    return Mistral3ForConditionalGeneration.from_pretrained(str(encoders / "hf-mistral3"), attn_implementation="sdpa").float().eval()
+    model = Mistral3ForConditionalGeneration.from_pretrained(str(encoders / "hf-mistral3"), attn_implementation="sdpa")
+    return model.float().eval()
 
 
 def _causal_lm(weights: dict):
@@ -86,11 +100,11 @@ def _reference_ids(model, input_ids: list[int], **inputs) -> list[int]:
 def _upsample(path, prompt, **settings):
     from comfyui_flux2dev.host.upsampler import upsample
 
-    return upsample(str(path), prompt, **{"temperature": 0, "max_new_tokens": NEW_TOKENS, "dtype": torch.float32, **settings})
+    return upsample(str(path), prompt,
+                    **{"temperature": 0, "max_new_tokens": NEW_TOKENS, "dtype": torch.float32, **settings})
 
 
-@pytest.mark.transformers_matrix
-@pytest.mark.parametrize("name", sorted(WHOLE))
+@pytest.mark.parametrize("name", _matrix(sorted(WHOLE)))
 def test_greedy_text_to_image_equals_transformers(comfy_host, encoders, hf_model, name, device):
     from comfyui_flux2dev.host.upsampler import release_held
 
@@ -98,7 +112,7 @@ def test_greedy_text_to_image_equals_transformers(comfy_host, encoders, hf_model
     family = WHOLE[name]
     reference = (hf_model if family == "bf16" else _causal_lm(references.WEIGHTS[family](path))).to(device)
     try:
-        for prompt in corpus():
+        for prompt in corpus(CORPUS_PROMPTS if name == REFERENCE_LAYOUT else LAYOUT_PROMPTS):
             got = _upsample(path, prompt, keep_loaded=True, device=device)
             assert got.output_ids == _reference_ids(reference, got.input_ids), prompt
             assert not got.cached and got.system_message.startswith("You are an expert prompt engineer for FLUX.2")
@@ -129,9 +143,8 @@ def _reference_pixels(images: list[Image.Image]):
     return processed["pixel_values"], torch.as_tensor(processed["image_sizes"])
 
 
-@pytest.mark.transformers_matrix
 @pytest.mark.parametrize("count", [1, 3])
-@pytest.mark.parametrize("name", FOLDERS_WITH_VISION)
+@pytest.mark.parametrize("name", _matrix(FOLDERS_WITH_VISION))
 def test_greedy_edit_with_reference_images_equals_transformers(comfy_host, encoders, hf_model, name, count, device):
     images = _pictures(count)
     got = _upsample(encoders / name, "make the roof red", images=images, device=device)
@@ -143,7 +156,8 @@ def test_greedy_edit_with_reference_images_equals_transformers(comfy_host, encod
         model = hf_model.__class__(hf_model.config).float().eval()
         model.load_state_dict(hf_model.state_dict())
         lm = references.WEIGHTS[WHOLE[name]](encoders / name)
-        model.model.language_model.load_state_dict({k.removeprefix("model."): v for k, v in lm.items() if k != "lm_head.weight"})
+        model.model.language_model.load_state_dict({k.removeprefix("model."): v for k, v in lm.items()
+                                                    if k != "lm_head.weight"})
         model.lm_head.weight.data.copy_(lm["lm_head.weight"])
     pixels, sizes = _reference_pixels(images)
     try:
@@ -155,8 +169,8 @@ def test_greedy_edit_with_reference_images_equals_transformers(comfy_host, encod
 def test_sampled_text_is_the_same_twice_and_in_a_fresh_process(comfy_host, encoders):
     settings = {"temperature": 0.8, "seed": 7, "max_new_tokens": 12, "dtype": None}
     counted = []
-    first = _upsample(encoders / "hf-mistral3", "a lighthouse at dusk", on_token=lambda n, total: counted.append((n, total)),
-                      **settings)
+    first = _upsample(encoders / "hf-mistral3", "a lighthouse at dusk",
+                      on_token=lambda n, total: counted.append((n, total)), **settings)
     assert counted == [(n, 12) for n in range(1, len(first.output_ids) + 1)]  # the progress bar's steps, one a token
     second = _upsample(encoders / "hf-mistral3", "a lighthouse at dusk", **settings)
     other_seed = _upsample(encoders / "hf-mistral3", "a lighthouse at dusk", **{**settings, "seed": 8})
@@ -176,7 +190,8 @@ def _without(tmp_path, *names: str) -> Path:
 
     tensors = {k: v for k, v in tiny.base_model().items() if k not in names}
     path = tmp_path / f"whole-without-{'-'.join(n.split('.')[-2] for n in names)}.safetensors"
-    save_file({**tensors, "tekken_model": torch.frombuffer(bytearray(tiny.tekken_data()), dtype=torch.uint8)}, str(path))
+    tekken = torch.frombuffer(bytearray(tiny.tekken_data()), dtype=torch.uint8)
+    save_file({**tensors, "tekken_model": tekken}, str(path))
     return path
 
 
