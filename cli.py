@@ -64,7 +64,8 @@ def _fill_cache(clip, prompts: list[str], folder: str) -> None:
     before = {e.path for e in cache.entries()}
     for done, prompt in enumerate(prompts, 1):
         clip.encode_from_tokens(clip.tokenize(prompt), return_dict=True)
-        print(f"\rencoding: {done}/{len(prompts)} prompts", end="" if done < len(prompts) else "\n", file=sys.stderr, flush=True)
+        print(f"\rencoding: {done}/{len(prompts)} prompts", end="" if done < len(prompts) else "\n", file=sys.stderr,
+              flush=True)
     new = len({e.path for e in cache.entries()} - before)
     print(f"{len(prompts)} prompts: {new} encoded into {folder}, the others were already cached")
 
@@ -109,8 +110,8 @@ def _cache(args) -> None:
 
     for r in rows:
         used = datetime.datetime.fromtimestamp(r["last_used"]).isoformat(sep=" ", timespec="seconds")
-        print(f"{r['file'][:16]}  {r['bytes'] / 2**20:8.1f} MiB  {used}  {r['tokens'] or '?':>5} tokens  {r['padding']}  "
-              f"{r['dtype']}  {r['device']}  {r['layout']}  weights {r['weights']}")
+        print(f"{r['file'][:16]}  {r['bytes'] / 2**20:8.1f} MiB  {used}  {r['tokens'] or '?':>5} tokens  "
+              f"{r['padding']}  {r['dtype']}  {r['device']}  {r['layout']}  weights {r['weights']}")
     total = sum(r["bytes"] for r in rows)
     print(f"{len(rows)} entries, {total / 2**20:.1f} MiB" + (f"; removed {len(removed)}" if removed else ""))
     if others:
@@ -291,7 +292,8 @@ def _padding_option(parser) -> None:
     from .tokenizers import PADDING_MODES
 
     parser.add_argument("--padding", choices=PADDING_MODES, default=PADDING_MODES[0],
-                        help=f"how the prompt's tokens are laid out, as the encoder node's input (default {PADDING_MODES[0]})")
+                        help="how the prompt's tokens are laid out, as the encoder node's input (default "
+                        f"{PADDING_MODES[0]})")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -305,17 +307,19 @@ def build_parser() -> argparse.ArgumentParser:
     group.add_argument("--prompt")
     group.add_argument("--prompts", help="a .jsonl file, one JSON string a line")
     _padding_option(p)
-    p.add_argument("--json", action="store_true", help="one object a prompt: rung, source, padding, the ids without the "
-                   "left pads, and the attention mask (0 for each pad)")
+    p.add_argument("--json", action="store_true", help="one object a prompt: rung, source, padding, the ids without "
+                   "the left pads, and the attention mask (0 for each pad)")
     p.add_argument("--allow-network", action="store_true", help="let the last rung fetch the tokenizer from the hub")
     p.set_defaults(run=_tokenize)
 
-    p = sub.add_parser("encode", help="the conditioning the host CLIP produces for a prompt, or a cache filled for many")
+    p = sub.add_parser("encode", help="the conditioning the host CLIP produces for a prompt, or a cache filled for "
+                       "many")
     p.add_argument("path")
     group = p.add_mutually_exclusive_group(required=True)
     group.add_argument("--prompt", help="one prompt, written to --out")
     group.add_argument("--prompts", help="a .jsonl file, one JSON string a line: each encoded into --cache")
-    p.add_argument("--cache", help="a conditioning cache folder (as the encoder node's cache input); needed with --prompts")
+    p.add_argument("--cache", help="a conditioning cache folder (as the encoder node's cache input); needed with "
+                   "--prompts")
     _padding_option(p)
     p.add_argument("--dtype", choices=("float32", "float16", "bfloat16"), default="float32", help="of the --out file")
     p.add_argument("--out")
@@ -324,8 +328,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     from .tokenizers.chat import MODES as UPSAMPLE_MODES
 
-    p = sub.add_parser("upsample", help="rewrite a prompt with the encoder's own Mistral-Small weights, as Black Forest Labs "
-                       "recommends for FLUX.2 [dev] (a whole model: all 40 layers and lm_head)")
+    p = sub.add_parser("upsample", help="rewrite a prompt with the encoder's own Mistral-Small weights, as Black "
+                       "Forest Labs recommends for FLUX.2 [dev] (a whole model: all 40 layers and lm_head)")
     p.add_argument("path", help="a whole Mistral-Small-3.x checkpoint: a Hugging Face folder, a [dev] pipeline or its "
                    "text_encoder/, consolidated.safetensors, or a llama.cpp .gguf")
     p.add_argument("--prompt", required=True)
@@ -344,8 +348,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("cache", help="list a conditioning cache folder, and prune it")
     p.add_argument("dir")
     p.add_argument("--prune", action="store_true", help="delete entries that fail their check (damaged or truncated)")
-    p.add_argument("--max-size", help="delete least recently used entries until they take at most this: a positive number of "
-                   "bytes, or one followed by K, M, G or T (powers of 1024), e.g. 20G")
+    p.add_argument("--max-size", help="delete least recently used entries until they take at most this: a positive "
+                   "number of bytes, or one followed by K, M, G or T (powers of 1024), e.g. 20G")
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=_cache)
 
@@ -370,16 +374,21 @@ def _convert_commands(sub) -> None:
     p.add_argument("--force", action="store_true", help="replace what is at OUT (never written through a link)")
     p.set_defaults(run=_convert_encoder, command="convert encoder")
     p = kinds.add_parser("transformer", help="a transformer as GGUF, optionally with LoRAs baked in")
-    p.add_argument("path", help="the transformer: a BFL file (bf16 or scaled fp8), a diffusers transformer folder or a pipeline")
+    p.add_argument("path", help="the transformer: a BFL file (bf16 or scaled fp8), a diffusers transformer folder or a "
+                   "pipeline")
     p.add_argument("out", help="the .gguf file to write")
-    p.add_argument("--type", choices=WRITTEN_TYPES, required=True, help="the type of the weights (the README lists what stays unquantized)")
+    p.add_argument("--type", choices=WRITTEN_TYPES, required=True,
+                   help="the type of the weights (the README lists what stays unquantized)")
     p.add_argument("--lora", action=_Lora, dest="loras", metavar="FILE",
-                   help="a LoRA (.safetensors, any format ComfyUI's LoRA loader takes) baked in; repeat for more (needs ComfyUI)")
-    p.add_argument("--strength", action=_Lora, dest="loras", metavar="S", help="the strength of the --lora before it (default 1)")
+                   help="a LoRA (.safetensors, any format ComfyUI's LoRA loader takes) baked in; repeat for more "
+                   "(needs ComfyUI)")
+    p.add_argument("--strength", action=_Lora, dest="loras", metavar="S",
+                   help="the strength of the --lora before it (default 1)")
     p.add_argument("--force", action="store_true", help="replace what is at OUT (never written through a link)")
     p.set_defaults(run=_convert_transformer, command="convert transformer", loras=[])
 
-    p = sub.add_parser("compare", help="what two encoders, transformers or VAEs are to each other, tensor by tensor and by output")
+    p = sub.add_parser("compare", help="what two encoders, transformers or VAEs are to each other, tensor by tensor "
+                       "and by output")
     p.add_argument("path", help="A")
     p.add_argument("other", help="B")
     p.add_argument("--prompts", help="encoders: a .jsonl file, one JSON string a line (default: a few built in)")

@@ -117,8 +117,8 @@ class LoraBake:
             if not baked.applied:
                 model = plan.variant.name
                 raise WrongModelError(f"{lora.path} patches no weight of this {model} transformer: none of its "
-                                      f"{baked.layers} layer(s) applies ({_not_applied(baked)}). It is a LoRA of another "
-                                      f"model (or of a text encoder alone); pick one made for {model}.")
+                                      f"{baked.layers} layer(s) applies ({_not_applied(baked)}). It is a LoRA of "
+                                      f"another model (or of a text encoder alone); pick one made for {model}.")
             self.baked.append(baked)
             patcher = loaded
 

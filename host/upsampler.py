@@ -78,8 +78,9 @@ def _reads(plan: EncoderPlan, vision: VisionPlan | None) -> str:
 
 
 def upsample(path: str, prompt: str, *, images: list = (), mode: str = "auto", seed: int = 0, temperature: float = 0.15,
-             max_new_tokens: int = 512, cache: str | None = None, keep_loaded: bool = False, dtype: torch.dtype | None = None,
-             device: torch.device | None = None, on_token: Callable[[int, int], None] | None = None) -> Upsampled:
+             max_new_tokens: int = 512, cache: str | None = None, keep_loaded: bool = False,
+             dtype: torch.dtype | None = None, device: torch.device | None = None,
+             on_token: Callable[[int, int], None] | None = None) -> Upsampled:
     """The prompt rewritten by the Mistral-Small-3.x checkpoint at `path` (a whole model: all layers and lm_head);
     with images (PIL images, or image files' paths) an edit instruction about them. cache: a conditioning cache
     folder (None: no cache). device: where it computes (default: the host's text-encoder device).
@@ -139,7 +140,8 @@ def upsample(path: str, prompt: str, *, images: list = (), mode: str = "auto", s
         entry = {TEXT_KEY: torch.tensor(list(text.encode()), dtype=torch.uint8), IDS_KEY: torch.tensor(output_ids)}
         stored = store.put(key(loaded.fingerprint), entry)
     logging.info("FLUX.2 [dev] prompt upsampling: %d tokens in %.1f s%s.", len(output_ids), time.monotonic() - started,
-                 "" if store is None else f", now stored in {store.folder}" if stored else f"; {store.folder} could not take it")
+                 "" if store is None
+                 else f", now stored in {store.folder}" if stored else f"; {store.folder} could not take it")
     return Upsampled(text, system, input_ids, output_ids, False)
 
 
@@ -179,12 +181,12 @@ def _load(plan: EncoderPlan, vision: VisionPlan | None, dtype: torch.dtype, devi
     if store is not None:
         fingerprint = weights_fingerprint(store, signature, lambda: {**weights, **vision_weights})
     offload = comfy.model_management.text_encoder_offload_device()
-    model = MistralLM(plan.geometry, plan.layers_in_file, plan.rope_theta, operations=packed_operations(), device=offload,
-                      dtype=dtype)
+    model = MistralLM(plan.geometry, plan.layers_in_file, plan.rope_theta, operations=packed_operations(),
+                      device=offload, dtype=dtype)
     missing, _ = model.load_state_dict(weights, strict=False)
     if missing:
-        raise HostError(f"The language model lacks weights the plan should have read ({', '.join(missing[:5])}); this is "
-                        "a bug of the pack. Report it with the file's name.")
+        raise HostError(f"The language model lacks weights the plan should have read ({', '.join(missing[:5])}); "
+                        "this is a bug of the pack. Report it with the file's name.")
     if vision is not None:
         model.vision = VisionEncoder(vision, vision_weights, dtype).to(offload)
     patcher = compat.new_patcher(model, device, offload, disable_dynamic=True)

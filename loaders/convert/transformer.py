@@ -62,7 +62,8 @@ UNQUANTIZED = (
     Keep("a vector or a tensor of at most 1024 values (norm scales)",
          lambda key, shape, qtype: len(shape) < 2 or math.prod(shape) <= SMALL, VECTOR),
     Keep("an embedder or the final layer (ComfyUI-GGUF's FLUX filter)",
-         lambda key, shape, qtype: key.startswith(("img_in.", "txt_in.", "time_in.", "guidance_in.", "final_layer.")), None),
+         lambda key, shape, qtype: key.startswith(("img_in.", "txt_in.", "time_in.", "guidance_in.",
+                                                   "final_layer.")), None),
     Keep("FLUX.2's shared modulation",
          lambda key, shape, qtype: key.startswith(("double_stream_modulation_img.", "double_stream_modulation_txt.",
                                                    "single_stream_modulation.")), None),
@@ -84,7 +85,8 @@ _ROW_VALUES = 1 << 24  # values quantized and written at a time, so no full-size
 
 
 def convert_transformer(src: str, out: str, *, qtype: str, force: bool = False,
-                        patch: Callable[[TransformerPlan], Callable[[str, torch.Tensor], torch.Tensor]] | None = None) -> dict:
+                        patch: Callable[[TransformerPlan],
+                                        Callable[[str, torch.Tensor], torch.Tensor]] | None = None) -> dict:
     """Write the transformer at `src` to `out` (a .gguf file) with its weights in `qtype` (a TYPES name) and
     the rest as UNQUANTIZED says; returns what was written. `patch(plan)`, where given, makes the function that
     bakes LoRAs into each dense float32 weight (host/lora_bake.py). Nothing is written when the source is
@@ -97,7 +99,8 @@ def convert_transformer(src: str, out: str, *, qtype: str, force: bool = False,
     apply = patch(plan) if patch is not None else None
     weights_type, file_type = TYPES[qtype]
     types = {key: tensor_type(key, shape, weights_type)[0] for key, (shape, _) in sorted(plan.tensors.items())}
-    layout = {key: (types[key], plan.tensors[key][0], quantized_nbytes(types[key], plan.tensors[key][0])) for key in types}
+    layout = {key: (types[key], plan.tensors[key][0], quantized_nbytes(types[key], plan.tensors[key][0]))
+              for key in types}
     metadata = [
         ("general.architecture", GGUFValueType.STRING, ARCHITECTURE),
         ("general.quantization_version", GGUFValueType.UINT32, GGML_QUANT_VERSION),

@@ -250,7 +250,8 @@ def rows_and_out(values: torch.Tensor, qtype: Q, out: torch.Tensor | None) -> tu
         raise ValueError(f"rows of {columns} values do not hold whole {qtype.name} blocks of {block_size}")
     rows = values.reshape(-1, columns)
     shape = (rows.shape[0], row_bytes(qtype, columns))
-    return rows, quantized_buffer(qtype, *rows.shape) if out is None else output(out, shape, torch.uint8, torch.device("cpu"))
+    return rows, (quantized_buffer(qtype, *rows.shape) if out is None
+                  else output(out, shape, torch.uint8, torch.device("cpu")))
 
 
 def quantize(values: torch.Tensor, qtype, *, out: torch.Tensor | None = None) -> torch.Tensor:

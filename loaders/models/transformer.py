@@ -109,14 +109,16 @@ def _bfl_readers(files: SafetensorsFiles) -> dict[str, tuple[tuple[int, ...], Ca
             continue
         tensors.append(name)
     for f in READ_FORMATS:
-        lacking = [k for k, g in packed.items() if g is f and any(c not in companions.get(k.rpartition(".")[0], {}) for c in f.companions)]
+        lacking = [k for k, g in packed.items()
+                   if g is f and any(c not in companions.get(k.rpartition(".")[0], {}) for c in f.companions)]
         if lacking:
             spellings = " or ".join(f".{s}" for s, host in f.spellings.items() if host in f.companions)
             raise UnsupportedFormatError(
                 f"{len(lacking)} {f.label} weight(s) have no scale beside them (e.g. {lacking[0]}); the pack reads "
                 f"them with {spellings} only, since unscaled weights from an unknown writer may be off by a factor."
             )
-    stored = {name: torch_dtype(files.infos[name].dtype) for name in [*tensors, *(n for c in companions.values() for n in c.values())]}
+    stored = {name: torch_dtype(files.infos[name].dtype)
+              for name in [*tensors, *(n for c in companions.values() for n in c.values())]}
     odd = [name for name, dtype in stored.items() if dtype is not None and not dtype.is_floating_point]
     if odd:
         raise UnsupportedFormatError(
@@ -145,7 +147,8 @@ class TransformerPlan:
     variant: Flux2Variant
     geometry: TransformerGeometry
     layout: KeyLayout
-    tensors: dict[str, tuple[tuple[int, ...], Callable[[], dict]]]  # BFL key -> (shape, reader of it and its companions)
+    # BFL key -> (shape, reader of it and its companions)
+    tensors: dict[str, tuple[tuple[int, ...], Callable[[], dict]]]
 
 
 def plan_transformer(path: str | Path) -> TransformerPlan:

@@ -168,7 +168,8 @@ def variant_for_geometry(geometry: TransformerGeometry, layout: KeyLayout) -> Fl
     return variant
 
 
-def diffusers_plan(shapes: Mapping[str, tuple[int, ...]], geometry: TransformerGeometry) -> list[tuple[str, list[str], bool]]:
+def diffusers_plan(shapes: Mapping[str, tuple[int, ...]],
+                   geometry: TransformerGeometry) -> list[tuple[str, list[str], bool]]:
     """(BFL key, the diffusers tensors it is made of, whether its halves swap) for every tensor, from the
     shapes alone: parts that cannot be concatenated or halved are refused before anything is read."""
     counts = {"double_blocks.": geometry.double_blocks, "single_blocks.": geometry.single_blocks}
@@ -182,9 +183,11 @@ def diffusers_plan(shapes: Mapping[str, tuple[int, ...]], geometry: TransformerG
                 continue
             if len(present) != len(names):
                 missing = sorted(set(names) - set(present))
-                raise MissingWeightsError(f"The diffusers transformer lacks {', '.join(missing)}; the folder is incomplete.")
+                raise MissingWeightsError(f"The diffusers transformer lacks {', '.join(missing)}; the folder is "
+                                          "incomplete.")
             parts = [shapes[s] for s in names]
-            if any(not shape for shape in parts) or len({shape[1:] for shape in parts}) != 1 or (swap_halves and parts[0][0] % 2):
+            if any(not shape for shape in parts) or len({shape[1:] for shape in parts}) != 1 \
+                    or (swap_halves and parts[0][0] % 2):
                 shown = ", ".join(f"{s} {list(shape)}" for s, shape in zip(names, parts))
                 raise UnknownModelError(
                     f"The diffusers transformer's {shown} cannot make the FLUX.2 tensor {bfl_key.format(n=n)}; the "

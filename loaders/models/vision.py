@@ -59,14 +59,15 @@ def plan_vision(plan: EncoderPlan) -> VisionPlan:
     why, when it has none (then it can upsample text-to-image prompts only)."""
     stored = {}
     for name in plan.source.entries:
-        prefix = next((p for p in STORED_PREFIXES if name.startswith(p + PARTS[0]) or name.startswith(p + PARTS[1])), None)
+        prefix = next((p for p in STORED_PREFIXES if name.startswith(p + PARTS[0]) or name.startswith(p + PARTS[1])),
+                      None)
         if prefix is not None:
             stored[name[len(prefix):]] = name
     has_config = isinstance(plan.source.settings.get("vision_config"), dict)
     if not stored or not has_config:
         family = "gguf" if plan.layout.startswith("gguf-") else plan.layout
-        because = NO_VISION_BECAUSE.get(family, "the file holds no vision tower (vision_tower.*, multi_modal_projector.* "
-                                                "and config.json's vision_config)")
+        because = NO_VISION_BECAUSE.get(family, "the file holds no vision tower (vision_tower.*, "
+                                                "multi_modal_projector.* and config.json's vision_config)")
         raise MissingWeightsError(
             f"{os.path.basename(plan.path)} cannot look at reference images: {because}. Upsample without images (text "
             f"to image), or for edits pick a Hugging Face Mistral-Small-3.x folder or the text_encoder/ of a FLUX.2 "

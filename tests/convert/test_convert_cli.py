@@ -52,10 +52,12 @@ def test_what_is_at_out_and_beside_it_is_left_alone_and_force_replaces_only_the_
     before = _snapshot(tmp_path)
     for name in ("model.gguf", "link.gguf"):
         done = run_flux2dev("convert", "transformer", tiny_root / TRANSFORMER, tmp_path / name, "--type", "Q8_0")
-        assert done.returncode == 2 and "already exists and was left as it is" in done.stderr and "--force" in done.stderr, done.stderr
+        assert done.returncode == 2 and "already exists and was left as it is" in done.stderr \
+            and "--force" in done.stderr, done.stderr
         assert done.stderr.count("\n") == 1
     assert _snapshot(tmp_path) == before
-    done = run_flux2dev("convert", "transformer", tiny_root / TRANSFORMER, tmp_path / "link.gguf", "--type", "Q8_0", "--force")
+    done = run_flux2dev("convert", "transformer", tiny_root / TRANSFORMER, tmp_path / "link.gguf", "--type", "Q8_0",
+                        "--force")
     assert done.returncode == 0, done.stderr
     after = _snapshot(tmp_path)
     assert not (tmp_path / "link.gguf").is_symlink() and (tmp_path / "link.gguf").read_bytes()[:4] == b"GGUF"
@@ -80,11 +82,13 @@ def test_a_folder_that_cannot_take_the_file_gets_none_under_its_name(tiny_root, 
     folder.mkdir()
     (folder / "notes.txt").write_text("the user's notes")
     before = _snapshot(folder)
-    script = CONVERT_SCRIPT.format(source=str(tiny_root / ENCODER), out=str(folder / "enc.safetensors"), folder=str(folder))
+    script = CONVERT_SCRIPT.format(source=str(tiny_root / ENCODER), out=str(folder / "enc.safetensors"),
+                                   folder=str(folder))
     done = restricted(script, folder, how, dict(os.environ), room=room)
     assert done.returncode == 2, done.stderr[-3000:]
     message = [line for line in done.stderr.splitlines() if line.startswith("flux2dev convert encoder: ")]
-    assert len(message) == 1 and error in message[0] and "nothing was written under its name" in message[0], done.stderr[-3000:]
+    assert len(message) == 1 and error in message[0] \
+        and "nothing was written under its name" in message[0], done.stderr[-3000:]
     listed = eval(done.stdout.strip().splitlines()[-1])
     assert "enc.safetensors" not in listed and not [n for n in listed if n.endswith(".partial")], listed
     assert _snapshot(folder) == before

@@ -144,7 +144,8 @@ def _loras(folder: Path) -> dict[str, tuple[Path, str]]:
         "up-alone": (up_alone, f"holds {qkv}.lora_up.weight but not its other half {qkv}.lora_down.weight"),
         "down-alone": (down_alone, f"holds {qkv}.lora_down.weight but not its other half {qkv}.lora_up.weight"),
         "ranks": (ranks, "are not of one rank"),
-        "names": (names, "none of its 1 layer(s) is named after one (lora_te_text_model_encoder_layers_0_self_attn_qkv)"),
+        "names": (names, "none of its 1 layer(s) is named after one "
+                         "(lora_te_text_model_encoder_layers_0_self_attn_qkv)"),
     }
     out = {}
     for name, (tensors, said) in cases.items():
@@ -176,8 +177,8 @@ def test_compare_of_dev_and_klein_or_of_two_kinds_is_refused_before_torch_is_imp
                                    "conditioning of different widths)."], stderr
     assert stdout.splitlines()[-1] == "False False []"
     vae = tiny_root / "vae" / "flux2-ae.safetensors"
-    stdout, stderr = _python(COMFY_IMPORTED.format(argv=["compare", str(tiny_root / TRANSFORMER), str(vae)])).communicate(
-        timeout=120)
+    stdout, stderr = _python(
+        COMFY_IMPORTED.format(argv=["compare", str(tiny_root / TRANSFORMER), str(vae)])).communicate(timeout=120)
     assert stderr.splitlines() == [f"flux2dev compare: {tiny_root / TRANSFORMER} is a transformer and {vae} a vae; "
                                    "compare two models of one kind."], stderr
     assert stdout.splitlines()[-1] == "False False []"

@@ -1,8 +1,8 @@
 """Prompt upsampling's inputs on the tiny whole model: each bad setting, prompt and image is the pack's own error
-stating its bounds, on the command line as in the library, and refused before any weight is read (on the command line the settings, prompt
-and image files before torch is imported; in the library the images after the model's headers); typed control tokens are
-text in the chat; a cache entry that is not the upsampler's is a miss; images are decoded at the size the
-768x768 cap needs, not at their files' size."""
+stating its bounds, on the command line as in the library, and refused before any weight is read (on the command line
+the settings, prompt and image files before torch is imported; in the library the images after the model's headers);
+typed control tokens are text in the chat; a cache entry that is not the upsampler's is a miss; images are decoded at
+the size the 768x768 cap needs, not at their files' size."""
 
 from __future__ import annotations
 
@@ -110,7 +110,8 @@ def test_the_command_line_refuses_a_bad_setting_prompt_or_image_before_torch_is_
             code = cli.main(["upsample", *sys.argv[1:]])
             print(code, "torch" in sys.modules)
             """, tiny_root / "text_encoders" / "hf-mistral3", "--prompt", "a fox", option, value)
-        assert done.stdout.split() == ["2", "False"] and words in done.stderr, (option, done.stdout, done.stderr[-2000:])
+        assert done.stdout.split() == ["2", "False"] and words in done.stderr, (option, done.stdout,
+                                                                               done.stderr[-2000:])
 
 
 def test_bad_image_files_are_refused_before_any_weight(comfy_host, model, tiny_root, tmp_path,

@@ -32,8 +32,8 @@ def _token_progress(messages: list[dict], total: int) -> list[int]:
 def test_the_node_shows_the_text_the_command_line_writes_and_counts_its_tokens(comfy_server, tiny_root):
     outputs, messages = comfy_server.run_watched(_upsampler("a lighthouse on a cliff"))
     (text,) = outputs["up"]["text"]
-    cli = run_flux2dev("upsample", tiny_root / "text_encoders" / MODEL, "--prompt", "a lighthouse on a cliff", "--seed", "5",
-                       "--temperature", "0.7", "--max-new-tokens", "7", "--json")
+    cli = run_flux2dev("upsample", tiny_root / "text_encoders" / MODEL, "--prompt", "a lighthouse on a cliff",
+                       "--seed", "5", "--temperature", "0.7", "--max-new-tokens", "7", "--json")
     assert cli.returncode == 0, cli.stderr
     written = json.loads(cli.stdout)
     assert text == written["text"]

@@ -23,14 +23,16 @@ def test_tokenize_json_prints_rung_source_the_ids_without_pads_and_the_mask(tekk
     """The default padding is the encoder node's (reference); the ids are those the encoder attends to, the
     mask has one 0 per left pad."""
     tmp_path = tekken_folder
-    out = run_flux2dev("tokenize", str(tmp_path), "--prompt", "a red fox", "--json", *(("--padding", padding) if padding else ()))
+    out = run_flux2dev("tokenize", str(tmp_path), "--prompt", "a red fox", "--json",
+                       *(("--padding", padding) if padding else ()))
     assert out.returncode == 0, out.stderr
     record = json.loads(out.stdout)
     resolution = tokenizers.resolve_tokenizer([tmp_path])
     mode = padding or "reference"
     ids, mask = tokenizers.prompt_ids(resolution.tokenizer, "a red fox", mode)
     pads = mask.count(0)
-    assert record == {"rung": resolution.rung, "source": str(resolution.source), "padding": mode, "ids": ids[pads:], "mask": mask}
+    assert record == {"rung": resolution.rung, "source": str(resolution.source), "padding": mode, "ids": ids[pads:],
+                      "mask": mask}
     assert record["ids"][:2] == [1, 17] and record["ids"][-1] == 4 and ids[:pads] == [tokenizers.PAD_ID] * pads
     assert (pads > 0) == (mode == "reference") and len(mask) == (512 if mode == "reference" else len(ids))
     assert record["rung"] == "tekken-json"
@@ -73,7 +75,8 @@ def test_each_tiny_layout_resolves_its_tokenizer_on_the_expected_rung(tiny_root,
 
 
 def test_tokenize_an_encoder_file_uses_its_embedded_vocabulary(tiny_root):
-    out = run_flux2dev("tokenize", str(tiny_root / "text_encoders/mistral_3_small_flux2_bf16.safetensors"), "--prompt", "x", "--json")
+    out = run_flux2dev("tokenize", str(tiny_root / "text_encoders/mistral_3_small_flux2_bf16.safetensors"),
+                       "--prompt", "x", "--json")
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["rung"] == "embedded-tekken"
 
@@ -88,7 +91,8 @@ def test_tokenize_prompts_file_prints_one_object_a_line_in_order(tekken_folder):
     assert out.returncode == 0, out.stderr
     lines = [json.loads(line) for line in out.stdout.splitlines()]
     tok = tokenizers.resolve_tokenizer([tmp_path]).tokenizer
-    assert [r["ids"] for r in lines] == [tokenizers.prompt_ids(tok, p, "reference")[0][-len(r["ids"]):] for p, r in zip(prompts, lines)]
+    assert [r["ids"] for r in lines] == [tokenizers.prompt_ids(tok, p, "reference")[0][-len(r["ids"]):]
+                                         for p, r in zip(prompts, lines)]
     assert all(sum(r["mask"]) == len(r["ids"]) for r in lines)
 
 
@@ -112,7 +116,8 @@ def test_inspect_sees_every_tiny_file_as_the_factory_wrote_it(tiny_root, tiny_ma
 
     for entry in tiny_manifest:
         seen = inspect_path(tiny_root / entry["path"])
-        assert (seen["kind"], seen["layout"], seen["variant"]) == (entry["kind"], entry["layout"], entry["variant"]), entry
+        assert (seen["kind"], seen["layout"], seen["variant"]) == (entry["kind"], entry["layout"],
+                                                                   entry["variant"]), entry
         if entry["kind"] in ("encoder", "transformer"):
             assert entry["format"] in seen["formats"], (entry, seen["formats"])
 
@@ -121,7 +126,8 @@ def test_inspect_json_for_an_encoder_names_its_tokenizer_rung(tiny_root):
     out = run_flux2dev("inspect", str(tiny_root / "text_encoders/mistral_3_small_flux2_bf16.safetensors"), "--json")
     assert out.returncode == 0, out.stderr
     report = json.loads(out.stdout)
-    assert set(report) == {"kind", "layout", "variant", "layers", "reads", "skips", "formats", "tokenizer", "memory_bytes"}
+    assert set(report) == {"kind", "layout", "variant", "layers", "reads", "skips", "formats", "tokenizer",
+                           "memory_bytes"}
     assert report["tokenizer"]["rung"] == "embedded-tekken"
     assert (report["kind"], report["variant"], report["layers"]) == ("encoder", "dev", 30)
 
@@ -150,7 +156,8 @@ def test_encode_writes_what_the_host_clip_produces(comfy_host, tiny_root, tmp_pa
     assert torch.equal(written, expected)
 
 
-@pytest.mark.parametrize("relative", ["unet/flux2-dev-tiny-Q4_K.gguf", "text_encoders/mistral_3_small_flux2_bf16.safetensors"])
+@pytest.mark.parametrize("relative", ["unet/flux2-dev-tiny-Q4_K.gguf",
+                                      "text_encoders/mistral_3_small_flux2_bf16.safetensors"])
 def test_tiny_models_are_unknown_without_their_declaration(tiny_root, relative):
     out = run_flux2dev("inspect", str(tiny_root / relative), env={"FLUX2DEV_TINY_MODELS": ""})
     assert out.returncode == 2 and "geometry" in out.stderr, out.stderr
