@@ -63,6 +63,7 @@ def pytest_sessionfinish(session):
         session.config.workeroutput["cuda_left_out"] = session.config.stash.get(_CUDA_LEFT_OUT, 0)
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook; without xdist (-p no:xdist) it is not called
 def pytest_testnodedown(node, error):
     left_out = getattr(node, "workeroutput", {}).get("cuda_left_out", 0)  # each worker collects every test
     node.config.stash[_CUDA_LEFT_OUT] = max(node.config.stash.get(_CUDA_LEFT_OUT, 0), left_out)
