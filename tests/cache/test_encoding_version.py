@@ -31,7 +31,7 @@ GUARDS = {
         values={"SYSTEM_PROMPT": prompt.SYSTEM_PROMPT, "TEMPLATE_MARKERS": prompt.TEMPLATE_MARKERS,
                 "MAX_LENGTH": prompt.MAX_LENGTH, "IMAGE_MARKER": prompt.IMAGE_MARKER,
                 "COMFY_TEMPLATE": prompt.COMFY_TEMPLATE, "PADDING_MODES": prompt.PADDING_MODES},
-        digests={2: "e929a3e737940548ddf67f7f92acc460dd144bb4a0cb7e6f102209a5430cc714"},
+        digests={2: "a79fd24e36022271d3fac43a19baf18502a39026728c11fb4e00e5df5410571e"},
     ),
     # What decides an upsampled prompt beyond its key: the chat layout, the images as the model sees them, the
     # decoder's math, sampling and decoding.
@@ -46,16 +46,23 @@ GUARDS = {
                 "MAX_CHAT_TOKENS": chat.MAX_CHAT_TOKENS, "MAX_PIXELS": images.MAX_PIXELS,
                 "IMAGE_MEAN": vision.IMAGE_MEAN, "IMAGE_STD": vision.IMAGE_STD},
         digests={1: "626f220d2ed1361c3b68d1f12144261a6bf18cb9710f87e4e8e94849b40933a4",
-                 2: "4eb2a6c23b142585db6596a4ffe21273c9f7f778221d715e539df65849487a99"},
+                 2: "2582e41f58120e2b1db86d18e15689269525a54d89fca93a7cbae71de2972100"},
     ),
 }
 
 
 def code_digest(source: str) -> str:
-    """The digest of a function's or class's code: its syntax tree without docstrings, so comments, docstrings
-    and layout may change freely."""
+    """The digest of a function's or class's code: its syntax tree without docstrings and type annotations, so
+    comments, docstrings, annotations and layout may change freely (a field's annotation is kept as a mark: the
+    field is there)."""
     tree = ast.parse(textwrap.dedent(source))
     for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            node.returns = None
+        elif isinstance(node, ast.arg):
+            node.annotation = None
+        elif isinstance(node, ast.AnnAssign):
+            node.annotation = ast.Constant("annotated")
         body = getattr(node, "body", None)
         if isinstance(body, list) and body and isinstance(body[0], ast.Expr) \
                 and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
