@@ -182,12 +182,20 @@ class HeadlessComfy:
 
         return asyncio.run(asyncio.wait_for(watch(), timeout))
 
-    def interrupt(self) -> None:
-        """Stop the graph that runs now, as the UI's cancel button does."""
-        req = urllib.request.Request(f"http://127.0.0.1:{self.port}/interrupt", data=b"{}",
+    def _post(self, path: str, body: dict) -> None:
+        req = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", data=json.dumps(body).encode(),
                                      headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(req, timeout=30):
             pass
+
+    def interrupt(self) -> None:
+        """Stop the graph that runs now, as the UI's cancel button does."""
+        self._post("/interrupt", {})
+
+    def free(self) -> None:
+        """Unload the models and drop the node cache, as the UI's "Free model and node cache" does: the server does
+        it when it next looks at its queue (after the graph it runs, or at once when idle)."""
+        self._post("/free", {"unload_models": True, "free_memory": True})
 
     def output_file(self, saved: dict) -> Path:
         """Where a file an output node reported (SaveImage's images, SaveLatent's latents) lies on disk."""
