@@ -126,6 +126,21 @@ def reads(monkeypatch) -> list[str]:
 
 
 @pytest.fixture(scope="session")
+def ggml():
+    """ggml's reference quantizer (tests/ggml_reference.py): reference(qtype, float32 rows) -> its bytes; the test
+    skips, saying why, where it cannot be built."""
+    import gguf
+
+    import ggml_reference
+
+    try:
+        ggml_reference.build()
+    except ggml_reference.Unavailable as e:
+        pytest.skip(str(e))
+    return lambda qtype, rows: ggml_reference.reference(qtype.name, rows, gguf.GGML_QUANT_SIZES[qtype][1])
+
+
+@pytest.fixture(scope="session")
 def tiny_manifest(tiny_root) -> list[dict]:
     from comfyui_flux2dev.devtools import tiny
 

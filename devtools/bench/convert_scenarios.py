@@ -32,14 +32,14 @@ _ENCODERS = {True: TINY_MISTRAL, False: BENCH_MISTRAL}
 
 
 def bench_quantize(quick: bool) -> list[dict]:
-    """Per type the pack writes (F32 aside, a copy): values per second of the pack's quantizer (into one output
-    buffer, reused as a conversion reuses it) and of gguf-py's numpy one on the same float32 weights of a FLUX.2
-    shape, and whether their bytes are equal; beside each row, the memory's ceiling: a plain copy of the weights
-    into a reused tensor on the quantizer's threads, measured just before it."""
+    """Per legacy type the pack writes (F32 aside, a copy; the K types have their own rows): values per second of
+    the pack's quantizer (into one output buffer, reused as a conversion reuses it) and of gguf-py's numpy one on the
+    same float32 weights of a FLUX.2 shape, and whether their bytes are equal; beside each row, the memory's
+    ceiling: a plain copy of the weights into a reused tensor on the quantizer's threads, measured just before it."""
     import gguf
 
     from ...loaders.formats.dequant_steps import few_threads
-    from ...loaders.formats.gguf_quant import WRITE_TYPES, quantize
+    from ...loaders.formats.gguf_quant import LEGACY_TYPES, quantize
 
     shape = _QUANT_SHAPES[quick]
     repeats, reference_repeats = (3, 1) if quick else (5, 2)
@@ -47,7 +47,7 @@ def bench_quantize(quick: bool) -> list[dict]:
     # the copy's target, like the quantizers' outputs (gguf_quant.quantized_buffer), in memory numpy allocates
     tensor, copied = torch.from_numpy(values), torch.from_numpy(np.empty_like(values))
     rows = []
-    for qtype in WRITE_TYPES:
+    for qtype in LEGACY_TYPES:
         if qtype == gguf.GGMLQuantizationType.F32:
             continue
         with few_threads(torch.device("cpu")):
@@ -101,6 +101,7 @@ def bench_kquant(quick: bool) -> dict:
     import gguf
 
     from ...loaders.formats import kquants
+    from ...loaders.formats.gguf_quant import K_TYPES
 
     shape = _KQUANT_SHAPES[quick]
     repeats = 3 if quick else 5
@@ -108,7 +109,7 @@ def bench_kquant(quick: bool) -> dict:
     tensor = torch.from_numpy(values)
     reference, missing = _ggml_reference()
     rows = []
-    for qtype in kquants.K_TYPES:
+    for qtype in K_TYPES:
         out = kquants.quantize(tensor, qtype, threads=1)  # the first call also loads the compiled kernels: not timed
         with one_thread():  # the range check's torch reductions too
             pack_s = best(lambda: kquants.quantize(tensor, qtype, out=out, threads=1), repeats)

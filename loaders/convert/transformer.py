@@ -35,15 +35,28 @@ from gguf import GGMLQuantizationType as Q
 
 from ...errors import CorruptFileError, UnsupportedFormatError
 from ..formats import progress, quant
-from ..formats.gguf_quant import NotQuantizable, fits, quantize, quantized_buffer, quantized_nbytes
+from ..formats.gguf_quant import K_TYPES, NotQuantizable, fits, quantize, quantized_buffer, quantized_nbytes
 from ..models.transformer import TransformerPlan, plan_transformer
-from . import WRITTEN_TYPES
+from . import K_PRESETS, WRITTEN_TYPES
 from .output import check_not_source, check_output, output_file
 from .tensor_files import gguf_file
 
 ARCHITECTURE = "flux"  # what FLUX GGUF files (city96's conversions and FLUX.2's among them) state
-# --type -> (GGUF type of the weights that take it, llama.cpp's file type number)
-TYPES = {name: (Q[name], LlamaFileType[f"MOSTLY_{name}"]) for name in WRITTEN_TYPES}
+
+
+@dataclass(frozen=True)
+class Written:
+    """What a --type writes: the GGUF type of the weights, that of the fused attention qkv weights, and the file
+    type llama.cpp names it by (general.file_type)."""
+
+    weights: Q
+    qkv: Q
+    file_type: LlamaFileType
+
+
+TYPES = {name: Written(*(Q[t] for t in K_PRESETS.get(name, (name, name))), LlamaFileType[f"MOSTLY_{name}"])
+         for name in WRITTEN_TYPES}
+QKV = ("attn_qkv.weight", "attn.qkv.weight", "attention.qkv.weight")  # lcpp.patch's spellings of a fused qkv
 SMALL = 1024  # values: a tensor this small stays F32 (ComfyUI-GGUF's QUANTIZATION_THRESHOLD)
 VECTOR = Q.F32
 
@@ -69,14 +82,18 @@ UNQUANTIZED = (
                                                    "single_stream_modulation.")), None),
     Keep("rows that do not hold whole blocks of the type", lambda key, shape, qtype: not fits(qtype, shape), None),
 )
+PART_ROWS = UNQUANTIZED[-1]  # in a K type, such rows fall back to F16 (lcpp.patch)
 
 
-def tensor_type(key: str, shape: tuple[int, ...], qtype: Q) -> tuple[Q, str | None]:
-    """The GGUF type of tensor `key` in a file of `qtype`, and the rule that kept it unquantized (None when it
-    takes `qtype`)."""
+def tensor_type(key: str, shape: tuple[int, ...], written: Written) -> tuple[Q, str | None]:
+    """The GGUF type of tensor `key` in a file of `written`, and the rule that kept it unquantized (None when it
+    takes the written type)."""
+    qtype = written.qkv if any(spelling in key for spelling in QKV) else written.weights
     kept_float = Q.F16 if qtype == Q.F16 else Q.BF16
     for rule in UNQUANTIZED:
         if rule.applies(key, shape, qtype):
+            if rule is PART_ROWS and qtype in K_TYPES:
+                kept_float = Q.F16
             return (kept_float if rule.qtype is None else rule.qtype), rule.why
     return qtype, None
 
@@ -97,14 +114,14 @@ def convert_transformer(src: str, out: str, *, qtype: str, force: bool = False,
     plan = plan_transformer(src)
     check_not_source(target, src)
     apply = patch(plan) if patch is not None else None
-    weights_type, file_type = TYPES[qtype]
-    types = {key: tensor_type(key, shape, weights_type)[0] for key, (shape, _) in sorted(plan.tensors.items())}
+    written = TYPES[qtype]
+    types = {key: tensor_type(key, shape, written)[0] for key, (shape, _) in sorted(plan.tensors.items())}
     layout = {key: (types[key], plan.tensors[key][0], quantized_nbytes(types[key], plan.tensors[key][0]))
               for key in types}
     metadata = [
         ("general.architecture", GGUFValueType.STRING, ARCHITECTURE),
         ("general.quantization_version", GGUFValueType.UINT32, GGML_QUANT_VERSION),
-        ("general.file_type", GGUFValueType.UINT32, int(file_type)),
+        ("general.file_type", GGUFValueType.UINT32, int(written.file_type)),
     ]
     with output_file(target, force=force) as f:
         file = gguf_file(f, metadata, layout)

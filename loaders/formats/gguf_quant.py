@@ -1,14 +1,12 @@
-"""GGUF quantization in torch, bit-identical with gguf-py's numpy reference (gguf.quants.quantize) for every
-type the pack writes: F32, F16, BF16, Q8_0, Q5_1, Q5_0, Q4_1, Q4_0.
+"""GGUF quantization in torch, bit-identical with gguf-py's numpy reference (gguf.quants.quantize) for the legacy
+types the pack writes: F32, F16, BF16, Q8_0, Q5_1, Q5_0, Q4_1, Q4_0. The K types (Q2_K to Q6_K) go to kquants.py,
+bit-identical with ggml's own reference quantizers.
 
 Each type's kernel does the reference's float32 operations in the same order (a division where it divides,
 truncation where it truncates, its own round-half-away-from-zero for Q8_0), so the blocks agree to the bit.
 Speed: on the CPU, numba's one-pass kernels (fused.py) quantize float32 or bfloat16 values block by block, reading
 each value once, on a bounded number of threads (dequant_steps.py). Where they cannot run (no numba, another
 input dtype), the torch kernels here work on cache-sized chunks of rows, each op over a whole chunk of blocks.
-
-K-quants are not here: gguf-py has no quantizer for them to be checked against (ggml's C reference is the only
-one), and an unchecked quantizer would write files no one has proved right.
 
 Values that are not finite, and values a float16 field cannot hold, are refused: the reference would write
 NaN scales or infinities that load and then spoil every image."""
@@ -216,7 +214,10 @@ _KERNELS = {
     Q.Q4_1: _q4_1,
     Q.Q4_0: _q4_0,
 }
-WRITE_TYPES = tuple(_KERNELS)
+LEGACY_TYPES = tuple(_KERNELS)  # gguf-py's quantizer is their reference
+# The K types, quantized by kquants.py (imported when first used: it builds on this module's checks).
+K_TYPES = (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)
+WRITE_TYPES = (*LEGACY_TYPES, *K_TYPES)
 
 
 def write_types() -> str:
@@ -260,6 +261,10 @@ def quantize(values: torch.Tensor, qtype, *, out: torch.Tensor | None = None) ->
     NotQuantizable for values the type cannot hold, and ValueError for rows that do not hold whole blocks or an
     `out` of another shape."""
     qtype = Q(qtype)
+    if qtype in K_TYPES:
+        from . import kquants
+
+        return kquants.quantize(values, qtype, out=out)
     if qtype not in _KERNELS:
         raise UnsupportedFormatError(f"The pack writes GGUF types {write_types()}, not {qtype.name}.")
     block_size, type_size = GGML_QUANT_SIZES[qtype]

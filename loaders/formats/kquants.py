@@ -26,13 +26,12 @@ from ...errors import UnsupportedFormatError
 from . import kquant_kernels
 from .dequant_steps import dequant_threads
 from .fused import load_by_digest
-from .gguf_quant import NotQuantizable, _check, rows_and_out
+from .gguf_quant import K_TYPES, NotQuantizable, _check, rows_and_out
 
 log = logging.getLogger(__name__)
 
 # Type -> the byte offsets of its fp16 scale fields in a block (d, and dmin where it has one)
 SCALE_FIELDS = {Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
-K_TYPES = tuple(SCALE_FIELDS)
 # kquant_kernels' module name in sys.modules when compiled, followed by a digest of its source
 KERNELS_MODULE = "flux2dev_kquant_kernels_"
 # Rows are quantized a chunk at a time: converted to float32 (where they are not), checked, and spread over threads.

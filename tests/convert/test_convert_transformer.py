@@ -35,7 +35,17 @@ SOURCES = {
 # the file's 16-bit float type), and vectors and tiny tensors (F32).
 KEPT = ("img_in.", "txt_in.", "time_in.", "guidance_in.", "final_layer.", "double_stream_modulation_img.",
         "double_stream_modulation_txt.", "single_stream_modulation.")
-FILE_TYPES = {"Q8_0": 7, "Q5_1": 9, "Q5_0": 8, "Q4_1": 3, "Q4_0": 2, "BF16": 32, "F16": 1}  # llama.cpp's numbers
+# llama.cpp's numbers of each --type (general.file_type)
+FILE_TYPES = {"Q8_0": 7, "Q5_1": 9, "Q5_0": 8, "Q4_1": 3, "Q4_0": 2, "Q6_K": 18, "Q5_K_M": 17, "Q5_K_S": 16,
+              "Q4_K_M": 15, "Q4_K_S": 14, "Q3_K_L": 13, "Q3_K_M": 12, "Q3_K_S": 11, "Q2_K": 10, "BF16": 32, "F16": 1}
+# The K presets as llama.cpp's image-model rules (ComfyUI-GGUF's tools/lcpp.patch, img_tensor_get_type) type FLUX.2's
+# weights: preset -> (its weights' type, the fused attention qkv weights' type). Its attention v and ffn_down
+# rules name no FLUX.2 tensor.
+PRESETS = {"Q6_K": (Q.Q6_K, Q.Q6_K), "Q5_K_M": (Q.Q5_K, Q.Q6_K), "Q5_K_S": (Q.Q5_K, Q.Q5_K),
+           "Q4_K_M": (Q.Q4_K, Q.Q5_K), "Q4_K_S": (Q.Q4_K, Q.Q4_K), "Q3_K_L": (Q.Q3_K, Q.Q4_K),
+           "Q3_K_M": (Q.Q3_K, Q.Q4_K), "Q3_K_S": (Q.Q3_K, Q.Q3_K), "Q2_K": (Q.Q2_K, Q.Q2_K)}
+FUSED_QKV = ("img_attn.qkv.weight", "txt_attn.qkv.weight")
+LEGACY = [t for t in FILE_TYPES if t not in PRESETS]  # one GGUF type for every weight, gguf-py's to check
 
 
 def expected_type(key: str, shape: tuple[int, ...], qtype: str) -> Q:
@@ -43,6 +53,10 @@ def expected_type(key: str, shape: tuple[int, ...], qtype: str) -> Q:
         return Q.F32
     if key.startswith(KEPT):
         return Q.F16 if qtype == "F16" else Q.BF16
+    if qtype in PRESETS:
+        weights, qkv = PRESETS[qtype]
+        kind = qkv if key.endswith(FUSED_QKV) else weights
+        return kind if shape[-1] % 256 == 0 else Q.F16  # rows of part K blocks fall back to F16
     return Q[qtype]
 
 
@@ -63,7 +77,7 @@ def converted(tiny_root, tmp_path_factory) -> dict[tuple[str, str], str]:
     out = tmp_path_factory.mktemp("converted-transformers")
     done = {}
     for name, (path, _, _) in SOURCES.items():
-        for qtype in TYPES:
+        for qtype in LEGACY:
             target = out / f"{name}-{qtype}.gguf"
             convert_transformer(str(tiny_root / path), str(target), qtype=qtype)
             done[(name, qtype)] = str(target)
@@ -81,7 +95,7 @@ def test_the_written_types_are_the_ones_listed():
 
 @pytest.mark.parametrize("name", SOURCES)
 def test_each_tensor_is_gguf_pys_quantization_of_the_dense_weight(dense, converted, name):
-    for qtype in TYPES:
+    for qtype in LEGACY:
         found = _tensors(converted[(name, qtype)])
         assert found.keys() == dense[name].keys(), qtype
         for key, values in dense[name].items():
@@ -102,6 +116,50 @@ def test_metadata_is_a_flux_ggufs_and_the_pack_loads_every_file(converted):
                             "general.file_type": FILE_TYPES[qtype]}, (name, qtype)
         loaded = load_gguf_transformer(path)
         assert loaded.variant.key == ("klein-4b" if name == "klein-4b" else "dev"), (name, qtype)
+
+
+@pytest.fixture(scope="module")
+def presets(tiny_root, tmp_path_factory) -> dict[tuple[str, str], str]:
+    """Each K preset written from the tiny [dev] (BFL) and the tiny Klein 4B, whose rows of 128 hold no K block."""
+    out = tmp_path_factory.mktemp("presets")
+    done = {}
+    for name in ("bfl", "klein-4b"):
+        for preset in PRESETS:
+            done[(name, preset)] = str(out / f"{name}-{preset}.gguf")
+            convert_transformer(str(tiny_root / SOURCES[name][0]), done[(name, preset)], qtype=preset)
+    return done
+
+
+def test_each_preset_tensor_is_ggmls_quantization_of_the_dense_weight(dense, presets, ggml):
+    """The per-tensor types are PRESETS' table; K-type tensors hold ggml's reference bytes of the dense weights, the
+    others gguf-py's; the metadata is the preset's."""
+    from comfyui_flux2dev.loaders.formats.gguf_quant import K_TYPES
+    from comfyui_flux2dev.loaders.models.gguf_transformer import load_gguf_transformer
+
+    for (name, preset), path in presets.items():
+        assert load_gguf_transformer(path).variant.key == ("klein-4b" if name == "klein-4b" else "dev")
+        fields = gguf.GGUFReader(path).fields
+        assert fields["general.file_type"].contents() == FILE_TYPES[preset], (name, preset)
+        assert fields["general.quantization_version"].contents() == 2
+        found = _tensors(path)
+        assert found.keys() == dense[name].keys()
+        for key, values in dense[name].items():
+            want_type = expected_type(key, values.shape, preset)
+            got_type, got = found[key]
+            assert got_type == want_type, (name, preset, key)
+            rows = values.reshape(-1, values.shape[-1]) if values.ndim else values.reshape(1, 1)
+            want = ggml(want_type, rows) if want_type in K_TYPES else gguf.quants.quantize(values, want_type)
+            assert np.array_equal(got, want.view(np.uint8).reshape(-1)), (name, preset, key)
+    raised = {k: t for k, (t, _) in _tensors(presets[("bfl", "Q4_K_M")]).items() if t == Q.Q5_K}
+    assert raised and all(k.endswith(FUSED_QKV) for k in raised)  # the rule met FLUX.2's names
+
+
+def test_compare_states_a_preset_the_cast_of_its_source(tiny_root, presets):
+    from comfyui_flux2dev.loaders.convert.identity import compare_weights, weights_at
+
+    found = compare_weights(weights_at(str(tiny_root / SOURCES["bfl"][0])), weights_at(presets[("bfl", "Q4_K_M")]))
+    assert set(found["counts"]) <= {"identical", "equal after dequantization", "B is a cast of A"}, found["counts"]
+    assert found["counts"]["B is a cast of A"] > 0 and found["summary"].startswith("B is A exactly cast")
 
 
 def test_every_layout_of_one_model_gives_the_same_bytes_and_so_does_a_second_run(tiny_root, converted, tmp_path):

@@ -13,7 +13,7 @@ from gguf import GGMLQuantizationType as Q
 
 from comfyui_flux2dev.errors import UnsupportedFormatError
 from comfyui_flux2dev.loaders.formats import fused, gguf_quant
-from comfyui_flux2dev.loaders.formats.gguf_quant import WRITE_TYPES, NotQuantizable, quantize
+from comfyui_flux2dev.loaders.formats.gguf_quant import LEGACY_TYPES, WRITE_TYPES, NotQuantizable, quantize
 from helpers import numba_unavailable
 
 
@@ -26,7 +26,7 @@ def quantizer_path(request):
         yield request.param
 
 
-@pytest.mark.parametrize("qtype", [q for q in WRITE_TYPES if q != Q.F32], ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", [q for q in LEGACY_TYPES if q != Q.F32], ids=lambda q: q.name)
 def test_the_one_pass_kernels_run_for_float32_and_bfloat16_values(quantizer_path, qtype):
     block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
     out = torch.empty(4, type_size, dtype=torch.uint8)
@@ -48,13 +48,14 @@ def test_a_kernel_whose_conversion_is_unlike_torch_leaves_its_type_to_the_torch_
 
 
 def test_the_writer_table_holds_the_types_convert_offers():
-    """The writer's table is convert's --type choices (loaders.convert.WRITTEN_TYPES, which the docs list; a test
-    in tests/pack checks them) and F32, which small tensors stay in."""
-    from comfyui_flux2dev.loaders.convert import WRITTEN_TYPES
+    """The writer's table is the GGUF types convert's --type choices write (loaders.convert.WRITTEN_TYPES, which the
+    docs list, a test in tests/pack checks; the K presets' types) and F32, which small tensors stay in."""
+    from comfyui_flux2dev.loaders.convert import K_PRESETS, WRITTEN_TYPES
 
-    assert sorted(q.name for q in WRITE_TYPES) == sorted({*WRITTEN_TYPES, "F32"})
-    with pytest.raises(UnsupportedFormatError, match="not Q4_K"):
-        quantize(torch.zeros(1, 256), Q.Q4_K)
+    used = {*(t for t in WRITTEN_TYPES if t not in K_PRESETS), *(t for pair in K_PRESETS.values() for t in pair)}
+    assert sorted(q.name for q in WRITE_TYPES) == sorted({*used, "F32"})
+    with pytest.raises(UnsupportedFormatError, match="not IQ4_NL"):
+        quantize(torch.zeros(1, 256), Q.IQ4_NL)
 
 
 SIGNED_ZEROS = np.zeros(32, dtype=np.float32)
@@ -103,7 +104,7 @@ def _cases(qtype):
     yield "many-chunks", rng.standard_normal((gguf_quant.CHUNK_VALUES // 512 * 3 + 7, 512)).astype(np.float32)
 
 
-@pytest.mark.parametrize("qtype", WRITE_TYPES, ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", LEGACY_TYPES, ids=lambda q: q.name)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_bytes_equal_the_reference(qtype, dtype):
     """float32 values, and the same values rounded to bfloat16 (what most sources hold), read as they are."""
@@ -129,7 +130,7 @@ def test_a_zero_minimum_or_maximum_is_written_positive(qtype):
         assert list(got[:4]) == [0, 0, 0, 0] and np.array_equal(got[4:], want[4:])
 
 
-@pytest.mark.parametrize("qtype", WRITE_TYPES, ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", LEGACY_TYPES, ids=lambda q: q.name)
 def test_low_precision_input_and_an_out_buffer(qtype):
     """bfloat16 values are widened exactly; `out` receives the same bytes as a new tensor."""
     values = torch.randn(40, 128).bfloat16()
@@ -139,7 +140,7 @@ def test_low_precision_input_and_an_out_buffer(qtype):
     assert np.array_equal(out.numpy(), want.reshape(out.shape))
 
 
-@pytest.mark.parametrize("qtype", WRITE_TYPES, ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", LEGACY_TYPES, ids=lambda q: q.name)
 def test_an_out_buffer_of_another_shape_is_refused_untouched(qtype):
     row = gguf_quant.row_bytes(qtype, 128)
     for shape in ((39, row), (40, row - 2), (41, row)):
@@ -151,7 +152,7 @@ def test_an_out_buffer_of_another_shape_is_refused_untouched(qtype):
 
 # The kernels find a block's range on the values' bits (integer order keys), where NaN of either sign and the
 # infinities must still stand out, in float32 weights and in bfloat16 ones.
-@pytest.mark.parametrize("qtype", WRITE_TYPES, ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", LEGACY_TYPES, ids=lambda q: q.name)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("bits", [0x7FC00000, 0xFFC00000, 0x7F800000, 0xFF800000], ids=["nan", "-nan", "inf", "-inf"])
 def test_values_that_are_not_finite_are_refused(qtype, dtype, bits):
@@ -164,7 +165,7 @@ def test_values_that_are_not_finite_are_refused(qtype, dtype, bits):
         quantize(values, qtype)
 
 
-@pytest.mark.parametrize("qtype", WRITE_TYPES, ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", LEGACY_TYPES, ids=lambda q: q.name)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_values_beyond_float16_are_refused_where_a_float16_field_holds_them(qtype, dtype):
     values = torch.zeros(1, 64, dtype=dtype)
@@ -182,7 +183,7 @@ def test_rows_that_hold_no_whole_block_are_refused():
     assert not gguf_quant.fits(Q.Q4_0, (5, 48)) and gguf_quant.fits(Q.Q4_0, (5, 64)) and gguf_quant.fits(Q.F16, (3,))
 
 
-@pytest.mark.parametrize("qtype", WRITE_TYPES, ids=lambda q: q.name)
+@pytest.mark.parametrize("qtype", LEGACY_TYPES, ids=lambda q: q.name)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_runs_of_blocks_on_several_threads_and_a_bad_value_in_the_last_block(qtype, dtype, monkeypatch):
     """The kernels take runs of rows, on several threads where there are cores for them, and widen bfloat16 blocks

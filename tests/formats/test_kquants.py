@@ -13,21 +13,10 @@ import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
 
-import ggml_reference
 from comfyui_flux2dev.errors import UnsupportedFormatError
 from comfyui_flux2dev.loaders.formats import kquants
-from comfyui_flux2dev.loaders.formats.gguf_quant import NotQuantizable
-from comfyui_flux2dev.loaders.formats.kquants import K_TYPES, quantize
-
-
-@pytest.fixture(scope="module")
-def ggml():
-    """ggml's reference quantizer: reference(qtype, float32 rows) -> its bytes."""
-    try:
-        ggml_reference.build()
-    except ggml_reference.Unavailable as e:
-        pytest.skip(str(e))
-    return lambda qtype, rows: ggml_reference.reference(qtype.name, rows, gguf.GGML_QUANT_SIZES[qtype][1])
+from comfyui_flux2dev.loaders.formats.gguf_quant import K_TYPES, NotQuantizable
+from comfyui_flux2dev.loaders.formats.kquants import quantize
 
 
 @pytest.fixture(params=["numba", "python"])
