@@ -44,7 +44,7 @@ def bench_quantize(quick: bool) -> list[dict]:
     shape = _QUANT_SHAPES[quick]
     repeats, reference_repeats = (3, 1) if quick else (5, 2)
     values = (np.random.default_rng(0).standard_normal(shape) * 0.02).astype(np.float32)
-    # the copy's target, like the quantizers' outputs (gguf_quant.quantized_buffer), in memory numpy allocates
+    # the copy's target, like the quantizers' outputs (quant_rows.quantized_buffer), in memory numpy allocates
     tensor, copied = torch.from_numpy(values), torch.from_numpy(np.empty_like(values))
     rows = []
     for qtype in LEGACY_TYPES:
@@ -101,7 +101,7 @@ def bench_kquant(quick: bool) -> dict:
     import gguf
 
     from ...loaders.formats import kquants
-    from ...loaders.formats.gguf_quant import K_TYPES
+    from ...loaders.formats.kquants import K_TYPES
 
     shape = _KQUANT_SHAPES[quick]
     repeats = 3 if quick else 5

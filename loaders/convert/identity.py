@@ -26,7 +26,8 @@ import torch
 from ...errors import WrongModelError
 from ..cache.store import ContentDigest, tensors_digest
 from ..formats import progress, quant
-from ..formats.gguf_quant import WRITE_TYPES, fits, quantize
+from ..formats.gguf_quant import WRITE_TYPES, quantize
+from ..formats.quant_rows import fits
 from ..models.inspect import check_comparable
 
 IDENTICAL = "identical"

@@ -35,7 +35,9 @@ from gguf import GGMLQuantizationType as Q
 
 from ...errors import CorruptFileError, UnsupportedFormatError
 from ..formats import progress, quant
-from ..formats.gguf_quant import K_TYPES, NotQuantizable, fits, quantize, quantized_buffer, quantized_nbytes
+from ..formats.gguf_quant import quantize
+from ..formats.kquants import K_TYPES
+from ..formats.quant_rows import NotQuantizable, fits, quantized_buffer, quantized_nbytes
 from ..models.transformer import TransformerPlan, plan_transformer
 from . import K_PRESETS, WRITTEN_TYPES
 from .output import check_not_source, check_output, output_file

@@ -13,23 +13,19 @@ NaN scales or infinities that load and then spoil every image."""
 
 from __future__ import annotations
 
-import math
-
-import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 
 from ...errors import UnsupportedFormatError
 from . import fused
-from .dequant_steps import few_threads, output
-
-_F16_MAX = 65504.0
-
-
-class NotQuantizable(ValueError):
-    """The values cannot be written in the asked type (not finite, or beyond a float16 field)."""
-
+from .dequant_steps import few_threads
+from .kquants import K_TYPES
+from .kquants import quantize as quantize_k
+from .quant_rows import (
+    check_peak,
+    rows_and_out,
+)
 
 # Rows are quantized a chunk at a time in float32 scratch buffers made once per call and reused by every chunk:
 # each op writes into a buffer that is already there, so no op pays for fresh memory (a new 4 MiB tensor per op
@@ -57,15 +53,8 @@ def _range(b: torch.Tensor, limited: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Each block's maximum and minimum ([n, 1]), the chunk refused first if it holds values the type cannot:
     not finite (NaN spreads into the maximum), or beyond a float16 field where the type has one (`limited`)."""
     high, low = b.amax(dim=1, keepdim=True), b.amin(dim=1, keepdim=True)
-    _check(max(high.max().item(), -low.min().item()), limited)
+    check_peak(max(high.max().item(), -low.min().item()), limited)
     return high, low
-
-
-def _check(peak: float, limited: bool) -> None:
-    if not math.isfinite(peak):
-        raise NotQuantizable("it holds NaN or infinite values")
-    if limited and peak > _F16_MAX:
-        raise NotQuantizable(f"it holds values up to {peak:g}, beyond float16's {_F16_MAX:g}")
 
 
 def _half_bytes(x: torch.Tensor) -> torch.Tensor:
@@ -183,7 +172,7 @@ def _q5_1(b: torch.Tensor, s: _Scratch) -> list[torch.Tensor]:
 
 
 def _whole(b: torch.Tensor, limited: bool) -> None:
-    _check(max(b.amax().item(), -b.amin().item()), limited)
+    check_peak(max(b.amax().item(), -b.amin().item()), limited)
 
 
 def _bf16(b: torch.Tensor, s: _Scratch) -> list[torch.Tensor]:
@@ -215,44 +204,11 @@ _KERNELS = {
     Q.Q4_0: _q4_0,
 }
 LEGACY_TYPES = tuple(_KERNELS)  # gguf-py's quantizer is their reference
-# The K types, quantized by kquants.py (imported when first used: it builds on this module's checks).
-K_TYPES = (Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K)
-WRITE_TYPES = (*LEGACY_TYPES, *K_TYPES)
+WRITE_TYPES = (*LEGACY_TYPES, *K_TYPES)  # the K types are kquants.py's
 
 
 def write_types() -> str:
     return ", ".join(q.name for q in WRITE_TYPES)
-
-
-def row_bytes(qtype, columns: int) -> int:
-    """Bytes of one row of `columns` values in `qtype`."""
-    block_size, type_size = GGML_QUANT_SIZES[Q(qtype)]
-    return columns // block_size * type_size
-
-
-def quantized_buffer(qtype, rows: int, columns: int) -> torch.Tensor:
-    """Room for `rows` rows of `columns` values in `qtype`: uint8 [rows, row bytes], uninitialized. numpy allocates
-    it because numpy asks Linux for huge pages on large arrays (madvise) and torch does not: the kernels stream
-    their output, and into 4 KiB pages they lost 15-25% of their speed to address translation."""
-    return torch.from_numpy(np.empty((rows, row_bytes(qtype, columns)), np.uint8))
-
-
-def fits(qtype, shape) -> bool:
-    """Whether a tensor of `shape` (torch order) can be stored in `qtype`: its rows hold whole blocks."""
-    return shape[-1] % GGML_QUANT_SIZES[Q(qtype)][0] == 0 if shape else False
-
-
-def rows_and_out(values: torch.Tensor, qtype: Q, out: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """`values` as rows [n, columns] (the last dimension), and the uint8 [n, row bytes] they are quantized into:
-    `out` where given (checked to be of that shape), else a new buffer; ValueError for rows of part blocks."""
-    block_size = GGML_QUANT_SIZES[qtype][0]
-    columns = values.shape[-1] if values.dim() else 1
-    if columns % block_size:
-        raise ValueError(f"rows of {columns} values do not hold whole {qtype.name} blocks of {block_size}")
-    rows = values.reshape(-1, columns)
-    shape = (rows.shape[0], row_bytes(qtype, columns))
-    return rows, (quantized_buffer(qtype, *rows.shape) if out is None
-                  else output(out, shape, torch.uint8, torch.device("cpu")))
 
 
 def quantize(values: torch.Tensor, qtype, *, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -262,9 +218,7 @@ def quantize(values: torch.Tensor, qtype, *, out: torch.Tensor | None = None) ->
     `out` of another shape."""
     qtype = Q(qtype)
     if qtype in K_TYPES:
-        from . import kquants
-
-        return kquants.quantize(values, qtype, out=out)
+        return quantize_k(values, qtype, out=out)
     if qtype not in _KERNELS:
         raise UnsupportedFormatError(f"The pack writes GGUF types {write_types()}, not {qtype.name}.")
     block_size, type_size = GGML_QUANT_SIZES[qtype]
@@ -287,7 +241,3 @@ def quantize(values: torch.Tensor, qtype, *, out: torch.Tensor | None = None) ->
             target = out[start : start + step].view(-1, type_size)
             torch.cat(kernel(blocks, scratch), dim=1, out=target)
     return out
-
-
-def quantized_nbytes(qtype, shape) -> int:
-    return row_bytes(qtype, shape[-1]) * math.prod(shape[:-1])

@@ -26,12 +26,13 @@ from ...errors import UnsupportedFormatError
 from . import kquant_kernels
 from .dequant_steps import dequant_threads
 from .fused import load_by_digest
-from .gguf_quant import K_TYPES, NotQuantizable, _check, rows_and_out
+from .quant_rows import NotQuantizable, check_peak, rows_and_out
 
 log = logging.getLogger(__name__)
 
 # Type -> the byte offsets of its fp16 scale fields in a block (d, and dmin where it has one)
 SCALE_FIELDS = {Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
+K_TYPES = tuple(SCALE_FIELDS)
 # kquant_kernels' module name in sys.modules when compiled, followed by a digest of its source
 KERNELS_MODULE = "flux2dev_kquant_kernels_"
 # Rows are quantized a chunk at a time: converted to float32 (where they are not), checked, and spread over threads.
@@ -125,7 +126,7 @@ def quantize(values: torch.Tensor, qtype, *, out: torch.Tensor | None = None,
     step = max(1, CHUNK_VALUES // columns)
     for start in range(0, rows.shape[0], step):
         chunk = rows[start : start + step].to(torch.float32).contiguous()
-        _check(max(chunk.amax().item(), -chunk.amin().item()), limited=True)
+        check_peak(max(chunk.amax().item(), -chunk.amin().item()), limited=True)
         target = out[start : start + step].numpy().reshape(-1, type_size)
         _run(qtype, chunk.numpy().reshape(-1, block_size), target, threads or dequant_threads())
         _check_scales(qtype, target)

@@ -21,7 +21,8 @@ from comfyui_flux2dev.loaders.convert.output import check_output, output_file
 from comfyui_flux2dev.loaders.convert.tensor_files import gguf_file, safetensors_file
 from comfyui_flux2dev.loaders.formats.files import new_file
 from comfyui_flux2dev.loaders.formats.gguf_file import open_gguf
-from comfyui_flux2dev.loaders.formats.gguf_quant import quantize, quantized_nbytes
+from comfyui_flux2dev.loaders.formats.gguf_quant import quantize
+from comfyui_flux2dev.loaders.formats.quant_rows import quantized_nbytes
 from comfyui_flux2dev.loaders.formats.safetensors_file import SafetensorsFiles
 
 TENSORS = {

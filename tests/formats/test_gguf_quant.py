@@ -12,8 +12,9 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from comfyui_flux2dev.errors import UnsupportedFormatError
-from comfyui_flux2dev.loaders.formats import fused, gguf_quant
-from comfyui_flux2dev.loaders.formats.gguf_quant import LEGACY_TYPES, WRITE_TYPES, NotQuantizable, quantize
+from comfyui_flux2dev.loaders.formats import fused, gguf_quant, quant_rows
+from comfyui_flux2dev.loaders.formats.gguf_quant import LEGACY_TYPES, WRITE_TYPES, quantize
+from comfyui_flux2dev.loaders.formats.quant_rows import NotQuantizable
 from helpers import numba_unavailable
 
 
@@ -135,14 +136,14 @@ def test_low_precision_input_and_an_out_buffer(qtype):
     """bfloat16 values are widened exactly; `out` receives the same bytes as a new tensor."""
     values = torch.randn(40, 128).bfloat16()
     want = gguf.quants.quantize(values.float().numpy(), qtype).view(np.uint8)
-    out = torch.full((40, gguf_quant.row_bytes(qtype, 128)), 0xAB, dtype=torch.uint8)
+    out = torch.full((40, quant_rows.row_bytes(qtype, 128)), 0xAB, dtype=torch.uint8)
     assert quantize(values, qtype, out=out) is out
     assert np.array_equal(out.numpy(), want.reshape(out.shape))
 
 
 @pytest.mark.parametrize("qtype", LEGACY_TYPES, ids=lambda q: q.name)
 def test_an_out_buffer_of_another_shape_is_refused_untouched(qtype):
-    row = gguf_quant.row_bytes(qtype, 128)
+    row = quant_rows.row_bytes(qtype, 128)
     for shape in ((39, row), (40, row - 2), (41, row)):
         out = torch.full(shape, 0xAB, dtype=torch.uint8)
         with pytest.raises(ValueError, match="out must be"):
@@ -180,7 +181,7 @@ def test_values_beyond_float16_are_refused_where_a_float16_field_holds_them(qtyp
 def test_rows_that_hold_no_whole_block_are_refused():
     with pytest.raises(ValueError, match="whole Q8_0 blocks of 32"):
         quantize(torch.zeros(2, 48), Q.Q8_0)
-    assert not gguf_quant.fits(Q.Q4_0, (5, 48)) and gguf_quant.fits(Q.Q4_0, (5, 64)) and gguf_quant.fits(Q.F16, (3,))
+    assert not quant_rows.fits(Q.Q4_0, (5, 48)) and quant_rows.fits(Q.Q4_0, (5, 64)) and quant_rows.fits(Q.F16, (3,))
 
 
 @pytest.mark.parametrize("qtype", LEGACY_TYPES, ids=lambda q: q.name)

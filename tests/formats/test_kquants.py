@@ -15,8 +15,8 @@ from gguf import GGMLQuantizationType as Q
 
 from comfyui_flux2dev.errors import UnsupportedFormatError
 from comfyui_flux2dev.loaders.formats import kquants
-from comfyui_flux2dev.loaders.formats.gguf_quant import K_TYPES, NotQuantizable
-from comfyui_flux2dev.loaders.formats.kquants import quantize
+from comfyui_flux2dev.loaders.formats.kquants import K_TYPES, quantize
+from comfyui_flux2dev.loaders.formats.quant_rows import NotQuantizable
 
 
 @pytest.fixture(params=["numba", "python"])
