@@ -37,16 +37,25 @@ def open_image(path: str | os.PathLike) -> PIL.Image.Image:  # noqa: F821
     from ..formats.validate import regular_file
 
     path = regular_file(path, "image")
+    with _pil_errors(path, "not an image the upsampler can read ({e}); give a PNG, JPEG or WebP file that opens in "
+                           "an image viewer."), warnings.catch_warnings():
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # joined() bounds the size it decodes
+        return Image.open(path)
+
+
+@contextlib.contextmanager
+def _pil_errors(name: str, unreadable: str):
+    """PIL's errors as the pack's: a decompression bomb is an image over the bound; anything else of UNREADABLE is
+    `unreadable` (its {e} the error) about `name`."""
+    from PIL import Image
+
     try:
-        with warnings.catch_warnings():  # joined() applies its own bound to the size it decodes
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            return Image.open(path)
+        yield
     except Image.DecompressionBombError as e:
-        raise InputError(f"{path}: {e}; the upsampler decodes at most {MAX_DECODED_PIXELS} pixels of an image. "
+        raise InputError(f"{name}: {e}; the upsampler decodes at most {MAX_DECODED_PIXELS} pixels of an image. "
                          "Scale it down.") from None
     except UNREADABLE as e:
-        raise CorruptFileError(f"{path}: not an image the upsampler can read ({e}); give a PNG, JPEG or WebP file "
-                               "that opens in an image viewer.") from None
+        raise CorruptFileError(f"{name}: " + unreadable.format(e=e)) from None
 
 
 def _name(image) -> str:
@@ -55,7 +64,6 @@ def _name(image) -> str:
 
 def _decoded(image, share: tuple[float, float]) -> PIL.Image.Image:  # noqa: F821
     """One image decoded and reduced for its `share` of the capped joined image (its size there, in pixels)."""
-    from PIL import Image
 
     gap = REDUCING_GAP
     if share[0] * gap < image.width and share[1] * gap < image.height:  # a JPEG decodes at 1/2, 1/4 or 1/8
@@ -65,7 +73,8 @@ def _decoded(image, share: tuple[float, float]) -> PIL.Image.Image:  # noqa: F82
                          f"{MAX_DECODED_PIXELS} pixels of an image as decoded (about 9459x9459; a large JPEG "
                          "decodes at 1/2 to 1/8 of its size). Scale it down: the model sees at most 768x768 pixels "
                          "of all the images together.")
-    try:
+    with _pil_errors(_name(image), "the image cannot be decoded ({e}); it is damaged or truncated. Save it again, "
+                                   "or give another file."):
         image.load()
         if image.mode not in REDUCIBLE_MODES:
             image = image.convert("RGB")
@@ -73,12 +82,6 @@ def _decoded(image, share: tuple[float, float]) -> PIL.Image.Image:  # noqa: F82
         if factor >= 2:
             image = image.reduce(factor)
         return image.convert("RGB")
-    except Image.DecompressionBombError as e:
-        raise InputError(f"{_name(image)}: {e}; the upsampler decodes at most {MAX_DECODED_PIXELS} pixels of an "
-                         "image. Scale it down.") from None
-    except UNREADABLE as e:
-        raise CorruptFileError(f"{_name(image)}: the image cannot be decoded ({e}); it is damaged or truncated. "
-                               "Save it again, or give another file.") from None
 
 
 def joined(images: list) -> PIL.Image.Image:  # noqa: F821
