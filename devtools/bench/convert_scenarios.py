@@ -62,6 +62,34 @@ def bench_quantize(quick: bool) -> list[dict]:
     return rows
 
 
+# What the hand-written vector code in numba_kernels.py must gain over its plain loops to stay.
+VECTOR_GAIN = 1.3
+
+
+def bench_vector_kernels(quick: bool) -> list[dict]:
+    """Per legacy block type: seconds of the one-pass kernel (its vector intrinsics) and of the same kernel with
+    plain numba loops in their place (numba_kernels.LOOP_QUANTIZE), on one thread on the same float32 blocks of a
+    FLUX.2 shape, and whether their bytes are equal."""
+    import gguf
+
+    from ...loaders.formats import fused
+
+    kernels = fused._kernels()
+    shape = _QUANT_SHAPES[quick]
+    repeats = 3 if quick else 5
+    blocks = (np.random.default_rng(1).standard_normal(shape) * 0.02).astype(np.float32).reshape(-1, 32)
+    rows = []
+    for name, loops in kernels.LOOP_QUANTIZE.items():
+        vector = kernels.QUANTIZE[name]
+        size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[name]][1]
+        out, reference = np.empty((len(blocks), size), np.uint8), np.empty((len(blocks), size), np.uint8)
+        vector(blocks, out), loops(blocks, reference)  # compiled before the timing
+        rows.append({"type": name, "shape": list(shape), "vector_s": best(lambda: vector(blocks, out), repeats),
+                     "loops_s": best(lambda: loops(blocks, reference), repeats),
+                     "exact": bool(np.array_equal(out, reference))})
+    return rows
+
+
 @contextlib.contextmanager
 def one_thread():
     """Torch's intra-op threads set to one inside the block."""
@@ -200,6 +228,18 @@ def format_kquant(result: dict) -> str:
         ratios = [r["reference_s"] / r["pack_s"] for r in rows]
         mean = float(np.exp(np.mean(np.log(ratios))))
         lines.append(f"lowest ratio {min(ratios):.2f}x ggml, geometric mean {mean:.2f}x")
+    return "\n".join(lines)
+
+
+def format_vector_kernels(rows: list[dict]) -> str:
+    lines = ["the one-pass quantizers' vector code against the same kernels with plain numba loops in its place, on "
+             f"one thread (it stays where it is at least {VECTOR_GAIN}x faster)",
+             f"{'type':<6} {'shape':>12} {'vector ms':>10} {'loops ms':>10} {'ratio':>7}  exact"]
+    for r in rows:
+        gain = r["loops_s"] / r["vector_s"]
+        lines.append(f"{r['type']:<6} {'x'.join(map(str, r['shape'])):>12} {r['vector_s'] * 1e3:>10.2f} "
+                     f"{r['loops_s'] * 1e3:>10.2f} {gain:>6.2f}x  {'yes' if r['exact'] else 'NO'}"
+                     + ("" if gain >= VECTOR_GAIN else f"  (under {VECTOR_GAIN}x: the loops would do)"))
     return "\n".join(lines)
 
 

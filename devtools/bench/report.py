@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .convert_scenarios import format_conversion, format_kquant, format_quantize
+from .convert_scenarios import format_conversion, format_kquant, format_quantize, format_vector_kernels
 from .encode_scenarios import format_conditioning_cache
 from .upsample_scenarios import format_upsampling
 
@@ -186,6 +186,7 @@ def format_report(results: dict) -> str:
         "writes; gguf: gguf.quants.quantize;\nGB/s: bytes read and written, the pack's and a plain copy's of the same "
         "weights on the quantizer's threads, measured before the row)",
         format_quantize(results["quantize"]),
+        format_vector_kernels(results["vector_kernels"]),
         format_conversion(results["conversion"]),
         "",
         format_kquant(results["kquant"]),

@@ -27,7 +27,7 @@ from ...tokenizers.ladder import bundled_tekken_path
 from ...tokenizers.vocab import byte_level_string
 from ..tiny.geometry import test_models_env
 from ..tiny.gguf_blocks import random_blocks, write_and_close
-from .convert_scenarios import bench_conversion, bench_kquant, bench_quantize
+from .convert_scenarios import bench_conversion, bench_kquant, bench_quantize, bench_vector_kernels
 from .encode_scenarios import bench_conditioning_cache
 from .meters import Measured, best, competing_load, evict, machine, timings
 from .upsample_scenarios import bench_upsampling
@@ -524,6 +524,7 @@ def run_all(quick: bool) -> dict:
         "refusal": bench_refusal(quick),
         "long_prompt": bench_long_prompt(quick),
         "quantize": bench_quantize(quick),
+        "vector_kernels": bench_vector_kernels(quick),
         "kquant": bench_kquant(quick),
         "conversion": bench_conversion(quick),
         "upsampling": bench_upsampling(quick),

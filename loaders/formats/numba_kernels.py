@@ -17,6 +17,7 @@ The kernels trust their inputs: numba does not check indexes, so fused.py checks
 from __future__ import annotations
 
 import platform
+from types import FunctionType
 
 import numpy as np
 from llvmlite import ir
@@ -50,6 +51,7 @@ HARDWARE_FP16 = _hardware_fp16()
 
 @intrinsic
 def _bits(typingctx, x):
+    """A float32's bits as uint32 (a bitcast)."""
     def codegen(context, builder, signature, args):
         return builder.bitcast(args[0], ir.IntType(32))
 
@@ -58,6 +60,7 @@ def _bits(typingctx, x):
 
 @intrinsic
 def _from_bits(typingctx, x):
+    """uint32 bits as the float32 they encode (a bitcast)."""
     def codegen(context, builder, signature, args):
         return builder.bitcast(args[0], ir.FloatType())
 
@@ -66,6 +69,7 @@ def _from_bits(typingctx, x):
 
 @intrinsic
 def _fp16_by_cpu(typingctx, x):
+    """float32 -> fp16 bits, round to nearest even, by the CPU's conversion instruction (LLVM's fptrunc)."""
     def codegen(context, builder, signature, args):
         return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
 
@@ -557,14 +561,6 @@ def _magnitude(v):
 
 
 @njit
-def _range(x, i):
-    """(block i's maximum, its minimum, the bits of its largest magnitude: the maximum's or the minimum's). A
-    block holding any value that is not finite or beyond float16 has a largest magnitude above _F16_MAX_BITS."""
-    high, low = _block_range(x, i)
-    return high, low, max(_magnitude(high), _magnitude(low))
-
-
-@njit
 def _put_fp16(o, i, at, v):
     """v as a little-endian fp16 field at byte `at` of block i."""
     h = np.int32(_to_fp16(v))
@@ -631,8 +627,9 @@ def _min_max_kernel(top: int):
     @njit(**_JIT)
     def kernel(x, o):
         for i in range(x.shape[0]):
-            high, low, peak = _range(x, i)
-            if peak > _F16_MAX_BITS:
+            high, low = _block_range(x, i)
+            # the larger magnitude of the two ends: above _F16_MAX_BITS where any value is not finite or beyond fp16
+            if max(_magnitude(high), _magnitude(low)) > _F16_MAX_BITS:
                 return False
             high, low = high + _F32(0.0), low + _F32(0.0)  # a zero as +0 (numpy's min and max give either)
             d = (high - low) / levels
@@ -687,6 +684,88 @@ def _cast_kernel(bits_dtype, limit):
 QUANTIZE = {"F16": _cast_kernel(np.uint16, _F16_MAX_BITS), "BF16": _cast_kernel(np.int16, _FINITE_BITS),
             "Q8_0": quantize_q8_0, "Q5_1": _min_max_kernel(31), "Q5_0": _signed_kernel(16),
             "Q4_1": _min_max_kernel(15), "Q4_0": _signed_kernel(8)}
+
+
+# The same block kernels with plain numba loops in place of the vector intrinsics: the reference they are
+# measured against (`bench`: they stay only while at least 1.3x faster) and compared with bit for bit (tests).
+# Each is the kernel's own code compiled again with these loops bound to the intrinsics' names; uncached, since
+# its cache key would be the vector kernel's.
+@njit
+def _key(v):
+    """A float32's order key: _flip of its bits, as int32."""
+    bits = np.int32(_bits(v))
+    return bits ^ ((bits >> 31) & np.int32(0x7FFFFFFF))
+
+
+@njit
+def _value(key):
+    """The float32 of an order key (_flip is its own inverse)."""
+    return _from_bits(np.uint32(key ^ ((key >> 31) & np.int32(0x7FFFFFFF))))
+
+
+@njit
+def _block_range_loop(x, i):
+    high = low = _key(x[i, 0])
+    for k in range(1, _BLOCK):
+        key = _key(x[i, k])
+        high, low = max(high, key), min(low, key)
+    return _value(high), _value(low)
+
+
+@njit
+def _block_peak_loop(x, i):
+    top, lane = _magnitude(x[i, 0]), _U32(0)
+    for k in range(1, _BLOCK):
+        if _magnitude(x[i, k]) > top:
+            top, lane = _magnitude(x[i, k]), _U32(k)
+    return top, lane
+
+
+def _put_codes_loop(x, i, o, inverse, low, top, minimum):
+    """_put_codes as a loop over the block's halves."""
+
+
+@overload(_put_codes_loop, prefer_literal=True)
+def _put_codes_loop_typed(x, i, o, inverse, low, top, minimum):
+    at, fifth_at, offset = _CODES[top.literal_value, minimum.literal_value]
+    most, from_minimum, offset, fifth = top.literal_value, minimum.literal_value, _F32(offset), fifth_at is not None
+
+    @njit
+    def code(v, inverse, low):
+        return min(max(np.int32(((v - low) if from_minimum else v) * inverse + offset), 0), most)
+
+    def put(x, i, o, inverse, low, top, minimum):
+        fifth_bits = _U32(0)
+        for k in range(_BLOCK // 2):
+            first, second = code(x[i, k], inverse, low), code(x[i, k + 16], inverse, low)
+            o[i, at + k] = np.uint8((first & 15) | ((second & 15) << 4))
+            if fifth:
+                fifth_bits |= (_U32((first >> 4) & 1) << _U32(k)) | (_U32((second >> 4) & 1) << _U32(k + 16))
+        if fifth:
+            for j in range(4):
+                o[i, fifth_at + j] = np.uint8((fifth_bits >> _U32(8 * j)) & _U32(255))
+
+    return put
+
+
+@njit
+def _put_q8_0_codes_loop(x, i, o, inverse):
+    for k in range(_BLOCK):
+        v = x[i, k] * inverse
+        o[i, 2 + k] = np.uint8((np.int32(v + v) - np.int32(v)) & 255)
+
+
+_LOOPS = {"_block_range": _block_range_loop, "_block_peak": _block_peak_loop, "_put_codes": _put_codes_loop,
+          "_put_q8_0_codes": _put_q8_0_codes_loop}
+
+
+def _with_loops(kernel):
+    f = kernel.py_func
+    code = FunctionType(f.__code__, {**f.__globals__, **_LOOPS}, f.__name__, f.__defaults__, f.__closure__)
+    return njit(nogil=True)(code)
+
+
+LOOP_QUANTIZE = {name: _with_loops(kernel) for name, kernel in QUANTIZE.items() if name not in ("F16", "BF16")}
 
 
 # --- scaled fp8 and NVFP4 ---------------------------------------------------------------------------------

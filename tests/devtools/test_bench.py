@@ -28,7 +28,7 @@ def _positive(x) -> bool:
 def test_documented_keys(results):
     assert set(results) == {"machine", "dequant", "forward_dequant", "forward_dequant_slow_memory", "contention",
                             "header", "tokenizer", "encoder_load", "load", "conditioning_cache", "refusal",
-                            "long_prompt", "quantize", "kquant", "conversion", "upsampling"}
+                            "long_prompt", "quantize", "vector_kernels", "kquant", "conversion", "upsampling"}
     assert {"cpu_count", "torch_threads", "torch_version", "platform", "date"} <= set(results["machine"])
     assert {"first_s", "second_s", "rung"} <= set(results["tokenizer"])
     assert {"file_bytes", "peak_rss_bytes", "seconds", "header_parses", "synthetic_read"} <= set(results["load"])
@@ -136,6 +136,14 @@ def test_quantize_rows_are_exact_for_every_written_type_and_conversions_are_meas
     for r in rows:
         assert _positive(r["largest_bytes"]) and r["largest_bytes"] < r["file_bytes"] and _positive(r["seconds"])
         assert r["peak_rss_bytes"] >= 0 and r["read_bytes"] >= 0
+
+
+def test_vector_kernel_rows_set_each_block_kernel_beside_its_plain_loops(results):
+    """Each legacy block type's one-pass kernel is measured beside the same kernel with plain loops, same bytes."""
+    rows = results["vector_kernels"]
+    assert [r["type"] for r in rows] == ["Q8_0", "Q5_1", "Q5_0", "Q4_1", "Q4_0"]
+    assert all(r["exact"] is True and _positive(r["vector_s"]) and _positive(r["loops_s"]) for r in rows), rows
+    assert "plain numba loops" in bench.format_report(results)
 
 
 def test_kquant_rows_are_bit_identical_with_ggml_on_one_thread(results):

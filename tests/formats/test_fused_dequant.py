@@ -23,6 +23,7 @@ from comfyui_flux2dev.errors import CorruptFileError
 from comfyui_flux2dev.loaders.formats import dequant_steps, fused, quant
 from comfyui_flux2dev.loaders.formats.gguf_dequant import dequantize
 from helpers import GGUF_QUANTIZED_TYPES, numba_unavailable, run_python
+from test_gguf_quant import quantization_cases
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 # fp16 bit patterns: +-0, the smallest and largest subnormals, the smallest normal, 1, the largest finite
@@ -212,6 +213,26 @@ def test_several_threads_give_the_same_bits(monkeypatch):
     monkeypatch.setattr(fused, "dequant_threads", lambda: 3)
     for got, want in zip(everything(), one):
         _same(got, want)
+
+
+@pytest.mark.parametrize("name", ("Q8_0", "Q5_1", "Q5_0", "Q4_1", "Q4_0"))
+def test_the_vector_quantizers_equal_their_plain_loops(name):
+    """The hand-written vector code (the intrinsics in numba_kernels.py) against the same kernel with plain numba
+    loops in its place, on the quantizer tests' weights and edge blocks, and on blocks it refuses (its answer)."""
+    kernels = fused._kernels()
+    vector, loops = kernels.QUANTIZE[name], kernels.LOOP_QUANTIZE[name]
+    refused = np.full((3, 32), 0.5, np.float32)
+    refused[0, 3], refused[1, 7], refused[2, 31] = np.nan, -np.inf, 70000.0
+    cases = [*((case, values) for case, values in quantization_cases(Q[name]) if case != "many-chunks"),
+             *(("refused", refused[i : i + 1]) for i in range(3))]
+    for case, values in cases:
+        blocks = np.ascontiguousarray(values.reshape(-1, 32), dtype=np.float32)
+        got = np.zeros((len(blocks), GGML_QUANT_SIZES[Q[name]][1]), np.uint8)
+        want = got.copy()
+        fits = vector(blocks, got)
+        assert fits == loops(blocks, want), case
+        assert not fits or np.array_equal(got, want), case
+    assert set(kernels.LOOP_QUANTIZE) == set(kernels.QUANTIZE) - {"F16", "BF16"}
 
 
 def test_sizes_are_checked_before_any_kernel_reads():

@@ -91,7 +91,7 @@ def _edge_blocks(qtype) -> np.ndarray:
     return np.array(rows, dtype=np.float32)
 
 
-def _cases(qtype):
+def quantization_cases(qtype):
     rng = np.random.default_rng(7)
     yield "normal", (rng.standard_normal((64, 4096)) * 0.02).astype(np.float32)
     yield "wide-range", (rng.standard_normal((3, 5, 256)) * np.exp(rng.uniform(-20, 8, (3, 5, 1)))).astype(np.float32)
@@ -109,7 +109,7 @@ def _cases(qtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_bytes_equal_the_reference(qtype, dtype):
     """float32 values, and the same values rounded to bfloat16 (what most sources hold), read as they are."""
-    for name, values in _cases(qtype):
+    for name, values in quantization_cases(qtype):
         if dtype == torch.bfloat16:  # 65504 rounds up to 65536: the largest bfloat16 float16 holds is 65280
             values = np.clip(values, -65280, 65280)
         tensor = torch.from_numpy(values).to(dtype)
