@@ -10,6 +10,7 @@ from pathlib import Path
 
 from ..errors import HostError
 from ..host import COMFYUI_ROOT_ENV
+from ..tokenizers.prompt import PADDING_MODES
 from . import tiny
 from .headless import HeadlessComfy
 from .tiny.geometry import test_models_env
@@ -24,7 +25,7 @@ def demo_graph(prompt: str) -> dict:
         model=node("Flux2DevGGUFTransformerLoader", gguf_name="flux2-dev-tiny-Q4_K.gguf",
                    dequant_dtype="default", patch_dtype="float32"),
         clip=node("Flux2DevEncoderLoader", encoder="mistral_3_small_flux2_bf16.safetensors",
-                  padding="reference", allow_network=False),
+                  padding=PADDING_MODES[0], allow_network=False),
         vae=node("Flux2DevVAESource", vae="flux2-ae.safetensors"),
         prompt=prompt, width=256, height=256, steps=4, filename_prefix="flux2dev-demo",
     )

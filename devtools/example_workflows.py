@@ -13,6 +13,7 @@ import json
 import os
 from pathlib import Path
 
+from ..tokenizers.prompt import PADDING_MODES
 from .workflows import node, official_dev_graph
 
 PACK_ROOT = Path(__file__).resolve().parents[1]
@@ -63,7 +64,7 @@ def gguf_loader() -> dict:
 
 
 def encoder_loader(cache: str = "", keep_loaded: bool = True) -> dict:
-    return node("Flux2DevEncoderLoader", encoder=ENCODER, padding="reference", allow_network=False, cache=cache,
+    return node("Flux2DevEncoderLoader", encoder=ENCODER, padding=PADDING_MODES[0], allow_network=False, cache=cache,
                 keep_loaded=keep_loaded)
 
 
@@ -102,7 +103,7 @@ EXAMPLES = {
         gguf_loader(), encoder_loader(), vae_source(), "flux2-dev"),
     "Pipeline folder (diffusers) - FLUX.2 dev": lambda: _dev(
         node("Flux2DevTransformerSource", transformer=DEV_PIPELINE),
-        node("Flux2DevEncoderSource", pipeline=DEV_PIPELINE, padding="reference", cache="", keep_loaded=True),
+        node("Flux2DevEncoderSource", pipeline=DEV_PIPELINE, padding=PADDING_MODES[0], cache="", keep_loaded=True),
         vae_source(DEV_PIPELINE), "flux2-dev-pipeline"),
     "Image edit, two reference images - FLUX.2 dev": _edit,
     "VAE from a Klein pipeline - FLUX.2 dev": lambda: _dev(

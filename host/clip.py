@@ -21,6 +21,7 @@ import torch
 
 from ..loaders.cache.store import ConditioningCache
 from ..loaders.models.encoder import EncoderPlan, plan_encoder, resolve_plan_tokenizer
+from ..tokenizers.prompt import PADDING_MODES
 from . import ensure_comfy
 from .clip_cache import cache_bypass, cache_folder, conditioning_key
 from .clip_model import LAYERS_KEPT_KEY, LAYERS_KEY, compute_dtype, encoder_model_class, model_config
@@ -93,8 +94,6 @@ def _build_clip(plan: EncoderPlan, tokenizer, *, padding: str, dtype: torch.dtyp
     (default: as stored). The host picks the CLIP's patcher class as for its own encoders (disable_dynamic:
     the plain one)."""
     from ..loaders.models.variants import dev_variant_for_encoder, layers_kept
-    from ..tokenizers import PADDING_MODES
-
     if padding not in PADDING_MODES:
         raise ValueError(f"padding must be one of {PADDING_MODES}, got {padding!r}")
     model_class = encoder_model_class()
@@ -140,9 +139,9 @@ def _build_clip(plan: EncoderPlan, tokenizer, *, padding: str, dtype: torch.dtyp
     return clip
 
 
-def lazy_clip(path: str, *, padding: str = "reference", allow_network: bool = False, dtype: torch.dtype | None = None,
-              cache: str | None = None, keep_loaded: bool = True, embedding_directory=None,
-              disable_dynamic: bool = False):
+def lazy_clip(path: str, *, padding: str = PADDING_MODES[0], allow_network: bool = False,
+              dtype: torch.dtype | None = None, cache: str | None = None, keep_loaded: bool = True,
+              embedding_directory=None, disable_dynamic: bool = False):
     """A FLUX.2 [dev] text encoder from any supported layout as a host CLIP, after reading its headers and
     tokenizer only. cache: a conditioning cache folder (None: no cache)."""
     plan = plan_encoder(path)
@@ -158,9 +157,9 @@ def lazy_clip(path: str, *, padding: str = "reference", allow_network: bool = Fa
     return clip
 
 
-def load_clip(path: str, *, padding: str = "reference", allow_network: bool = False, dtype: torch.dtype | None = None,
-              cache: str | None = None, keep_loaded: bool = True, embedding_directory=None,
-              disable_dynamic: bool = False):
+def load_clip(path: str, *, padding: str = PADDING_MODES[0], allow_network: bool = False,
+              dtype: torch.dtype | None = None, cache: str | None = None, keep_loaded: bool = True,
+              embedding_directory=None, disable_dynamic: bool = False):
     """lazy_clip with its weights read now, which the host's device nodes can load again from the same path
     and options."""
     clip = lazy_clip(path, padding=padding, allow_network=allow_network, dtype=dtype, cache=cache,

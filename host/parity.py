@@ -11,6 +11,7 @@ import torch
 
 from ..errors import VariantMismatchError
 from ..loaders.formats import progress
+from ..tokenizers.prompt import PADDING_MODES
 from . import compat, ensure_comfy
 
 # The prompts when none are given: short and long, plain and with the template's markers and a non-Latin script.
@@ -50,7 +51,7 @@ def _conditionings(path: str, prompts: list[str], padding: str) -> list[torch.Te
         gc.collect()
 
 
-def encoder_parity(a: str, b: str, prompts: list[str], padding: str = "reference") -> dict:
+def encoder_parity(a: str, b: str, prompts: list[str], padding: str = PADDING_MODES[0]) -> dict:
     """Per prompt, the figures of B's conditioning against A's, and the worst prompt (lowest cosine)."""
     conds_a = _conditionings(a, prompts, padding)
     conds_b = _conditionings(b, prompts, padding)

@@ -29,7 +29,8 @@ class Flux2DevEncoderLoader(io.ComfyNode):
                     "versions, a .gguf quantization, or a folder (Hugging Face, diffusers text_encoder/, Mistral "
                     "native; shown with a trailing /). Not the Qwen3 encoder of FLUX.2 Klein.",
                 ),
-                io.Combo.Input("padding", options=list(PADDING_MODES), default="reference", tooltip=PADDING_TOOLTIP),
+                io.Combo.Input("padding", options=list(PADDING_MODES), default=PADDING_MODES[0],
+                               tooltip=PADDING_TOOLTIP),
                 io.Boolean.Input(
                     "allow_network",
                     default=False,
