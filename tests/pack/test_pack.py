@@ -131,3 +131,20 @@ def test_the_docs_list_the_types_convert_writes():
     assert f"({', '.join(WRITTEN_TYPES)})" in (root / "README.md").read_text(encoding="utf-8")
     page = (root / "docs" / "command-line.md").read_text(encoding="utf-8")
     assert "--type " + "\\|".join(WRITTEN_TYPES) + " " in page  # a table cell: each | escaped
+
+
+def test_the_readme_names_each_node_and_model_file_as_the_pack_has_them():
+    """The nodes table: one row per node, with its title and id as node_titles has them. The model files table: each
+    file and pipeline the example workflows name, with the download address and folder the templates carry."""
+    from comfyui_flux2dev.devtools.example_workflows import MODELS, PIPELINES
+    from comfyui_flux2dev.loaders.models.node_titles import NODES
+
+    readme = (pathlib.Path(__file__).resolve().parents[2] / "README.md").read_text(encoding="utf-8")
+    rows = [line for line in readme.splitlines() if line.startswith("| ")]
+    assert sorted(row.split(" | ")[0] for row in rows if "(`Flux2Dev" in row) \
+        == sorted(f"| {title} (`{node_id}`)" for node_id, (title, _) in NODES.items())
+    for name, (folder, address, _) in MODELS.items():
+        assert any(row.startswith(f"| `{name}`") and f"| {address} |" in row and f"`models/{folder}`" in row
+                   for row in rows), name
+    for name, (repository, _) in PIPELINES.items():
+        assert any(row.startswith(f"| `{name}`") and repository in row for row in rows), name
