@@ -102,7 +102,8 @@ def _forward_title(results: dict) -> str:
         + "\n(forward: host/ops.forward_weight into the scratch buffer, by the path named; gguf: its numpy reference; "
         + f"peer: {results['peer'] or 'ComfyUI-GGUF'}'s dequantize\nas its layers call it; "
           "torch: the pack's torch path, "
-        + "which ran before the one-pass kernels; before: the ops' fp8 and NVFP4\ndequantization until 2026-12-01; "
+        + "which ran before the one-pass kernels; before: a plain torch fp8 and NVFP4\ndequantization "
+        + "(widen, scale, cast); "
         + "of copy: the copy's time over the forward's, for the same output bytes)"
     )
 
