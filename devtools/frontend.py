@@ -21,7 +21,7 @@ from pathlib import Path
 
 from ..loaders.models.variants import TEST_MODELS_ENV
 from .example_workflows import EXAMPLES, TEXT_TO_IMAGE, UI_FOLDER
-from .headless import PACK_FOLDER, HeadlessComfy
+from .headless import INSTALLED_FOLDER, HeadlessComfy
 from .tiny.geometry import DECLARATION
 
 CHROMIUM = "/usr/bin/chromium"  # Debian's package
@@ -90,11 +90,11 @@ def search(page, phrase: str, shot: Path | None = None) -> list[str]:
     return titles
 
 
-def templates_browser(page, shot: Path | None = None) -> list[tuple[str, bytes]]:
+def templates_browser(page, pack_folder: str, shot: Path | None = None) -> list[tuple[str, bytes]]:
     """(title, thumbnail bytes) of each of the pack's examples the Templates browser shows under the pack's name;
     the thumbnail is what the browser fetches for the card."""
     page.evaluate("() => window.app.extensionManager.command.execute('Comfy.BrowseTemplates')")
-    page.get_by_text(PACK_FOLDER).last.click()
+    page.get_by_text(pack_folder).last.click()
     page.get_by_text("Showing").first.wait_for()
     page.wait_for_timeout(2000)
     if shot is not None:
@@ -102,7 +102,7 @@ def templates_browser(page, shot: Path | None = None) -> list[tuple[str, bytes]]
     base = page.url.rstrip("/")
     shown = [name for name in EXAMPLES if page.get_by_text(name, exact=True).count() > 0]
     out = [(name,
-            page.request.get(f"{base}/api/workflow_templates/{PACK_FOLDER}/{urllib.parse.quote(name)}.jpg").body())
+            page.request.get(f"{base}/api/workflow_templates/{pack_folder}/{urllib.parse.quote(name)}.jpg").body())
            for name in shown]
     page.keyboard.press("Escape")
     return out
@@ -162,14 +162,14 @@ def thumbnail(page, ui: dict) -> bytes:
     return out.getvalue()
 
 
-def tiny_comfyui(folder: Path) -> HeadlessComfy:
+def tiny_comfyui(folder: Path, **options) -> HeadlessComfy:
     """A ComfyUI folder as `tiny --comfyui` leaves it (tiny models, the examples' tiny form in the user's
-    workflows), served headless."""
+    workflows), served headless (HeadlessComfy's `options`)."""
     from . import tiny
 
     tiny.write_into_comfyui(folder)
     return HeadlessComfy(os.environ["COMFYUI_ROOT"], base_dir=folder,
-                         env={TEST_MODELS_ENV: str(folder / "models" / DECLARATION)})
+                         env={TEST_MODELS_ENV: str(folder / "models" / DECLARATION)}, **options)
 
 
 def tiny_workflow(folder: Path, name: str) -> dict:
@@ -183,7 +183,8 @@ def take_all(docs: Path) -> list[Path]:
     """The templates' thumbnails (example_workflows/NAME.jpg), and in `docs` the Templates browser, a node
     search, and the text-to-image example in its tiny form loaded after `tiny --comfyui`."""
     written = []
-    with tempfile.TemporaryDirectory() as comfyui, tiny_comfyui(Path(comfyui)) as server:
+    with tempfile.TemporaryDirectory() as comfyui, \
+            tiny_comfyui(Path(comfyui), pack_folder=INSTALLED_FOLDER) as server:
         with open_frontend(server, 2900, 1000) as page:  # wide enough for the whole graph near 100% zoom
             for name in EXAMPLES:
                 path = UI_FOLDER / f"{name}.jpg"
@@ -193,7 +194,7 @@ def take_all(docs: Path) -> list[Path]:
             fit_view(page)
             page.screenshot(path=str(docs / "example-workflow.png"))
         with open_frontend(server) as page:
-            templates_browser(page, shot=docs / "templates.png")
+            templates_browser(page, INSTALLED_FOLDER, shot=docs / "templates.png")
             search(page, SEARCHES[0], shot=docs / "node-search.png")
         written += [docs / "example-workflow.png", docs / "templates.png", docs / "node-search.png"]
     return written

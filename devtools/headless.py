@@ -18,8 +18,10 @@ from pathlib import Path
 from ..errors import GraphError, HostError
 
 PACK_ROOT = Path(__file__).resolve().parents[1]
-# Any folder name works for the pack; the tests use one that differs from the repository's on purpose.
+# Any folder name works for the pack; the tests use one that differs from the repository's on purpose, the pictures
+# in docs/ the one a user's clone has (README: Install).
 PACK_FOLDER = "flux2dev-pack-under-test"
+INSTALLED_FOLDER = "ComfyUI-Flux2Dev"
 
 
 def _free_port() -> int:
@@ -36,13 +38,15 @@ class HeadlessComfy:
     (--cpu), or with `gpu` on the GPU the host finds, with the host's own choices there (0.33: dynamic VRAM)."""
 
     def __init__(self, comfyui_root: str | os.PathLike, models: dict[str, list[str | os.PathLike]] | None = None,
-                 base_dir: str | os.PathLike | None = None, env: dict[str, str] | None = None, gpu: bool = False):
+                 base_dir: str | os.PathLike | None = None, env: dict[str, str] | None = None, gpu: bool = False,
+                 pack_folder: str = PACK_FOLDER):
         self.comfyui_root = Path(comfyui_root)
         self._tmp = None if base_dir else tempfile.TemporaryDirectory(prefix="flux2dev-comfy-")
         self.base_dir = Path(base_dir or self._tmp.name)
         self.models = {k: [Path(f) for f in folders] for k, folders in (models or {}).items()}
         self.env = env or {}
         self.gpu = gpu
+        self.pack_folder = pack_folder
         self.port = 0
         self.process: subprocess.Popen | None = None
         self.log_path = self.base_dir / "server.log"
@@ -57,7 +61,7 @@ class HeadlessComfy:
     def _lay_out_base_dir(self) -> None:
         nodes = self.base_dir / "custom_nodes"
         nodes.mkdir(parents=True, exist_ok=True)
-        link = nodes / PACK_FOLDER
+        link = nodes / self.pack_folder
         if not link.exists():
             link.symlink_to(PACK_ROOT, target_is_directory=True)
         for folder, sources in self.models.items():
@@ -76,7 +80,7 @@ class HeadlessComfy:
             "--listen", "127.0.0.1", "--port", str(self.port),
             "--base-directory", str(self.base_dir), "--disable-auto-launch", "--disable-api-nodes",
             "--database-url", "sqlite:///:memory:",
-            "--disable-all-custom-nodes", "--whitelist-custom-nodes", PACK_FOLDER,
+            "--disable-all-custom-nodes", "--whitelist-custom-nodes", self.pack_folder,
         ]
         env = {**os.environ, **self.env, "PYTHONUNBUFFERED": "1"}
         log = open(self.log_path, "wb")

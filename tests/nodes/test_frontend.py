@@ -13,6 +13,7 @@ import pytest
 
 from comfyui_flux2dev.devtools import example_workflows as examples
 from comfyui_flux2dev.devtools import frontend
+from comfyui_flux2dev.devtools.headless import PACK_FOLDER
 
 pytestmark = pytest.mark.server
 
@@ -59,7 +60,7 @@ def test_search_phrases_list_the_node_they_mean_first(page):
 
 
 def test_the_templates_browser_shows_each_example_with_its_own_title_and_thumbnail(page):
-    cards = frontend.templates_browser(page)
+    cards = frontend.templates_browser(page, PACK_FOLDER)
     assert sorted(title for title, _ in cards) == sorted(examples.EXAMPLES)
     for title, thumbnail in cards:
         assert thumbnail == (examples.UI_FOLDER / f"{title}.jpg").read_bytes(), title
