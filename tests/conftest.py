@@ -249,7 +249,9 @@ def _mark_quick_tier(config, items) -> None:
 
 
 # A test that runs ComfyUI (in process or as a server) asks for one of these, directly or through its fixtures;
-# it is marked `host` and runs once per host tree (.ci/run), the others once in all.
+# it is marked `host` and runs once per host tree (.ci/run), the others once in all. A test marked `one_host` checks
+# what does not change with the host's release (the same host calls run in other tests on every tree): it runs on
+# the first host only.
 HOST_FIXTURES = ("comfy_host", "comfy_server", "server_on_device")
 
 
@@ -258,6 +260,8 @@ def pytest_collection_modifyitems(config, items):
     _leave_out_cuda_variants(config, items)
     _mark_quick_tier(config, items)
     for item in items:
+        if item.get_closest_marker("one_host"):
+            continue
         if any(f in getattr(item, "fixturenames", ()) for f in HOST_FIXTURES) or item.get_closest_marker("server"):
             item.add_marker(pytest.mark.host)
 

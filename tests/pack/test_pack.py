@@ -58,6 +58,7 @@ def test_requirements_txt_lists_exactly_the_pyproject_dependencies():
 
 
 @pytest.mark.server
+@pytest.mark.one_host  # the README's demo runs on the host `bash tests/run` sets up; the graph runs on every host
 def test_the_demo_writes_an_image_every_time(tmp_path):
     """The README's demo command runs the dev tools' demo: its own headless server, the pack's three loaders. As
     the README runs it: from a folder of the user's, writing into the default (relative) folder there; and again,
