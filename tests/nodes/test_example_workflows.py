@@ -1,7 +1,7 @@
 """The example workflows (example_workflows/, the pack's templates in ComfyUI): the host lists them, each UI
 file is the graph of its API twin and names the public files it needs with their download addresses, each
 twin runs on the tiny weights, and `tiny --comfyui` gives a ComfyUI folder the tiny models and the examples'
-tiny form, which run there as they are."""
+tiny form, whose files are in that ComfyUI's menus and which run there as they are."""
 
 from __future__ import annotations
 
@@ -26,6 +26,13 @@ SAVED_BEFORE = Path(__file__).resolve().parents[1] / "data" / "saved_workflows"
 
 def _load(folder: Path, name: str) -> dict:
     return json.loads((folder / f"{name}.json").read_text(encoding="utf-8"))
+
+
+def _menu(info: dict, field: str) -> list[str]:
+    """A combo input's choices as /object_info lists them: [choices, ...] or, for V3 nodes on newer hosts,
+    ["COMBO", {"options": choices}]."""
+    spec = {**info["input"].get("optional", {}), **info["input"]["required"]}[field]
+    return spec[0] if isinstance(spec[0], list) else spec[1]["options"]
 
 
 def _saved_image(server, outputs) -> Image.Image:
@@ -142,7 +149,12 @@ def test_tiny_comfyui_writes_models_and_tiny_workflows_that_run_there(tmp_path):
             ui = json.loads((workflows / saved).read_text(encoding="utf-8"))
             graph = ui_to_api(ui, object_info)
             assert graph == examples.tiny_form(_load(examples.API_FOLDER, name))
-            names = [v for n in graph.values() for v in n["inputs"].values()
-                     if isinstance(v, str) and re.search(r"\.(gguf|safetensors)$|/$", v)]
-            assert names and all(v.startswith(examples.TINY_FOLDER + "/") for v in names), names
-            assert _saved_image(server, server.run(graph)).size == (256, 256)
+            names = {(n["class_type"], k): v for n in graph.values() for k, v in n["inputs"].items()
+                     if isinstance(v, str) and re.search(r"\.(gguf|safetensors)$|/$", v)}
+            assert names and all(v.startswith(examples.TINY_FOLDER + "/") for v in names.values()), names
+            for (node, field), chosen in names.items():  # each file the workflow names is in its menu there
+                assert chosen in _menu(object_info[node], field), (name, node, chosen)
+        # The examples run on the tiny weights above (test_each_example_runs_on_the_tiny_weights); here one runs
+        # from the folder `tiny --comfyui` wrote, as a user opens it.
+        ui = json.loads((workflows / f"Tiny models - {examples.TEXT_TO_IMAGE}.json").read_text(encoding="utf-8"))
+        assert _saved_image(server, server.run(ui_to_api(ui, object_info))).size == (256, 256)
