@@ -196,10 +196,10 @@ def _convert_transformer(args) -> None:
     if args.loras:  # each LoRA is checked against the transformer's headers here, before torch is imported
         from .loaders.convert.lora import check_loras
 
-        check_loras([path for path, _ in args.loras], args.path)
+        checked = check_loras([path for path, _ in args.loras], args.path)
         from .host.lora_bake import LoraBake
 
-        bake = LoraBake(args.loras)
+        bake = LoraBake([(lora, strength) for lora, (_, strength) in zip(checked, args.loras)])
     from .loaders.convert.transformer import convert_transformer
 
     with _progress("writing the transformer, tensors"):

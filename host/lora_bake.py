@@ -83,12 +83,12 @@ def _fits(entry: tuple, key: str, shape: tuple[int, ...]) -> bool:
 
 
 class LoraBake:
-    """For convert_transformer's `patch`: `loras` ([(file, strength)], applied in that order, as LoraLoader nodes
-    in a chain). Each LoRA's header is checked when this is made; called with the transformer's plan, it gives the
-    function that patches one dense weight, and `baked` tells what each LoRA did."""
+    """For convert_transformer's `patch`: `loras` ([(LoRA read by read_lora, strength)], applied in that order, as
+    LoraLoader nodes in a chain). Called with the transformer's plan, it checks each LoRA against the plan's
+    shapes and gives the function that patches one dense weight; `baked` tells what each LoRA did."""
 
-    def __init__(self, loras: list[tuple[str, float]]):
-        self.loras = [(read_lora(path), strength) for path, strength in loras]
+    def __init__(self, loras: list[tuple[LoraFile, float]]):
+        self.loras = loras
         self.baked: list[Baked] = []
 
     def __call__(self, plan: TransformerPlan):
@@ -178,5 +178,5 @@ def summary(baked: Baked) -> str:
 
 
 def lora_patch(loras: list[tuple[str, float]]) -> LoraBake:
-    """`loras` ([(file, strength)]) as convert_transformer's `patch`."""
-    return LoraBake(loras)
+    """`loras` ([(file, strength)]) as convert_transformer's `patch`, each file's header read and checked here."""
+    return LoraBake([(read_lora(path), strength) for path, strength in loras])

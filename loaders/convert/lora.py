@@ -150,10 +150,11 @@ def check_applies(lora: LoraFile, shapes: dict[str, tuple[int, ...]], model: str
         )
 
 
-def check_loras(paths: list[str], transformer: str) -> None:
+def check_loras(paths: list[str], transformer: str) -> list[LoraFile]:
     """Each LoRA at `paths` read and checked against the transformer at `transformer`, from headers alone,
     before torch is imported."""
     loras = [read_lora(path) for path in paths]
     variant, shapes = bfl_shapes(transformer)
     for lora in loras:
         check_applies(lora, shapes, variant.name)
+    return loras

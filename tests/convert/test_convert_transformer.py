@@ -263,14 +263,14 @@ def test_a_bake_says_which_layers_it_applied_and_refuses_a_lora_that_applies_to_
     another: a single layer whose shape fits some weight of the transformer, but not its own."""
     from safetensors.torch import save_file
 
-    from comfyui_flux2dev.host.lora_bake import LoraBake, summary
+    from comfyui_flux2dev.host.lora_bake import lora_patch, summary
 
     up, down = "lora_up", "lora_down"
     mixed = {**_lora_pair("diffusion_model.double_blocks.0.img_attn.qkv", up, down, 3 * HIDDEN, HIDDEN, 1),
              **_lora_pair("diffusion_model.double_blocks.1.img_attn.qkv", up, down, 3 * HIDDEN, 128, 2),
              **_lora_pair("lora_te_text_model_encoder_layers_0_mlp_fc1", up, down, HIDDEN, HIDDEN, 3)}
     save_file(mixed, str(tmp_path / "mixed.safetensors"))
-    bake = LoraBake([(str(tmp_path / "mixed.safetensors"), 1.0)])
+    bake = lora_patch([(str(tmp_path / "mixed.safetensors"), 1.0)])
     out = tmp_path / "baked.gguf"
     convert_transformer(str(tiny_root / SOURCES["bfl"][0]), str(out), qtype="Q8_0", patch=bake)
     (baked,) = bake.baked
@@ -291,5 +291,5 @@ def test_a_bake_says_which_layers_it_applied_and_refuses_a_lora_that_applies_to_
     with pytest.raises(WrongModelError, match=r"none of its 1 layer\(s\) applies \(1 shaped unlike its weight "
                                               r"\(double_blocks\.0\.img_attn\.proj\.weight is \[256, 256\]\)\)"):
         convert_transformer(str(tiny_root / SOURCES["bfl"][0]), str(tmp_path / "out.gguf"), qtype="Q8_0",
-                            patch=LoraBake([(str(tmp_path / "misfit.safetensors"), 1.0)]))
+                            patch=lora_patch([(str(tmp_path / "misfit.safetensors"), 1.0)]))
     assert not (tmp_path / "out.gguf").exists()
