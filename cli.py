@@ -12,7 +12,7 @@ import signal
 import sys
 from pathlib import Path
 
-from .errors import Flux2DevError
+from .errors import Flux2DevError, InputError
 
 
 def _read_prompts(args) -> list[str]:
@@ -166,10 +166,26 @@ def _progress(what: str):
 
 
 def _convert_encoder(args) -> None:
+    suffix = Path(args.out).suffix.lower()
+    other = "dtype" if suffix == ".gguf" else "type"  # --dtype chooses a .safetensors file's weights, --type a .gguf's
+    if getattr(args, other) is not None:
+        raise InputError(f"--{other} does not apply to a {suffix or 'extensionless'} OUT: a .safetensors encoder takes "
+                         "--dtype bf16|fp8, a .gguf one --type (Q8_0, Q4_K_M ...).")
+    if suffix == ".gguf":
+        if args.type is None:
+            raise InputError("a .gguf encoder needs --type (Q8_0, Q6_K, Q5_K_M, Q4_K_M, ... BF16 or F16).")
+        from .loaders.convert.encoder_gguf import convert_encoder_gguf
+
+        with _progress("writing the encoder, weights"):
+            done = convert_encoder_gguf(args.path, args.out, qtype=args.type, force=args.force)
+        types = ", ".join(f"{n} {t}" for t, n in done["types"].items())
+        print(f"wrote {done['path']}: {done['tensors']} tensors ({types}), {done['bytes'] / 2**20:.1f} MiB, "
+              f"from a {done['layout']} encoder")
+        return
     from .loaders.convert.encoder import convert_encoder
 
     with _progress("writing the encoder, weights"):
-        done = convert_encoder(args.path, args.out, dtype=args.dtype, force=args.force)
+        done = convert_encoder(args.path, args.out, dtype=args.dtype or "bf16", force=args.force)
     print(f"wrote {done['path']}: {done['tensors']} tensors ({done['fp8_layers']} fp8 layers), "
           f"{done['bytes'] / 2**20:.1f} MiB, from a {done['layout']} encoder")
 
@@ -367,10 +383,13 @@ def _convert_commands(sub) -> None:
 
     convert = sub.add_parser("convert", help="write an encoder or a transformer in another form")
     kinds = convert.add_subparsers(dest="kind", required=True)
-    p = kinds.add_parser("encoder", help="a text encoder as ComfyUI's single file (bf16 or scaled fp8)")
+    p = kinds.add_parser("encoder", help="a text encoder as ComfyUI's single file (bf16 or scaled fp8) or as a "
+                         "llama.cpp GGUF of the 30 layers FLUX.2 reads")
     p.add_argument("path", help="the encoder: any layout the encoder loader reads")
-    p.add_argument("out", help="the .safetensors file to write")
-    p.add_argument("--dtype", choices=("bf16", "fp8"), default="bf16")
+    p.add_argument("out", help="the .safetensors or .gguf file to write")
+    p.add_argument("--dtype", choices=("bf16", "fp8"), help="of a .safetensors OUT (default bf16)")
+    p.add_argument("--type", choices=WRITTEN_TYPES, help="of a .gguf OUT: the llama.cpp preset (docs/convert.md lists "
+                   "each tensor's type)")
     p.add_argument("--force", action="store_true", help="replace what is at OUT (never written through a link)")
     p.set_defaults(run=_convert_encoder, command="convert encoder")
     p = kinds.add_parser("transformer", help="a transformer as GGUF, optionally with LoRAs baked in")

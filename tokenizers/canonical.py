@@ -27,7 +27,9 @@ SELF_TEST = tuple({**TEMPLATE_MARKERS, **CHAT_MARKERS}.items())
 SELF_TEST_TEXT = "a red fox"
 
 
-def _vocab_and_merges(vocab: TekkenVocab) -> tuple[dict[str, int], list[tuple[str, str]]]:
+def vocab_and_merges(vocab: TekkenVocab) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """A Tekken vocabulary as byte-level BPE: {token string: id} and the merges in rank order (what tokenizer.json
+    and a llama.cpp GGUF hold)."""
     # Linear in the vocabulary's bytes: each token is split at each of its (bounded, vocab.py) byte positions
     # once, and each piece's byte-level string is made once per rank, not once per merge.
     rank_of = {token: r for r, token in enumerate(vocab.ranks)}
@@ -71,7 +73,7 @@ def build_backend(vocab: TekkenVocab):
     lib = hf_tokenizers()
     AddedToken, Regex, decoders, pre_tokenizers, processors = (
         lib.AddedToken, lib.Regex, lib.decoders, lib.pre_tokenizers, lib.processors)
-    ids, merges = _vocab_and_merges(vocab)
+    ids, merges = vocab_and_merges(vocab)
     backend = lib.Tokenizer(lib.models.BPE(ids, merges, fuse_unk=False))
     backend.model.ignore_merges = True  # whole words found in the vocabulary are not re-merged (tiktoken rule)
     backend.pre_tokenizer = pre_tokenizers.Sequence(

@@ -342,19 +342,11 @@ def gguf_encoder_writer(path: str, arch: str, g, layers: int):
     writes Mistral's."""
     import gguf
 
+    from ...loaders.convert.encoder_gguf import encoder_settings
+
     writer = gguf.GGUFWriter(path, arch)
-    writer.add_block_count(layers)
-    writer.add_context_length(131072)
-    writer.add_embedding_length(g.width)
-    writer.add_feed_forward_length(g.mlp)
-    writer.add_head_count(g.heads)
-    writer.add_head_count_kv(g.kv_heads)
-    writer.add_key_length(g.head_dim)
-    writer.add_value_length(g.head_dim)
-    writer.add_rope_dimension_count(g.head_dim)
-    writer.add_rope_freq_base(g.rope_theta)
-    writer.add_layer_norm_rms_eps(g.rms_norm_eps)
-    writer.add_vocab_size(g.vocab)
+    for key, vtype, value in encoder_settings(arch, g, layers, g.rope_theta):
+        writer.add_key_value(key, value, vtype)
     return writer
 
 

@@ -14,6 +14,8 @@ from typing import BinaryIO
 
 import torch
 
+from ..formats.gguf_quant import quantize
+from ..formats.quant_rows import quantized_buffer, quantized_nbytes
 from ..formats.safetensors_file import DTYPES
 
 # torch dtype -> safetensors dtype name, from the reader's own table
@@ -89,20 +91,28 @@ def _gguf_string(text: str) -> bytes:
     return struct.pack("<Q", len(raw)) + raw
 
 
+_GGUF_SCALARS = {"UINT32": "<I", "INT32": "<i", "FLOAT32": "<f", "BOOL": "<?"}  # GGUFValueType name -> its packing
+
+
 def _gguf_value(vtype, value) -> bytes:
+    """One metadata value; an ARRAY's value is (element type, items)."""
     from gguf import GGUFValueType as V
 
     if vtype == V.STRING:
         return _gguf_string(value)
-    if vtype == V.UINT32:
-        return struct.pack("<I", value)
+    if vtype == V.ARRAY:
+        itype, items = value
+        return struct.pack("<IQ", int(itype), len(items)) + b"".join(_gguf_value(itype, item) for item in items)
+    if vtype.name in _GGUF_SCALARS:
+        return struct.pack(_GGUF_SCALARS[vtype.name], value)
     raise ValueError(f"GGUF value type {vtype!r} is not one the pack writes")
 
 
 def gguf_file(f: BinaryIO, metadata: list[tuple[str, object, object]],
               tensors: dict[str, tuple[object, tuple[int, ...], int]]) -> TensorFile:
-    """A GGUF (version 3) file of `metadata` ([(key, GGUFValueType, value)], in order) and `tensors` ({name:
-    (GGMLQuantizationType, torch shape, bytes)}, in the order given), each tensor's data aligned to 32 bytes."""
+    """A GGUF (version 3) file of `metadata` ([(key, GGUFValueType, value)], in order; an array's value is (element
+    type, items)) and `tensors` ({name: (GGMLQuantizationType, torch shape, bytes)}, in the order given), each
+    tensor's data aligned to 32 bytes."""
     head = [b"GGUF", struct.pack("<IQQ", _GGUF_VERSION, len(tensors), len(metadata))]
     for key, vtype, value in metadata:
         head += [_gguf_string(key), struct.pack("<I", int(vtype)), _gguf_value(vtype, value)]
@@ -117,3 +127,19 @@ def gguf_file(f: BinaryIO, metadata: list[tuple[str, object, object]],
     header += b"\0" * (-len(header) % GGUF_ALIGNMENT)
     start = len(header)
     return TensorFile(f, header, {n: Place(start + o, size) for n, (o, size) in places.items()}, start + at)
+
+
+_ROW_VALUES = 1 << 24  # values quantized and written at a time, so no full-size output is held
+
+
+def write_quantized(file: TensorFile, name: str, values: torch.Tensor, qtype) -> None:
+    """`values` quantized as `qtype` (a GGMLQuantizationType) in chunks of rows, each written at its place in the
+    GGUF `file`; NotQuantizable where a value does not fit the type."""
+    rows = values.reshape(-1, values.shape[-1] if values.dim() else 1)
+    step = max(1, _ROW_VALUES // rows.shape[1])
+    row_bytes = quantized_nbytes(qtype, (rows.shape[1],))
+    # one output buffer for every chunk: fresh memory per chunk costs more in page faults than quantizing it
+    buffer = quantized_buffer(qtype, min(step, rows.shape[0]), rows.shape[1])
+    for start in range(0, rows.shape[0], step):
+        part = rows[start : start + step]
+        file.write(name, quantize(part, qtype, out=buffer[: part.shape[0]]), at=start * row_bytes)

@@ -35,13 +35,12 @@ from gguf import GGMLQuantizationType as Q
 
 from ...errors import CorruptFileError, UnsupportedFormatError
 from ..formats import progress, quant
-from ..formats.gguf_quant import quantize
 from ..formats.kquants import K_TYPES
-from ..formats.quant_rows import NotQuantizable, fits, quantized_buffer, quantized_nbytes
+from ..formats.quant_rows import NotQuantizable, fits, quantized_nbytes
 from ..models.transformer import TransformerPlan, plan_transformer
 from . import K_PRESETS, WRITTEN_TYPES
 from .output import check_not_source, check_output, output_file
-from .tensor_files import gguf_file
+from .tensor_files import gguf_file, write_quantized
 
 ARCHITECTURE = "flux"  # what FLUX GGUF files (city96's conversions and FLUX.2's among them) state
 
@@ -100,9 +99,6 @@ def tensor_type(key: str, shape: tuple[int, ...], written: Written) -> tuple[Q, 
     return qtype, None
 
 
-_ROW_VALUES = 1 << 24  # values quantized and written at a time, so no full-size output is held
-
-
 def convert_transformer(src: str, out: str, *, qtype: str, force: bool = False,
                         patch: Callable[[TransformerPlan],
                                         Callable[[str, torch.Tensor], torch.Tensor]] | None = None) -> dict:
@@ -147,19 +143,10 @@ def convert_transformer(src: str, out: str, *, qtype: str, force: bool = False,
 
 
 def _write(file, key: str, values: torch.Tensor, qtype: Q) -> None:
-    """Quantize `values` in chunks of rows, each written at its place."""
-    rows = values.reshape(-1, values.shape[-1] if values.dim() else 1)
-    step = max(1, _ROW_VALUES // rows.shape[1])
-    row_bytes = quantized_nbytes(qtype, (rows.shape[1],))
-    # one output buffer for every chunk: fresh memory per chunk costs more in page faults than quantizing it
-    buffer = quantized_buffer(qtype, min(step, rows.shape[0]), rows.shape[1])
-    for start in range(0, rows.shape[0], step):
-        part = rows[start : start + step]
-        try:
-            packed = quantize(part, qtype, out=buffer[: part.shape[0]])
-        except NotQuantizable as e:
-            raise CorruptFileError(
-                f"The transformer's {key} cannot be written as {qtype.name}: {e}. A weight like that is damaged "
-                "(or a LoRA baked into it diverged); check the source, or write BF16 where the values are only large."
-            ) from None
-        file.write(key, packed, at=start * row_bytes)
+    try:
+        write_quantized(file, key, values, qtype)
+    except NotQuantizable as e:
+        raise CorruptFileError(
+            f"The transformer's {key} cannot be written as {qtype.name}: {e}. A weight like that is damaged "
+            "(or a LoRA baked into it diverged); check the source, or write BF16 where the values are only large."
+        ) from None

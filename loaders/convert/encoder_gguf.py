@@ -1,0 +1,252 @@
+"""`flux2dev convert encoder SRC OUT.gguf --type T`: a FLUX.2 [dev] text encoder from any layout the encoder loader
+reads, written as a llama.cpp GGUF of the layers FLUX.2 reads (the embeddings and layers 0-29: about a quarter
+smaller than a 40-layer file), which this pack and ComfyUI-GGUF's CLIPLoaderGGUF both load.
+
+Reading is convert/encoder.py's: the loader's plan, one weight at a time, packed weights dequantized exactly to
+float32. What is written is what llama.cpp's converter and llama-quantize write for Mistral-Small-3.x:
+
+- general.architecture "llama": what llama.cpp names Mistral-Small's text model, and the one Mistral architecture
+  ComfyUI-GGUF's text-encoder loader takes; its settings (block_count 30, head counts, key/value length 128, rope
+  freq base, RMS epsilon ...) in gguf-py's key names;
+- tensors in gguf-py's llama.cpp names (token_embd, blk.N.attn_q ...), Q and K rows in llama.cpp's rotary order
+  (convert_hf_to_gguf.py's LlamaModel.permute: the inverse of the loader's undo_rotary_permute);
+- output_norm.weight as ones (F32): llama.cpp's llama graph requires it (create_tensor without TENSOR_NOT_REQUIRED),
+  though the pruned encoder never applies a final norm (the pack and ComfyUI's pruned FLUX.2 model read none);
+- the tokenizer as llama.cpp writes a Tekken one: model "gpt2", pre "tekken", byte-level token strings, control
+  types for the special tokens, merges derived from the ranks, bos 1 / eos 2 / unk 0 / pad 11: the vocabulary the
+  tokenizer ladder found for the source;
+- each tensor's type by llama.cpp's own rules for LLMs (RAISES and FALLBACK below).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from gguf import GGML_QUANT_SIZES, GGML_QUANT_VERSION, MODEL_ARCH, GGUFValueType, Keys, TokenType
+from gguf import MODEL_TENSOR as T
+from gguf import GGMLQuantizationType as Q
+from gguf.tensor_mapping import get_tensor_name_map
+
+from ...errors import CorruptFileError, UnsupportedFormatError, WrongModelError
+from ..formats import progress, quant
+from ..formats.quant_rows import NotQuantizable, fits, quantized_nbytes
+from ..models.encoder import plan_encoder, planned_weights, read_weight, resolve_plan_tokenizer, undo_rotary_permute
+from ..models.encoder_identify import FINAL_NORM, LAYER_SHAPES
+from ..models.variants import MistralEncoderGeometry, layers_kept
+from .output import check_not_source, check_output, output_file
+from .tensor_files import gguf_file, write_quantized
+from .transformer import TYPES
+
+ARCHITECTURE = "llama"
+CONTEXT_LENGTH = 131072  # Mistral-Small-3.x's max_position_embeddings
+FLOATS = (Q.F32, Q.F16, Q.BF16)
+QUANTIZED = tuple(name for name, written in TYPES.items() if written.weights not in FLOATS)
+# Token ids llama.cpp's converter states for Tekken (tokenizer_config.json's): bos <s>, eos </s>, unk <unk>, pad <pad>
+SPECIAL_IDS = {Keys.Tokenizer.BOS_ID: 1, Keys.Tokenizer.EOS_ID: 2, Keys.Tokenizer.UNK_ID: 0, Keys.Tokenizer.PAD_ID: 11}
+# The modules whose rows llama.cpp permutes -> their head count
+ROTARY = {"self_attn.q_proj": lambda g: g.heads, "self_attn.k_proj": lambda g: g.kv_heads}
+PARTS = list(LAYER_SHAPES)
+
+
+@dataclass(frozen=True)
+class At:
+    """Where a tensor is, as llama.cpp's rules see it."""
+
+    layer: int  # i_attention_wv / i_ffn_down: the layer, each layer having one of each
+    layers: int  # n_attention_wv / n_ffn_down: the file's block count (30)
+    gqa: int  # n_gqa(): heads / kv heads
+    columns: int  # ne[0]
+    base: Q  # the preset's default type
+
+
+def _more_bits(at: At) -> bool:
+    """llama-quant.cpp's use_more_bits: the first and last eighth of the layers and every third one between."""
+    n = at.layers
+    return at.layer < n // 8 or at.layer >= 7 * n // 8 or (at.layer - n // 8) % 3 == 2
+
+
+@dataclass(frozen=True)
+class Raise:
+    """A rule of llama.cpp's llama_tensor_get_type_impl: in `presets`, a `kind` tensor takes `qtype` where `applies`."""
+
+    presets: tuple[str, ...]
+    kind: T
+    qtype: Q
+    applies: Callable[[At], bool]
+
+
+def _always(at: At) -> bool:
+    return True
+
+
+# llama.cpp's per-tensor rules for a llama-architecture LLM without experts (Mistral-Small), line numbers of
+# src/llama-quant.cpp as vendored by llama-cpp-python 0.3.36; the first row that applies wins, else the preset's type
+# (K_PRESETS' weights type). Rules for other architectures, experts, 70B models or an importance matrix never apply.
+RAISES = (
+    # 490-511: with no output.weight, token_embd is quantized as the output tensor (tied embeddings): Q8_0 where its
+    # rows do not hold the preset type's blocks, else Q6_K (Q8_0 stays Q8_0)
+    Raise(QUANTIZED, T.TOKEN_EMBD, Q.Q8_0, lambda at: at.columns % GGML_QUANT_SIZES[at.base][0] != 0),
+    Raise(tuple(p for p in QUANTIZED if p != "Q8_0"), T.TOKEN_EMBD, Q.Q6_K, _always),
+    # 567-604: attn_v
+    Raise(("Q2_K",), T.ATTN_V, Q.Q4_K, lambda at: at.gqa >= 4),  # 568-569
+    Raise(("Q2_K",), T.ATTN_V, Q.Q3_K, _always),
+    Raise(("Q3_K_M",), T.ATTN_V, Q.Q5_K, lambda at: at.layer < 2),  # 583-584
+    Raise(("Q3_K_M",), T.ATTN_V, Q.Q4_K, _always),
+    Raise(("Q3_K_L",), T.ATTN_V, Q.Q5_K, _always),  # 586
+    Raise(("Q4_K_M", "Q5_K_M"), T.ATTN_V, Q.Q6_K, _more_bits),  # 590-591
+    Raise(("Q4_K_S",), T.ATTN_V, Q.Q5_K, lambda at: at.layer < 4),  # 592
+    # 624-668: ffn_down
+    Raise(("Q2_K",), T.FFN_DOWN, Q.Q3_K, _always),  # 627
+    Raise(("Q3_K_M",), T.FFN_DOWN, Q.Q5_K, lambda at: at.layer < at.layers // 16),  # 634-637
+    Raise(("Q3_K_M",), T.FFN_DOWN, Q.Q4_K, _always),
+    Raise(("Q3_K_L",), T.FFN_DOWN, Q.Q5_K, _always),  # 643-644
+    Raise(("Q4_K_M", "Q5_K_M"), T.FFN_DOWN, Q.Q6_K, _more_bits),  # 646-651, 657
+    Raise(("Q4_K_S",), T.FFN_DOWN, Q.Q5_K, lambda at: at.layer < at.layers // 8),  # 658
+    # 669-684: attn_output
+    Raise(("Q2_K",), T.ATTN_OUT, Q.Q3_K, _always),  # 679
+    Raise(("Q3_K_M",), T.ATTN_OUT, Q.Q4_K, _always),  # 681
+    Raise(("Q3_K_L",), T.ATTN_OUT, Q.Q5_K, _always),  # 682
+)
+# 390-437 (tensor_type_fallback): a K type whose 256-value blocks do not fit a tensor's rows falls back to a 32-value
+# type; where that does not fit either (as any 32-value type), F16. Only the tiny test models have such rows.
+FALLBACK = {Q.Q2_K: Q.Q4_0, Q.Q3_K: Q.Q4_0, Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0}
+
+
+def tensor_type(kind: T, layer: int, shape: tuple[int, ...], preset: str, gqa: int, layers: int) -> Q:
+    """The GGUF type llama-quantize gives tensor `kind` of `layer` (shape in torch order) in a file of `layers`
+    layers for `preset` (a TYPES name)."""
+    if len(shape) < 2:  # tensor_allows_quantization: matrices only; the converter writes 1-D tensors in F32
+        return Q.F32
+    base = TYPES[preset].weights
+    if base in FLOATS:  # ggml_is_quantized(default_type) is false: every matrix takes it
+        return base
+    at = At(layer, layers, gqa, shape[-1], base)
+    qtype = next((r.qtype for r in RAISES if r.kind == kind and preset in r.presets and r.applies(at)), base)
+    if not fits(qtype, shape):
+        qtype = FALLBACK.get(qtype, qtype)
+    return qtype if fits(qtype, shape) else Q.F16
+
+
+def _layer(host: str) -> int:
+    return int(host.split(".")[2]) if host.startswith("model.layers.") else 0
+
+
+def _order(host: str) -> tuple[int, int]:
+    """llama.cpp's order: the embeddings, then layer by layer."""
+    if not host.startswith("model.layers."):
+        return -1, 0
+    return _layer(host), PARTS.index(host.split(".", 3)[3].removesuffix(".weight"))
+
+
+def rotary_interleave(weight: torch.Tensor, heads: int) -> torch.Tensor:
+    """HF half-split rows -> llama.cpp's interleaved rows: the inverse of the loader's undo_rotary_permute."""
+    moved = undo_rotary_permute(torch.arange(weight.shape[0]), heads)  # row i of the undone weight is row moved[i]
+    return weight[torch.argsort(moved)]
+
+
+def encoder_settings(arch: str, g: MistralEncoderGeometry, layers: int,
+                     rope_theta: float) -> list[tuple[str, GGUFValueType, object]]:
+    """The {arch}.* settings llama.cpp writes for a Mistral text model of geometry `g` with `layers` layers
+    (devtools' tiny GGUF encoders state them too)."""
+    u32, f32 = GGUFValueType.UINT32, GGUFValueType.FLOAT32
+    return [(key.format(arch=arch), vtype, value) for key, vtype, value in (
+        (Keys.LLM.BLOCK_COUNT, u32, layers),
+        (Keys.LLM.CONTEXT_LENGTH, u32, CONTEXT_LENGTH),
+        (Keys.LLM.EMBEDDING_LENGTH, u32, g.width),
+        (Keys.LLM.FEED_FORWARD_LENGTH, u32, g.mlp),
+        (Keys.Attention.HEAD_COUNT, u32, g.heads),
+        (Keys.Attention.HEAD_COUNT_KV, u32, g.kv_heads),
+        # Mistral-Small's heads are 128 wide, not width / heads (160): llama.cpp states both lengths then
+        (Keys.Attention.KEY_LENGTH, u32, g.head_dim),
+        (Keys.Attention.VALUE_LENGTH, u32, g.head_dim),
+        (Keys.Rope.DIMENSION_COUNT, u32, g.head_dim),
+        (Keys.Rope.FREQ_BASE, f32, rope_theta),
+        (Keys.Attention.LAYERNORM_RMS_EPS, f32, g.rms_norm_eps),
+        (Keys.LLM.VOCAB_SIZE, u32, g.vocab),
+    )]
+
+
+def _tokenizer(plan) -> list[tuple[str, GGUFValueType, object]]:
+    """llama.cpp's tokenizer.ggml.* of the vocabulary the encoder loads with, as its converter writes a Tekken one."""
+    from ...tokenizers.canonical import vocab_and_merges
+    from ...tokenizers.vocab import byte_level_string
+
+    vocab = resolve_plan_tokenizer(plan).tokenizer.vocab
+    tokens = [*vocab.specials, *map(byte_level_string, vocab.ranks)]
+    if len(tokens) != plan.geometry.vocab:
+        raise WrongModelError(
+            f"{plan.path}: the vocabulary its tokenizer was found in has {len(tokens)} tokens, but its embedding table "
+            f"has {plan.geometry.vocab} rows; they are not of one model. Put the encoder's own tekken.json beside it."
+        )
+    types = [int(TokenType.CONTROL)] * len(vocab.specials) + [int(TokenType.NORMAL)] * len(vocab.ranks)
+    merges = [f"{left} {right}" for left, right in vocab_and_merges(vocab)[1]]
+    S, A, I32, U32 = GGUFValueType.STRING, GGUFValueType.ARRAY, GGUFValueType.INT32, GGUFValueType.UINT32
+    return [
+        (Keys.Tokenizer.MODEL, S, "gpt2"),
+        (Keys.Tokenizer.PRE, S, "tekken"),
+        (Keys.Tokenizer.LIST, A, (S, tokens)),
+        (Keys.Tokenizer.TOKEN_TYPE, A, (I32, types)),
+        (Keys.Tokenizer.MERGES, A, (S, merges)),
+        *((key, U32, value) for key, value in SPECIAL_IDS.items()),
+        (Keys.Tokenizer.ADD_BOS, GGUFValueType.BOOL, True),
+        (Keys.Tokenizer.ADD_EOS, GGUFValueType.BOOL, False),
+    ]
+
+
+def convert_encoder_gguf(src: str, out: str, *, qtype: str, force: bool = False) -> dict:
+    """Write the encoder at `src` to `out` (a .gguf file) with `qtype` (a TYPES name) as llama.cpp's rules give it
+    to each tensor; returns what was written. Nothing is written when the source is refused or `out` is taken
+    (unless `force`)."""
+    if qtype not in TYPES:
+        raise UnsupportedFormatError(f"GGUF encoders are written as {', '.join(TYPES)}, not {qtype!r}.")
+    target = check_output(out, force=force, suffix=".gguf")
+    plan = plan_encoder(src)
+    check_not_source(target, src)
+    g = plan.geometry
+    layers = layers_kept(g)
+    names = get_tensor_name_map(MODEL_ARCH.LLAMA, layers)
+    hosts = sorted(planned_weights(plan), key=_order)
+    # host name -> (GGUF name, type, shape); the final norm (never read) last
+    written = {}
+    for host in [*hosts, FINAL_NORM]:
+        kind, name = names.get_type_and_name(host, try_suffixes=(".weight",))
+        shape = (g.width,) if host == FINAL_NORM else plan.source.entries[plan.mapping[host]][1]
+        written[host] = name, tensor_type(kind, _layer(host), shape, qtype, g.heads // g.kv_heads, layers), shape
+    layout = {name: (t, shape, quantized_nbytes(t, shape)) for name, t, shape in written.values()}
+    metadata = [
+        (Keys.General.ARCHITECTURE, GGUFValueType.STRING, ARCHITECTURE),
+        *encoder_settings(ARCHITECTURE, g, layers, plan.rope_theta),
+        (Keys.General.FILE_TYPE, GGUFValueType.UINT32, int(TYPES[qtype].file_type)),
+        (Keys.General.QUANTIZATION_VERSION, GGUFValueType.UINT32, GGML_QUANT_VERSION),
+        *_tokenizer(plan),
+    ]
+    with output_file(target, force=force) as f:
+        file = gguf_file(f, metadata, layout)
+        for host in progress.tracked(hosts):
+            entries = read_weight(plan, host)
+            weight = entries.pop(host)
+            companions = {k.rpartition(".")[2]: v for k, v in entries.items()}
+            name, t, shape = written[host]
+            dense = quant.dequantize(weight, companions, torch.float32, shape)
+            del weight, entries, companions
+            module = ".".join(host.split(".")[3:5])
+            if module in ROTARY:
+                dense = rotary_interleave(dense, ROTARY[module](g))
+            try:
+                write_quantized(file, name, dense, t)
+            except NotQuantizable as e:
+                raise CorruptFileError(f"The encoder's {name} cannot be written as {t.name}: {e}. A weight like that "
+                                       "is damaged; check the source.") from None
+            del dense
+        name, t, shape = written[FINAL_NORM]
+        file.write(name, torch.ones(shape, dtype=torch.float32))
+        file.finish()
+    counts: dict[str, int] = {}
+    for _, t, _ in written.values():
+        counts[t.name] = counts.get(t.name, 0) + 1
+    return {"path": str(target), "layout": plan.layout, "type": qtype, "layers": layers, "tensors": len(written),
+            "types": counts, "bytes": os.path.getsize(target)}
+
