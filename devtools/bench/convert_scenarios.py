@@ -2,10 +2,11 @@
 replace, on the same FLUX.2-shaped weights (values per second and bit equality), and a conversion's peak RSS
 against the largest tensor it holds.
 
-The conversion row converts a random encoder in ComfyUI's single-file form (quick: the tiny test geometry; full:
+The conversion rows convert a random encoder in ComfyUI's single-file form (quick: the tiny test geometry; full:
 the benchmark geometry, the real width of FLUX.2 [dev]'s Mistral-Small with 3 layers, whose largest tensor is
-the 131072 x 5120 embedding) to bf16 and to fp8, each in a fresh child process after evicting the source from the
-page cache; the transformer conversion streams the same way (loaders/convert/tensor_files.py)."""
+the 131072 x 5120 embedding) to bf16, to fp8 and to a Q4_K_M GGUF (llama.cpp's preset), each in a fresh child
+process after evicting the source from the page cache; the transformer conversion streams the same way
+(loaders/convert/tensor_files.py)."""
 
 from __future__ import annotations
 
@@ -152,13 +153,17 @@ def bench_kquant(quick: bool) -> dict:
 
 
 def _child_convert(src: str, out: str, dtype: str) -> dict:
-    from ...loaders.convert.encoder import convert_encoder
+    from ...loaders.convert.encoder import DTYPES, convert_encoder
+    from ...loaders.convert.encoder_gguf import convert_encoder_gguf
     from ...loaders.formats.safetensors_file import read_header
 
     infos, _ = read_header(src)
     evict([src])
     with Measured() as m:
-        convert_encoder(src, out, dtype=dtype)
+        if dtype in DTYPES:
+            convert_encoder(src, out, dtype=dtype)
+        else:  # a llama.cpp preset, as a GGUF
+            convert_encoder_gguf(src, out, qtype=dtype)
     return {"dtype": dtype, "file_bytes": os.path.getsize(src), "out_bytes": os.path.getsize(out),
             "largest_bytes": max(i.nbytes for i in infos.values()), "peak_rss_bytes": m.peak_rss_bytes,
             "read_bytes": m.read_bytes, "seconds": m.seconds}
@@ -174,16 +179,20 @@ def _in_child(src: str, out: str, dtype: str) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
+# The encoder conversions measured: ComfyUI's single file in bf16 and fp8, and a llama.cpp K preset's GGUF.
+CONVERSIONS = ("bf16", "fp8", "Q4_K_M")
+
+
 def bench_conversion(quick: bool) -> dict:
-    """{"geometry": {...}, "rows": [per output dtype: file, output and largest tensor bytes, peak RSS, reads, s]}."""
+    """{"geometry": {...}, "rows": [per output type: file, output and largest tensor bytes, peak RSS, reads, s]}."""
     g = _ENCODERS[quick]
     layers = g.layers[0]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         src = os.path.join(tmp, "encoder.safetensors")
         write_encoder(src, g, layers, "bf16")
-        for dtype in ("bf16", "fp8"):
-            out = os.path.join(tmp, f"out-{dtype}.safetensors")
+        for dtype in CONVERSIONS:
+            out = os.path.join(tmp, f"out-{dtype}.{'safetensors' if dtype in ('bf16', 'fp8') else 'gguf'}")
             rows.append(_in_child(src, out, dtype))
             os.remove(out)
     return {"geometry": {"width": g.width, "mlp": g.mlp, "vocab": g.vocab, "layers": layers}, "rows": rows}

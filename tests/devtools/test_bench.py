@@ -132,7 +132,7 @@ def test_quantize_rows_are_exact_for_every_written_type_and_conversions_are_meas
         block_size, type_size = GGML_QUANT_SIZES[GGMLQuantizationType[r["type"]]]
         assert r["out_bytes"] == r["values"] // block_size * type_size
     rows = results["conversion"]["rows"]
-    assert [r["dtype"] for r in rows] == ["bf16", "fp8"]
+    assert [r["dtype"] for r in rows] == ["bf16", "fp8", "Q4_K_M"]
     for r in rows:
         assert _positive(r["largest_bytes"]) and r["largest_bytes"] < r["file_bytes"] and _positive(r["seconds"])
         assert r["peak_rss_bytes"] >= 0 and r["read_bytes"] >= 0
