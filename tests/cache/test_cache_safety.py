@@ -329,6 +329,7 @@ print(json.dumps(out))
 """
 
 
+@pytest.mark.one_host  # the cache's files are the pack's; the host only encodes, as in every encoder test
 @pytest.mark.parametrize("how", ["read-only", "full"])
 @pytest.mark.parametrize("same_file", [True, False], ids=["same-encoder-file", "a-copy-of-the-encoder"])
 def test_a_read_only_or_full_cache_serves_hits_and_skips_stores_with_one_warning(comfy_host, encoder, tmp_path,

@@ -106,6 +106,7 @@ def _upsample(path, prompt, **settings):
                     **{"temperature": 0, "max_new_tokens": NEW_TOKENS, "dtype": torch.float32, **settings})
 
 
+@pytest.mark.one_host  # the host's part runs on every tree in the edit test, on the reference layout
 @pytest.mark.parametrize("name", _matrix(sorted(WHOLE)))
 def test_greedy_text_to_image_equals_transformers(comfy_host, encoders, hf_model, name, device):
     from comfyui_flux2dev.host.upsampler import release_held
