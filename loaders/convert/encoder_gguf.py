@@ -230,17 +230,19 @@ def convert_encoder_gguf(src: str, out: str, *, qtype: str, force: bool = False)
             weight = entries.pop(host)
             companions = {k.rpartition(".")[2]: v for k, v in entries.items()}
             name, t, shape = written[host]
-            dense = quant.dequantize(weight, companions, torch.float32, shape)
+            # a plain weight goes to the quantizer as stored (it widens each chunk exactly), so only packed ones are
+            # held whole in float32
+            values = quant.dequantize(weight, companions, torch.float32, shape) if companions else weight
             del weight, entries, companions
             module = ".".join(host.split(".")[3:5])
             if module in ROTARY:
-                dense = rotary_interleave(dense, ROTARY[module](g))
+                values = rotary_interleave(values, ROTARY[module](g))
             try:
-                write_quantized(file, name, dense, t)
+                write_quantized(file, name, values, t)
             except NotQuantizable as e:
                 raise CorruptFileError(f"The encoder's {name} cannot be written as {t.name}: {e}. A weight like that "
                                        "is damaged; check the source.") from None
-            del dense
+            del values
         name, t, shape = written[FINAL_NORM]
         file.write(name, torch.ones(shape, dtype=torch.float32))
         file.finish()
