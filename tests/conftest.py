@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import importlib
 import os
+import sys
 import tempfile
+import types
 from pathlib import Path
 
 import pytest
@@ -306,3 +309,21 @@ def tiny_part(tiny_root, tiny_manifest):
         return tiny_root / folder, entries
 
     return part
+
+
+# ComfyUI-GGUF, the independent reader of the GGUF files the pack writes: tests/run unpacks it from ../shared/peers/
+# and names it here.
+PEER_ENV = "FLUX2DEV_PEER_COMFYUI_GGUF"
+
+
+@pytest.fixture(scope="module")
+def peer(comfy_host):
+    """(ComfyUI-GGUF's loader module, its dequant module), or a skip saying why they are not here."""
+    folder = os.environ.get(PEER_ENV)
+    if not folder or not Path(folder, "loader.py").is_file():
+        pytest.skip("ComfyUI-GGUF is not here: tests/run unpacks it from ../shared/peers/ where that is beside the "
+                    f"clone (as in CI) and names it in {PEER_ENV}; a user's clone has none")
+    package = types.ModuleType("comfyui_gguf_peer")  # its own package, without running its __init__ (node registration)
+    package.__path__ = [folder]
+    sys.modules.setdefault("comfyui_gguf_peer", package)
+    return importlib.import_module("comfyui_gguf_peer.loader"), importlib.import_module("comfyui_gguf_peer.dequant")

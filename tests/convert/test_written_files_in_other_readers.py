@@ -5,11 +5,7 @@ ComfyUI-GGUF (the GGUF node pack users have) reads every converted transformer i
 
 from __future__ import annotations
 
-import importlib
 import json
-import os
-import sys
-import types
 from pathlib import Path
 
 import gguf
@@ -25,7 +21,6 @@ from comfyui_flux2dev.loaders.models.variants import known_mistral_encoders
 
 ENCODER = "text_encoders/mistral_3_small_flux2_bf16.safetensors"
 TRANSFORMER = "diffusion_models/flux2-dev-tiny.safetensors"
-PEER_ENV = "FLUX2DEV_PEER_COMFYUI_GGUF"  # set by tests/run where ../shared/peers/ holds ComfyUI-GGUF
 
 
 @pytest.fixture(scope="module")
@@ -157,18 +152,6 @@ def test_comfyuis_own_tokenizer_reads_the_embedded_vocabulary_as_the_pack_does(c
     for prompt in ("a red fox in the snow", "Ein Café, 2024: [IMG] 3 cats <s>!", "東京の夜"):
         assert [t[0] for t in host.tokenize_with_weights(prompt)["mistral3_24b"][0]] == \
             [t[0] for t in mine.tokenize(prompt)["mistral3_24b"][0]], prompt
-
-
-@pytest.fixture(scope="module")
-def peer(comfy_host):
-    folder = os.environ.get(PEER_ENV)
-    if not folder or not Path(folder, "loader.py").is_file():
-        pytest.skip("ComfyUI-GGUF is not here: tests/run unpacks it from ../shared/peers/ where that is beside the "
-                    f"clone (as in CI) and names it in {PEER_ENV}; a user's clone has none")
-    package = types.ModuleType("comfyui_gguf_peer")  # its own package, without running its __init__ (node registration)
-    package.__path__ = [folder]
-    sys.modules.setdefault("comfyui_gguf_peer", package)
-    return importlib.import_module("comfyui_gguf_peer.loader"), importlib.import_module("comfyui_gguf_peer.dequant")
 
 
 def test_comfyui_gguf_reads_every_type_into_the_same_tensors(peer, tiny_root, tmp_path):
