@@ -10,7 +10,6 @@ process after evicting the source from the page cache; the transformer conversio
 
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import json
 import os
@@ -24,7 +23,7 @@ import torch
 
 from ..tiny.geometry import BENCH_MISTRAL, TINY_MISTRAL, test_models_env
 from .encode_scenarios import write_encoder
-from .meters import Measured, best, evict
+from .meters import Measured, best, evict, one_thread
 
 # [out, in] of a FLUX.2 [dev] weight (the double blocks' MLP out: 3072 x 12288 would be Klein's; 6144 x 18432 is
 # [dev]'s single-block output); quick: one small one.
@@ -89,17 +88,6 @@ def bench_vector_kernels(quick: bool) -> list[dict]:
                      "loops_s": best(lambda: loops(blocks, reference), repeats),
                      "exact": bool(np.array_equal(out, reference))})
     return rows
-
-
-@contextlib.contextmanager
-def one_thread():
-    """Torch's intra-op threads set to one inside the block."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 # [out, in] of the K-quant rows: a FLUX.2 [dev] attention projection (3072 x 3072); quick: 64 of its rows.
@@ -185,6 +173,8 @@ CONVERSIONS = ("bf16", "fp8", "Q4_K_M")
 
 def bench_conversion(quick: bool) -> dict:
     """{"geometry": {...}, "rows": [per output type: file, output and largest tensor bytes, peak RSS, reads, s]}."""
+    from ...loaders.convert.encoder import DTYPES
+
     g = _ENCODERS[quick]
     layers = g.layers[0]
     rows = []
@@ -192,7 +182,7 @@ def bench_conversion(quick: bool) -> dict:
         src = os.path.join(tmp, "encoder.safetensors")
         write_encoder(src, g, layers, "bf16")
         for dtype in CONVERSIONS:
-            out = os.path.join(tmp, f"out-{dtype}.{'safetensors' if dtype in ('bf16', 'fp8') else 'gguf'}")
+            out = os.path.join(tmp, f"out-{dtype}.{'safetensors' if dtype in DTYPES else 'gguf'}")
             rows.append(_in_child(src, out, dtype))
             os.remove(out)
     return {"geometry": {"width": g.width, "mlp": g.mlp, "vocab": g.vocab, "layers": layers}, "rows": rows}

@@ -39,6 +39,17 @@ _MEMORY_BOUND = ("import numpy as np\na = np.ones(1 << 25); b = np.empty_like(a)
 
 
 @contextlib.contextmanager
+def one_thread():
+    """Torch's intra-op threads set to one inside the block."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+@contextlib.contextmanager
 def competing_load(processes: int, memory: bool = False):
     """`processes` busy Python processes (one core's worth of work each) running beside the block, as the
     other jobs on a user's machine do; memory: each copying memory instead of spinning on the CPU."""

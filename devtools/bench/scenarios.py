@@ -29,7 +29,7 @@ from ..tiny.geometry import test_models_env
 from ..tiny.gguf_blocks import random_blocks, write_and_close
 from .convert_scenarios import bench_conversion, bench_kquant, bench_quantize, bench_vector_kernels
 from .encode_scenarios import bench_conditioning_cache
-from .meters import Measured, best, competing_load, evict, machine, timings
+from .meters import Measured, best, competing_load, evict, machine, one_thread, timings
 from .upsample_scenarios import bench_upsampling
 
 # Values per benchmarked tensor. The full size (32 MiB of fp16) is still below most FLUX.2 weights
@@ -147,12 +147,8 @@ def _copy_s(shape, repeats: int) -> float:
     torch's copy on every thread and on one (on a busy machine, one thread often wins: see dequant_steps)."""
     src = torch.ones(shape, dtype=_FORWARD_DTYPE)
     dst = torch.zeros_like(src)
-    threads = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
+    with one_thread():
         one = best(lambda: dst.copy_(src), repeats)
-    finally:
-        torch.set_num_threads(threads)
     return min(one, best(lambda: dst.copy_(src), repeats))
 
 
