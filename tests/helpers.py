@@ -190,6 +190,21 @@ def write_gguf(path: Path, architecture: str, tensors: dict[str, np.ndarray]) ->
     return path
 
 
+def host_flux2_tokenizer(tekken, skip_note: str = ""):
+    """The running ComfyUI's own FLUX.2 tokenizer built from a tekken file's bytes (as its single files embed it),
+    or a skip where that does not build under this transformers (it asks for a vocab_file there)."""
+    import comfy.text_encoders.flux
+    import transformers
+
+    try:
+        return comfy.text_encoders.flux.Flux2Tokenizer(tokenizer_data={"tekken_model": tekken})
+    except TypeError as e:
+        if "vocab_file" not in str(e):
+            raise
+        pytest.skip(f"this ComfyUI's own FLUX.2 tokenizer does not build under transformers "
+                    f"{transformers.__version__} ({e}){skip_note}")
+
+
 # --- FLUX.2 transformer GGUFs: the independent reference, and a LoRA over one ---------------------------------
 
 

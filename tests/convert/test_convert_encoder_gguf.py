@@ -20,6 +20,7 @@ from comfyui_flux2dev.devtools.tiny import encoders as tiny
 from comfyui_flux2dev.errors import OutputError, WrongModelError
 from comfyui_flux2dev.loaders.convert.encoder_gguf import convert_encoder_gguf, tensor_type
 from comfyui_flux2dev.loaders.models.variants import MISTRAL_SMALL
+from helpers import host_flux2_tokenizer
 
 SOURCE = "text_encoders/hf-mistral3"  # 40 layers, bf16, with its vision tower and lm_head
 KLEIN = "diffusers/flux2-klein-4b-tiny-pipeline/text_encoder"
@@ -273,9 +274,6 @@ def test_comfyui_ggufs_tokenizer_rebuild_is_the_sources(peer, tiny_root, written
     import base64
     import json
 
-    import comfy.text_encoders.flux
-    import transformers
-
     from comfyui_flux2dev.host.clip import load_clip
     from comfyui_flux2dev.loaders.models.encoder import plan_encoder, resolve_plan_tokenizer
     from comfyui_flux2dev.tokenizers.vocab import TekkenVocab
@@ -290,12 +288,7 @@ def test_comfyui_ggufs_tokenizer_rebuild_is_the_sources(peer, tiny_root, written
     source = resolve_plan_tokenizer(plan_encoder(str(tiny_root / SOURCE))).tokenizer
     assert rebuilt.digest == source.vocab.digest
     try:
-        host = comfy.text_encoders.flux.Flux2Tokenizer(tokenizer_data={"tekken_model": tekken})
-    except TypeError as e:
-        if "vocab_file" not in str(e):
-            raise
-        pytest.skip(f"this ComfyUI's own FLUX.2 tokenizer does not build under transformers "
-                    f"{transformers.__version__} ({e}); the rebuilt vocabulary is the source's (above)")
+        host = host_flux2_tokenizer(tekken, "; the rebuilt vocabulary is the source's (above)")
     except KeyError as e:  # ComfyUI 0.33's own tekken reader
         if e.args != ("default_num_special_tokens",) or "default_num_special_tokens" in doc["config"]:
             raise

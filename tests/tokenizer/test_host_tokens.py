@@ -7,6 +7,7 @@ import json
 
 import pytest
 
+from helpers import host_flux2_tokenizer
 from test_tokenizers import V3_NAMES, _v7_tekken, corpus_prompts
 
 pytestmark = pytest.mark.transformers_matrix
@@ -21,19 +22,9 @@ HOST_SYNTAX = [
 def test_comfy_padding_gives_the_hosts_own_ids(comfy_host, tiny_root):
     """The pack's CLIP on a tiny encoder (the bundled vocabulary) against the host's own FLUX.2 tokenizer built
     from the same vocabulary, as ComfyUI's single files embed it (with its special-token list)."""
-    import comfy.text_encoders.flux
-    import transformers
-
     from comfyui_flux2dev.host.clip import load_clip
 
-    tekken = json.dumps(_v7_tekken(V3_NAMES)).encode()
-    try:
-        host = comfy.text_encoders.flux.Flux2Tokenizer(tokenizer_data={"tekken_model": tekken})
-    except TypeError as e:
-        if "vocab_file" not in str(e):
-            raise
-        pytest.skip(f"this ComfyUI's own FLUX.2 tokenizer does not build under transformers "
-                    f"{transformers.__version__} ({e})")
+    host = host_flux2_tokenizer(json.dumps(_v7_tekken(V3_NAMES)).encode())
     clip = load_clip(str(tiny_root / "text_encoders/mistral_3_small_flux2_bf16.safetensors"), padding="comfy")
     for prompt in corpus_prompts() + HOST_SYNTAX:
         want = [t[0] for t in host.tokenize_with_weights(prompt)["mistral3_24b"][0]]
