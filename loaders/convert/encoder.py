@@ -97,9 +97,7 @@ def convert_encoder(src: str, out: str, *, dtype: str = "bf16", force: bool = Fa
     with output_file(target, force=force) as f:
         file = safetensors_file(f, layout, metadata)
         for host in progress.tracked(weights):
-            entries = read_weight(plan, host)
-            weight = entries.pop(host)
-            companions = {k.rpartition(".")[2]: v for k, v in entries.items()}
+            weight, companions = quant.split_entries(read_weight(plan, host), host)
             shape = layout[host][1]
             if layout[host][0] == FP8:
                 dense = quant.dequantize(weight, companions, torch.float32, shape)
@@ -109,7 +107,7 @@ def convert_encoder(src: str, out: str, *, dtype: str = "bf16", force: bool = Fa
                 del dense
             else:  # the exact float32 values, rounded once to bfloat16 (computed in chunks by the dequantizer)
                 file.write(host, quant.dequantize(weight, companions, plain_dtype, shape))
-            del weight, entries, companions
+            del weight, companions
         file.write(FINAL_NORM, torch.ones(plan.geometry.width, dtype=plain_dtype))
         file.write(TEKKEN_KEY, tekken)
         file.finish()

@@ -226,14 +226,12 @@ def convert_encoder_gguf(src: str, out: str, *, qtype: str, force: bool = False)
     with output_file(target, force=force) as f:
         file = gguf_file(f, metadata, layout)
         for host in progress.tracked(hosts):
-            entries = read_weight(plan, host)
-            weight = entries.pop(host)
-            companions = {k.rpartition(".")[2]: v for k, v in entries.items()}
+            weight, companions = quant.split_entries(read_weight(plan, host), host)
             name, t, shape = written[host]
             # a plain weight goes to the quantizer as stored (it widens each chunk exactly), so only packed ones are
             # held whole in float32
             values = quant.dequantize(weight, companions, torch.float32, shape) if companions else weight
-            del weight, entries, companions
+            del weight, companions
             module = ".".join(host.split(".")[3:5])
             if module in ROTARY:
                 values = rotary_interleave(values, ROTARY[module](g))

@@ -78,8 +78,7 @@ def _gguf_transformer(path: str) -> Weights:
     shapes = {}
     for key, t in sd.items():
         if not quant.is_companion(key):
-            companions = {k.rpartition(".")[2]: v for k, v in _entries(sd, key).items() if k != key}
-            shapes[key] = _logical_shape(t, companions)
+            shapes[key] = _logical_shape(t, quant.split_entries(_entries(sd, key), key)[1])
     return Weights(path, "transformer", {"layout": "gguf", "variant": loaded.variant.key, "formats": loaded.formats},
                    shapes, lambda key: _entries(sd, key))
 
@@ -137,12 +136,8 @@ def weights_at(path: str) -> Weights:
 # --- one weight against another --------------------------------------------------------------------------------
 
 
-def _split(entries: dict[str, torch.Tensor], name: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    return entries[name], {k.rpartition(".")[2]: v for k, v in entries.items() if k != name}
-
-
 def _dense(entries: dict, name: str, shape) -> torch.Tensor:
-    weight, companions = _split(entries, name)
+    weight, companions = quant.split_entries(entries, name)
     return quant.dequantize(weight, companions, torch.float32, shape)
 
 
@@ -151,7 +146,7 @@ def is_cast(dense: torch.Tensor, entries: dict, name: str) -> bool:
     with the scale stored beside it, a GGUF type the pack quantizes (gguf-py's quantizer), a narrower float."""
     from .encoder import fp8_cast
 
-    weight, companions = _split(entries, name)
+    weight, companions = quant.split_entries(entries, name)
     if "weight_scale" in companions and weight.dtype in quant.FP8_DTYPES:
         scale = companions["weight_scale"].to(torch.float32)
         cast = fp8_cast(dense, scale.reshape(-1, 1) if scale.numel() > 1 else scale.reshape(()), weight.dtype)

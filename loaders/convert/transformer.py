@@ -16,7 +16,8 @@ higher precision. What stays unquantized, and why (UNQUANTIZED, first rule that 
   --type F16). FLUX.2's shared modulation replaces FLUX.1's per-block one; it scales and gates every block's
   activations, and runs once per step on one vector, so keeping it precise costs memory (1.1 GB in BF16 for
   [dev] instead of 0.3 GB at 4 bits) and no speed.
-- a matrix whose rows do not hold whole blocks of the type: BF16 (no FLUX.2 tensor is one).
+- a matrix whose rows do not hold whole blocks of the type: BF16, F16 in a K type as lcpp.patch falls back (no
+  FLUX.2 tensor is one).
 
 The metadata is what FLUX.2 GGUFs in the wild carry: general.architecture "flux", general.quantization_version
 2 and general.file_type (llama.cpp's number for the --type); tensors keep their BFL names.
@@ -62,41 +63,42 @@ SMALL = 1024  # values: a tensor this small stays F32 (ComfyUI-GGUF's QUANTIZATI
 VECTOR = Q.F32
 
 
+def _file_float(qtype: Q) -> Q:
+    """The higher-precision float type of a file written in `qtype`: F16 in an F16 file, else BF16."""
+    return Q.F16 if qtype == Q.F16 else Q.BF16
+
+
 @dataclass(frozen=True)
 class Keep:
-    """A rule of the unquantized list: tensors it applies to are stored in `qtype` (None: the higher-precision
-    float type of the file, BF16 or F16)."""
+    """A rule of the unquantized list: a tensor it applies to, which would take `qtype`, is stored in
+    `stored(qtype)`."""
 
     why: str
     applies: Callable[[str, tuple[int, ...], Q], bool]
-    qtype: Q | None
+    stored: Callable[[Q], Q] = _file_float
 
 
 UNQUANTIZED = (
     Keep("a vector or a tensor of at most 1024 values (norm scales)",
-         lambda key, shape, qtype: len(shape) < 2 or math.prod(shape) <= SMALL, VECTOR),
+         lambda key, shape, qtype: len(shape) < 2 or math.prod(shape) <= SMALL, lambda qtype: VECTOR),
     Keep("an embedder or the final layer (ComfyUI-GGUF's FLUX filter)",
          lambda key, shape, qtype: key.startswith(("img_in.", "txt_in.", "time_in.", "guidance_in.",
-                                                   "final_layer.")), None),
+                                                   "final_layer."))),
     Keep("FLUX.2's shared modulation",
          lambda key, shape, qtype: key.startswith(("double_stream_modulation_img.", "double_stream_modulation_txt.",
-                                                   "single_stream_modulation.")), None),
-    Keep("rows that do not hold whole blocks of the type", lambda key, shape, qtype: not fits(qtype, shape), None),
+                                                   "single_stream_modulation."))),
+    # in a K type, such rows fall back to F16 (lcpp.patch)
+    Keep("rows that do not hold whole blocks of the type", lambda key, shape, qtype: not fits(qtype, shape),
+         lambda qtype: Q.F16 if qtype in K_TYPES else _file_float(qtype)),
 )
-PART_ROWS = UNQUANTIZED[-1]  # in a K type, such rows fall back to F16 (lcpp.patch)
 
 
 def tensor_type(key: str, shape: tuple[int, ...], written: Written) -> tuple[Q, str | None]:
     """The GGUF type of tensor `key` in a file of `written`, and the rule that kept it unquantized (None when it
     takes the written type)."""
     qtype = written.qkv if any(spelling in key for spelling in QKV) else written.weights
-    kept_float = Q.F16 if qtype == Q.F16 else Q.BF16
-    for rule in UNQUANTIZED:
-        if rule.applies(key, shape, qtype):
-            if rule is PART_ROWS and qtype in K_TYPES:
-                kept_float = Q.F16
-            return (kept_float if rule.qtype is None else rule.qtype), rule.why
-    return qtype, None
+    rule = next((rule for rule in UNQUANTIZED if rule.applies(key, shape, qtype)), None)
+    return (qtype, None) if rule is None else (rule.stored(qtype), rule.why)
 
 
 def convert_transformer(src: str, out: str, *, qtype: str, force: bool = False,
@@ -125,13 +127,11 @@ def convert_transformer(src: str, out: str, *, qtype: str, force: bool = False,
         file = gguf_file(f, metadata, layout)
         for key in progress.tracked(list(types)):
             shape, read = plan.tensors[key]
-            entries = read()
-            weight = entries.pop(key)
-            companions = {k.rpartition(".")[2]: v for k, v in entries.items()}
+            weight, companions = quant.split_entries(read(), key)
             values = quant.dequantize(weight, companions, torch.float32, shape) if companions or apply else weight
             if apply is not None:
                 values = apply(key, values)
-            del weight, entries
+            del weight, companions
             _write(file, key, values, types[key])
             del values
         file.finish()

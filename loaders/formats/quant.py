@@ -121,6 +121,11 @@ def is_companion(key: str) -> bool:
     return key.rpartition(".")[2] in COMPANIONS
 
 
+def split_entries(entries: dict[str, torch.Tensor], key: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """A weight's entries as the readers return them -> the weight, and its companions by suffix."""
+    return entries[key], {k.rpartition(".")[2]: v for k, v in entries.items() if k != key}
+
+
 def packed_format(label: str) -> PackedFormat | None:
     """The row of a reported format word ("gguf-Q8_0" is GGUF's), or None for a plain float format."""
     return BY_LABEL.get(label.split("-")[0] if label.startswith("gguf-") else label)
