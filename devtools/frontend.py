@@ -28,6 +28,8 @@ CHROMIUM = "/usr/bin/chromium"  # Debian's package
 # Headless, and without the background connections a closed network refuses.
 CHROMIUM_ARGS = ["--headless=new", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+# The user setting the frontend sets on its first visit to a server, when it opens the Templates browser by itself.
+TUTORIAL_DONE = "Comfy.TutorialCompleted"
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 THUMBNAIL = 512  # the Templates browser shows square cards
 SEARCHES = ("load flux", "flux2 vae", "gguf", "text encoder")  # docs/node-search.png shows the first
@@ -47,20 +49,22 @@ def open_frontend(server: HeadlessComfy, width: int = 1600, height: int = 1000):
     """A page of the server's frontend with its graph ready and no dialog open."""
     from playwright.sync_api import sync_playwright
 
+    first_visit = not server.get("/settings").get(TUTORIAL_DONE)
     with sync_playwright() as pw:
         browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
         try:
             page = browser.new_page(viewport={"width": width, "height": height})
             page.goto(f"http://127.0.0.1:{server.port}/")
             page.wait_for_function("() => window.app && window.app.graph", timeout=120_000)
-            _close_first_visit_templates(page)
+            if first_visit:
+                _close_first_visit_templates(page)
             yield page
         finally:
             browser.close()
 
 
 def _close_first_visit_templates(page) -> None:
-    """The Templates browser opens by itself on a first visit (0.3.75's frontend opens nothing)."""
+    """The Templates browser opens by itself on a server's first visit, which then sets TUTORIAL_DONE."""
     from playwright.sync_api import TimeoutError
 
     browser = page.get_by_text("All Templates").first
