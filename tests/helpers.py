@@ -191,8 +191,8 @@ def write_gguf(path: Path, architecture: str, tensors: dict[str, np.ndarray]) ->
 
 
 def host_flux2_tokenizer(tekken, skip_note: str = ""):
-    """The running ComfyUI's own FLUX.2 tokenizer built from a tekken file's bytes (as its single files embed it),
-    or a skip where that does not build under this transformers (it asks for a vocab_file there)."""
+    """The running ComfyUI's own FLUX.2 tokenizer built from a tekken file (its bytes, or the uint8 tensor its single
+    files embed), or a skip where that does not build under this transformers (it asks for a vocab_file there)."""
     import comfy.text_encoders.flux
     import transformers
 

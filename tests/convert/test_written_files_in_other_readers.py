@@ -18,6 +18,7 @@ from comfyui_flux2dev.loaders.convert.encoder import FP8_PARTS, convert_encoder
 from comfyui_flux2dev.loaders.convert.transformer import TYPES, convert_transformer
 from comfyui_flux2dev.loaders.models.encoder_identify import LAYER_SHAPES
 from comfyui_flux2dev.loaders.models.variants import known_mistral_encoders
+from helpers import host_flux2_tokenizer
 
 ENCODER = "text_encoders/mistral_3_small_flux2_bf16.safetensors"
 TRANSFORMER = "diffusion_models/flux2-dev-tiny.safetensors"
@@ -135,19 +136,9 @@ def test_comfyuis_own_encoder_loads_every_tensor_and_gives_the_packs_conditionin
 
 
 def test_comfyuis_own_tokenizer_reads_the_embedded_vocabulary_as_the_pack_does(comfy_host, encoders):
-    import comfy.text_encoders.flux
-    import transformers
-
     from comfyui_flux2dev.host.clip import load_clip
 
-    sd = _as_the_host_reads(encoders["bf16"])
-    try:
-        host = comfy.text_encoders.flux.Flux2Tokenizer(tokenizer_data={"tekken_model": sd["tekken_model"]})
-    except TypeError as e:
-        if "vocab_file" not in str(e):
-            raise
-        pytest.skip(f"this ComfyUI's own FLUX.2 tokenizer does not build under transformers "
-                    f"{transformers.__version__} ({e})")
+    host = host_flux2_tokenizer(_as_the_host_reads(encoders["bf16"])["tekken_model"])
     mine = load_clip(str(encoders["bf16"]), padding="comfy")
     for prompt in ("a red fox in the snow", "Ein Café, 2024: [IMG] 3 cats <s>!", "東京の夜"):
         assert [t[0] for t in host.tokenize_with_weights(prompt)["mistral3_24b"][0]] == \
