@@ -57,6 +57,11 @@ REQUIRED = (
     ("the user folder the conditioning cache lives in", "folder_paths:get_user_directory"),
     ("the input folder the image edit example's pictures are copied into", "folder_paths:get_input_directory"),
     ("the VAE object", "comfy.sd:VAE.throw_exception_if_invalid"),
+    ("the VAE's size, measured again after the pack puts a narrower decoder in", "comfy.sd:VAE.model_size"),
+    ("the host's VAE model, whose source says whether it builds a decoder narrower than the encoder",
+     "comfy.ldm.models.autoencoder:AutoencodingEngineLegacy.__init__"),
+    ("the host's diffusers-to-BFL VAE key conversion, run before the pack takes the decoder's weights out",
+     "comfy.diffusers_convert:convert_vae_state_dict"),
     ("the pruned FLUX.2 text encoder", "comfy.text_encoders.flux:flux2_te"),
     ("reading LoRAs into a model's patches, in every format the host takes", "comfy.sd:load_lora_for_models"),
     ("the host's LoRA arithmetic, applied to a weight", "comfy.lora:calculate_weight"),
@@ -273,6 +278,14 @@ def inference_dtype(model):
     if found is not None:
         return found()
     return model.manual_cast_dtype or model.get_dtype()
+
+
+def builds_narrow_vae_decoders() -> bool:
+    """Whether the host builds a VAE decoder narrower than its encoder, sized from the file's decoder.conv_in (0.33:
+    its VAE model takes a decoder_ddconfig); 0.3.75 builds the decoder as wide as the encoder."""
+    import comfy.ldm.models.autoencoder
+
+    return "decoder_ddconfig" in inspect.getsource(comfy.ldm.models.autoencoder.AutoencodingEngineLegacy.__init__)
 
 
 def unload_held(model) -> None:
