@@ -63,7 +63,6 @@ REQUIRED = (
     ("the host's diffusers-to-BFL VAE key conversion, run before the pack takes the decoder's weights out",
      "comfy.diffusers_convert:convert_vae_state_dict"),
     ("the pruned FLUX.2 text encoder", "comfy.text_encoders.flux:flux2_te"),
-    ("reading LoRAs into a model's patches, in every format the host takes", "comfy.sd:load_lora_for_models"),
     ("the host's LoRA arithmetic, applied to a weight", "comfy.lora:calculate_weight"),
     ("reading a LoRA's tensors into patches, from the pack's map of where its layers land", "comfy.lora:load_lora"),
     ("a LoRA's patches added to a MODEL", "comfy.model_patcher:ModelPatcher.add_patches"),
