@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import os
 import struct
+from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -74,6 +75,11 @@ def _entry_reader(path: str, data_start: int, data_size: int):
 
     def hook(pairs: list[tuple[str, object]]):
         nonlocal metadata_seen
+        names = Counter(name for name, _ in pairs)
+        twice = sorted(name for name, count in names.items() if count > 1)
+        if twice:  # json keeps the last silently: which tensor a name means would be the reader's guess
+            raise CorruptFileError(f"{path}: the safetensors header names {describe(twice[0])} more than once; the "
+                                   "file is damaged or was written wrongly. Download it again.")
         values = [v for _, v in pairs]
         if any(isinstance(v, (TensorInfo, dict)) for v in values):
             return dict(pairs)  # the header itself (what it holds is checked in read_header)

@@ -25,6 +25,7 @@ from .transformer_layout import (
     DIFFUSERS,
     KeyLayout,
     TransformerGeometry,
+    check_tensor_shapes,
     diffusers_plan,
     geometry_from_shapes,
     transformer_files,
@@ -167,6 +168,7 @@ def plan_transformer(path: str | Path) -> TransformerPlan:
         tensors = _diffusers_readers(shapes, files.read, geometry)
     else:
         tensors = _bfl_readers(files)
+    check_tensor_shapes({key: shape for key, (shape, _) in tensors.items()}, geometry, variant)
     return TransformerPlan(variant, geometry, layout, tensors)
 
 

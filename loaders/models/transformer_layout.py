@@ -62,6 +62,37 @@ DIFFUSERS_TO_BFL = (
 )
 
 
+# Every tensor of a FLUX.2 transformer in BFL keys and its shape in the geometry's widths: h the model's, c the text
+# conditioning's, i the latent channels, d a head's, t the timestep embedding's (256); "6h" is six times h. "{n}" is
+# a double or single block's index. The MLPs are SwiGLU of 3h, fused into linear1 and linear2 in the single blocks.
+TIMESTEP_WIDTH = 256
+BFL_TENSORS = (
+    ("img_in.weight", ("h", "i")),
+    ("txt_in.weight", ("h", "c")),
+    ("time_in.in_layer.weight", ("h", "t")),
+    ("time_in.out_layer.weight", ("h", "h")),
+    ("guidance_in.in_layer.weight", ("h", "t")),  # with guidance only ([dev])
+    ("guidance_in.out_layer.weight", ("h", "h")),
+    ("double_stream_modulation_img.lin.weight", ("6h", "h")),
+    ("double_stream_modulation_txt.lin.weight", ("6h", "h")),
+    ("single_stream_modulation.lin.weight", ("3h", "h")),
+    *((f"double_blocks.{{n}}.{stream}_{part}", shape) for stream in ("img", "txt") for part, shape in (
+        ("attn.qkv.weight", ("3h", "h")),
+        ("attn.norm.query_norm.scale", ("d",)),
+        ("attn.norm.key_norm.scale", ("d",)),
+        ("attn.proj.weight", ("h", "h")),
+        ("mlp.0.weight", ("6h", "h")),
+        ("mlp.2.weight", ("h", "3h")),
+    )),
+    ("single_blocks.{n}.linear1.weight", ("9h", "h")),
+    ("single_blocks.{n}.linear2.weight", ("h", "4h")),
+    ("single_blocks.{n}.norm.query_norm.scale", ("d",)),
+    ("single_blocks.{n}.norm.key_norm.scale", ("d",)),
+    ("final_layer.linear.weight", ("i", "h")),
+    ("final_layer.adaLN_modulation.1.weight", ("2h", "h")),
+)
+
+
 @dataclass(frozen=True)
 class KeyLayout:
     """Where a layout keeps the tensors that tell the geometry."""
@@ -92,6 +123,42 @@ class TransformerGeometry:
     double_blocks: int
     single_blocks: int
 
+
+
+def bfl_tensor_shapes(geometry: TransformerGeometry, variant: Flux2Variant) -> dict[str, tuple[int, ...]]:
+    """Every BFL tensor a transformer of this geometry and variant has, and its shape (BFL_TENSORS)."""
+    widths = {"h": geometry.hidden_size, "c": geometry.context_in_dim, "i": geometry.in_channels,
+              "d": geometry.hidden_size // variant.num_heads, "t": TIMESTEP_WIDTH}
+    blocks = {"double_blocks.": geometry.double_blocks, "single_blocks.": geometry.single_blocks}
+    out = {}
+    for key, dims in BFL_TENSORS:
+        if key.startswith("guidance_in.") and not geometry.guidance:
+            continue
+        shape = tuple(int(dim[:-1] or 1) * widths[dim[-1]] for dim in dims)
+        count = next((n for prefix, n in blocks.items() if key.startswith(prefix)), None)
+        out.update({key.format(n=n): shape for n in range(count)} if count is not None else {key: shape})
+    return out
+
+
+def check_tensor_shapes(shapes: Mapping[str, tuple[int, ...]], geometry: TransformerGeometry,
+                        variant: Flux2Variant) -> None:
+    """Refuse, before anything is read, a transformer (BFL keys) with a tensor missing, one too many, or one whose
+    shape is not its variant's: what a load would refuse, or what would only break later in ComfyUI."""
+    expected = bfl_tensor_shapes(geometry, variant)
+    missing = sorted(expected.keys() - shapes.keys())
+    if missing:
+        raise MissingWeightsError(
+            f"The {variant.name} transformer lacks {len(missing)} tensor(s) ({', '.join(missing[:4])}"
+            f"{' ...' if len(missing) > 4 else ''}); the file is incomplete. Download it again."
+        )
+    wrong = [f"{key} {list(shapes[key])} (expected {list(shape)})" for key, shape in sorted(expected.items())
+             if tuple(shapes[key]) != shape]
+    if wrong:
+        raise UnknownModelError(
+            f"The {variant.name} transformer has {len(wrong)} tensor(s) of the wrong shape: {'; '.join(wrong[:3])}"
+            f"{' ...' if len(wrong) > 3 else ''}. The file is damaged or not a FLUX.2 transformer; download it again."
+        )
+    _refuse_leftovers(shapes.keys() - expected.keys(), "BFL")
 
 
 def _count_blocks(keys, prefix: str) -> int:
