@@ -14,6 +14,9 @@ import pytest
 from comfyui_flux2dev.devtools import example_workflows as examples
 from comfyui_flux2dev.devtools import frontend
 from comfyui_flux2dev.devtools.headless import PACK_FOLDER
+from comfyui_flux2dev.devtools.official_templates import with_pack_nodes
+from comfyui_flux2dev.devtools.workflow_files import ui_to_api
+from test_official_templates import TEMPLATES
 
 pytestmark = pytest.mark.server
 
@@ -76,3 +79,17 @@ def test_the_template_names_the_public_files_which_the_frontend_reports_missing(
     template = json.loads((examples.UI_FOLDER / f"{examples.TEXT_TO_IMAGE}.json").read_text(encoding="utf-8"))
     frontend.load_workflow(page, template)
     assert frontend.shows_missing_models(page)
+
+
+def test_the_frontend_queues_workflows_as_ui_to_api_reads_them(page, tiny_comfyui):
+    """ui_to_api, which the tests run UI files through, sends what the frontend sends: for an example, without its
+    bypassed Turbo LoRA; for the official templates with the pack's nodes, their subgraph's nodes with its values."""
+    folder, server = tiny_comfyui
+    object_info = server.get("/object_info")
+    workflows = [frontend.tiny_workflow(folder, examples.TEXT_TO_IMAGE)]
+    workflows += [with_pack_nodes(server.get(f"/templates/{name}.json"), object_info) for name in TEMPLATES]
+    for ui in workflows:
+        frontend.load_workflow(page, ui)
+        sent = page.evaluate("async () => (await window.app.graphToPrompt()).output")
+        assert {key: {"class_type": n["class_type"], "inputs": n["inputs"]} for key, n in sent.items()} \
+            == ui_to_api(ui, object_info)
