@@ -399,8 +399,8 @@ def _convert_commands(sub) -> None:
     p.add_argument("--type", choices=WRITTEN_TYPES, required=True,
                    help="the type of the weights (the README lists what stays unquantized)")
     p.add_argument("--lora", action=_Lora, dest="loras", metavar="FILE",
-                   help="a LoRA (.safetensors, any format ComfyUI's LoRA loader takes) baked in; repeat for more "
-                   "(needs ComfyUI)")
+                   help="a LoRA (.safetensors, in any layout the Load FLUX.2 LoRA node reads) baked in; repeat for "
+                   "more (needs ComfyUI)")
     p.add_argument("--strength", action=_Lora, dest="loras", metavar="S",
                    help="the strength of the --lora before it (default 1)")
     p.add_argument("--force", action="store_true", help="replace what is at OUT (never written through a link)")

@@ -57,11 +57,16 @@ REQUIRED = (
     ("the user folder the conditioning cache lives in", "folder_paths:get_user_directory"),
     ("the input folder the image edit example's pictures are copied into", "folder_paths:get_input_directory"),
     ("the VAE object", "comfy.sd:VAE.throw_exception_if_invalid"),
+    ("the VAE's size, measured again after the pack puts a narrower decoder in", "comfy.sd:VAE.model_size"),
+    ("the host's VAE model, whose source says whether it builds a decoder narrower than the encoder",
+     "comfy.ldm.models.autoencoder:AutoencodingEngineLegacy.__init__"),
+    ("the host's diffusers-to-BFL VAE key conversion, run before the pack takes the decoder's weights out",
+     "comfy.diffusers_convert:convert_vae_state_dict"),
     ("the pruned FLUX.2 text encoder", "comfy.text_encoders.flux:flux2_te"),
-    ("reading LoRAs into a model's patches, in every format the host takes", "comfy.sd:load_lora_for_models"),
     ("the host's LoRA arithmetic, applied to a weight", "comfy.lora:calculate_weight"),
-    ("the LoRA key names the host maps onto a model, which the bake names the unapplied ones from",
-     "comfy.lora:model_lora_keys_unet"),
+    ("reading a LoRA's tensors into patches, from the pack's map of where its layers land", "comfy.lora:load_lora"),
+    ("a LoRA's patches added to a MODEL", "comfy.model_patcher:ModelPatcher.add_patches"),
+    ("a LoRA's patches added to a CLIP", "comfy.sd:CLIP.add_patches"),
     ("loading a model onto the device the host computes on", "comfy.model_management:load_models_gpu"),
     ("a model's weight dtype", "comfy.model_base:BaseModel.get_dtype"),
     ("the Mistral encoder class the pack masks left padding in",
@@ -88,6 +93,8 @@ REQUIRED = (
     ("the node API (V3): a switch input", "comfy_api.latest:io.Boolean.Input"),
     ("the node API (V3): a text input", "comfy_api.latest:io.String.Input"),
     ("the node API (V3): a CLIP output", "comfy_api.latest:io.Clip.Output"),
+    ("the node API (V3): a CLIP input", "comfy_api.latest:io.Clip.Input"),
+    ("the node API (V3): a MODEL input", "comfy_api.latest:io.Model.Input"),
     ("the node API (V3): a MODEL output", "comfy_api.latest:io.Model.Output"),
     ("the node API (V3): a VAE output", "comfy_api.latest:io.Vae.Output"),
     ("the node API (V3): a number input", "comfy_api.latest:io.Int.Input"),
@@ -122,6 +129,8 @@ SIGNATURES = (
      "0.3.75"),
     ("a transformer's weights assigned, not copied, as the dynamic-VRAM patcher wants",
      "comfy.model_base:BaseModel.load_model_weights", ("sd", "unet_prefix", "assign"), "0.33.0"),
+    ("a LoRA's tensors read into patches, by the map the pack gives", "comfy.lora:load_lora", ("lora", "to_load"),
+     "0.3.75"),
 )
 # (what the pack unpacks it for, "module:attribute.path", the number of values it unpacks from its result)
 RESULTS = (
@@ -270,6 +279,14 @@ def inference_dtype(model):
     return model.manual_cast_dtype or model.get_dtype()
 
 
+def builds_narrow_vae_decoders() -> bool:
+    """Whether the host builds a VAE decoder narrower than its encoder, sized from the file's decoder.conv_in (0.33:
+    its VAE model takes a decoder_ddconfig); 0.3.75 builds the decoder as wide as the encoder."""
+    import comfy.ldm.models.autoencoder
+
+    return "decoder_ddconfig" in inspect.getsource(comfy.ldm.models.autoencoder.AutoencodingEngineLegacy.__init__)
+
+
 def unload_held(model) -> None:
     """Unload whatever the host holds of `model` (a patcher's model: a CLIP's cond_stage_model, a MODEL's
     model), so that its memory can go."""
@@ -316,6 +333,32 @@ def keys_the_host_logs_missing(message: str):
     finally:
         root.removeHandler(handler)
         root.setLevel(level)
+
+
+# What the host's LoRA reader logs for each tensor of a LoRA it did not read (comfy.lora.load_lora).
+LORA_KEY_NOT_LOADED = "lora key not loaded: "
+
+
+@contextlib.contextmanager
+def lora_keys_not_loaded():
+    """Collect the LoRA tensors the host's reader logs as not read inside the block, instead of logging them: the
+    pack's report names them."""
+    found: set[str] = set()
+
+    class Collect(logging.Filter):
+        def filter(self, record) -> bool:
+            text = record.getMessage()
+            if text.startswith(LORA_KEY_NOT_LOADED):
+                found.add(text[len(LORA_KEY_NOT_LOADED):])
+                return False
+            return True
+
+    collect = Collect()
+    logging.root.addFilter(collect)
+    try:
+        yield found
+    finally:
+        logging.root.removeFilter(collect)
 
 
 @contextlib.contextmanager

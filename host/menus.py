@@ -63,6 +63,7 @@ MENUS = {
     "vae": (MenuSource("diffusers", (), is_flux2_pipeline), MenuSource("vae", (".safetensors",), has_config)),
     "transformer": (MenuSource("diffusers", (), is_flux2_pipeline),
                     MenuSource("diffusion_models", (".safetensors",), has_config)),
+    "lora": (MenuSource("loras", (".safetensors",)),),
     "language model": (MenuSource("text_encoders", (".safetensors", ".gguf"), has_config),
                        MenuSource("diffusers", (), is_dev_pipeline)),
 }

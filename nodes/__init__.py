@@ -7,6 +7,7 @@ from comfy_api.latest import ComfyExtension
 
 from .encoder import Flux2DevEncoderLoader
 from .gguf import Flux2DevGGUFTransformerLoader
+from .lora import Flux2DevLoraLoader
 from .sources import Flux2DevEncoderSource, Flux2DevTransformerSource, Flux2DevVAESource
 from .upsampler import Flux2DevPromptUpsampler
 
@@ -16,6 +17,7 @@ NODES = (
     Flux2DevTransformerSource,
     Flux2DevEncoderSource,
     Flux2DevVAESource,
+    Flux2DevLoraLoader,
     Flux2DevPromptUpsampler,
 )
 

@@ -15,15 +15,17 @@ class Flux2DevVAESource(io.ComfyNode):
     def define_schema(cls):
         return schema(
             "Flux2DevVAESource",
-            "The FLUX.2 VAE, from models/vae (flux2-vae.safetensors, BFL's ae.safetensors or a diffusers vae/ folder) "
-            "or from any FLUX.2 pipeline folder in models/diffusers: [dev] and Klein share one VAE, so a Klein "
-            "pipeline serves [dev] too. Not the FLUX.1 VAE, which core's Load VAE also lists.",
+            "The FLUX.2 VAE, from models/vae (flux2-vae.safetensors, BFL's ae.safetensors, its small-decoder "
+            "full_encoder_small_decoder.safetensors or a diffusers vae/ folder) or from any FLUX.2 pipeline folder in "
+            "models/diffusers: [dev] and Klein share one VAE, so a Klein pipeline serves [dev] too. Not the FLUX.1 "
+            "VAE, which core's Load VAE also lists.",
             [
                 io.Combo.Input(
                     "vae",
                     options=list(model_choices("vae")),
                     tooltip="A FLUX.2 pipeline folder from models/diffusers ([dev] or Klein: they share the VAE), or "
-                    "from models/vae the FLUX.2 ae.safetensors or a diffusers vae/ folder. Not the FLUX.1 VAE.",
+                    "from models/vae the FLUX.2 ae.safetensors, full_encoder_small_decoder.safetensors (a faster, "
+                    "narrower decoder) or a diffusers vae/ folder. Not the FLUX.1 VAE.",
                 )
             ],
             [io.Vae.Output(tooltip="The FLUX.2 VAE: connect it to VAE Decode (and VAE Encode for reference images).")],

@@ -208,21 +208,50 @@ def host_flux2_tokenizer(tekken, skip_note: str = ""):
 # --- FLUX.2 transformer GGUFs: the independent reference, and a LoRA over one ---------------------------------
 
 
-def reference_model(path):
-    """The host model built from every tensor of the file as gguf-py's reader and numpy dequantizer see it."""
+def gguf_weights(path) -> dict:
+    """Every tensor of a GGUF file as gguf-py's reader and numpy dequantizer see it, in float32."""
     import gguf
 
+    out = {}
+    for t in gguf.GGUFReader(str(path)).tensors:
+        values = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+        out[t.name] = torch.from_numpy(values.reshape([int(d) for d in reversed(t.shape)]))
+    return out
+
+
+def dense_model(weights: dict):
+    """The host model built from float32 BFL `weights` as they are."""
     from comfyui_flux2dev.host.model import build_model
     from comfyui_flux2dev.loaders.models.transformer import LoadedTransformer
     from comfyui_flux2dev.loaders.models.transformer_layout import geometry_from_shapes, variant_for_geometry
 
-    sd = {}
-    for t in gguf.GGUFReader(str(path)).tensors:
-        values = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
-        sd[t.name] = torch.from_numpy(values.reshape([int(d) for d in reversed(t.shape)]))
-    geometry, layout = geometry_from_shapes({k: tuple(v.shape) for k, v in sd.items()})
-    loaded = LoadedTransformer(sd, variant_for_geometry(geometry, layout), geometry, layout.name)
+    geometry, layout = geometry_from_shapes({k: tuple(v.shape) for k, v in weights.items()})
+    loaded = LoadedTransformer(dict(weights), variant_for_geometry(geometry, layout), geometry, layout.name)
     return build_model(loaded, dtype=torch.float32)
+
+
+def reference_model(path):
+    """The host model built from every tensor of the file as gguf-py's reader and numpy dequantizer see it."""
+    return dense_model(gguf_weights(path))
+
+
+def fp8_weights(path, spelling: str = "weight_scale") -> dict:
+    """A tiny scaled-fp8 transformer file's weights in float32, each fp8 weight times its scale, read by safetensors:
+    what the pack's fp8 MODEL computes with."""
+    from safetensors.torch import load_file
+
+    from comfyui_flux2dev.devtools.tiny.transformers import FP8_SPELLINGS
+
+    stored, (weight_scale, input_scale) = load_file(str(path)), FP8_SPELLINGS[spelling]
+    out = {}
+    for key, t in stored.items():
+        if key == "scaled_fp8" or key.endswith((f".{weight_scale}", f".{input_scale}")):
+            continue
+        if t.dtype == torch.float8_e4m3fn:
+            scale = stored[key.removesuffix(".weight") + f".{weight_scale}"]
+            t = t.float() * (scale.reshape(-1, 1) if scale.numel() > 1 else scale)
+        out[key] = t.float()
+    return out
 
 
 def flux2_forward(patcher, device: torch.device) -> torch.Tensor:

@@ -1,9 +1,10 @@
 """A seeded random FLUX.2 VAE (diffusers AutoencoderKLFlux2), as a diffusers vae/ folder and as a single
-ae.safetensors in the key layout of BFL's ae.safetensors.
+ae.safetensors in the key layout of BFL's ae.safetensors; and the same encoder with a narrower decoder, as BFL's
+small-decoder VAE pairs them, in both forms and as the decoder alone (BFL's small_decoder.safetensors).
 
-Not tiny: the host builds every FLUX.2 VAE with the real geometry (128-512 channels, 2 res blocks, 32
-latent channels; comfy.sd.VAE reads only the latent width from the weights), so a smaller one would not
-load. It is written in bf16 (about 170 MB per copy)."""
+Not tiny: the host builds every FLUX.2 encoder with the real geometry (128-512 channels, 2 res blocks, 32
+latent channels; comfy.sd.VAE reads only the latent width and the decoder's width from the weights), so a
+smaller one would not load. It is written in bf16 (about 170 MB per copy; 75 MB with the narrow decoder)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,9 @@ from pathlib import Path
 import torch
 
 SEED = 1616
+# BFL's small decoder is [96, 192, 384, 384]: the same steps as the full [128, 256, 512, 512], narrower. The tiny
+# one is narrower still (the host's group norms take multiples of 32).
+SMALL_DECODER = (32, 64, 128, 128)
 UP_BLOCKS = 4  # diffusers numbers decoder blocks from the latent side, BFL from the image side
 
 # diffusers key -> BFL ae key, applied in order; the replacement may be a function of the match.
@@ -50,15 +54,14 @@ def diffusers_to_ae(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tens
     return out
 
 
-@lru_cache(maxsize=1)
-def make_vae():
-    """The seeded random VAE (float32). Norm weights and the latent batch-norm statistics are random too,
-    so a mix-up of scale and shift or of mean and variance shows in the output."""
+def _seeded(seed: int, **config):
+    """A seeded random AutoencoderKLFlux2 (float32). Norm weights and the latent batch-norm statistics are random
+    too, so a mix-up of scale and shift or of mean and variance shows in the output."""
     from diffusers import AutoencoderKLFlux2
 
     with torch.random.fork_rng():
-        torch.manual_seed(SEED)
-        vae = AutoencoderKLFlux2()
+        torch.manual_seed(seed)
+        vae = AutoencoderKLFlux2(**config)
         with torch.no_grad():
             for name, p in vae.named_parameters():
                 if p.ndim == 1 and "norm" in name and name.endswith("weight"):
@@ -68,19 +71,59 @@ def make_vae():
     return vae.eval()
 
 
-def write_vae_folder(path: Path) -> None:
-    copy.deepcopy(make_vae()).bfloat16().save_pretrained(str(path))
+@lru_cache(maxsize=1)
+def make_vae():
+    """The seeded random VAE (float32)."""
+    return _seeded(SEED)
+
+
+@lru_cache(maxsize=1)
+def make_small_decoder_vae():
+    """make_vae()'s encoder with a seeded decoder of SMALL_DECODER channels. Put together from two models, with the
+    widths in its config as diffusers' decoder_block_out_channels, which the diffusers that reads them builds
+    (older diffusers, 0.37 among them, has no such parameter but writes the config as set)."""
+    vae = copy.deepcopy(make_vae())
+    vae.decoder = _seeded(SEED + 1, block_out_channels=SMALL_DECODER).decoder
+    vae.register_to_config(decoder_block_out_channels=SMALL_DECODER)
+    return vae
+
+
+def write_vae_folder(path: Path, vae=None) -> None:
+    copy.deepcopy(make_vae() if vae is None else vae).bfloat16().save_pretrained(str(path))
+
+
+def _bfl_keys(vae) -> dict[str, torch.Tensor]:
+    return diffusers_to_ae({k: v.to(torch.bfloat16) for k, v in vae.state_dict().items()})
+
+
+def write_ae(path: Path, vae) -> None:
+    from safetensors.torch import save_file
+
+    save_file(_bfl_keys(vae), str(path))
+
+
+def write_decoder_alone(path: Path, vae) -> None:
+    """The decoder's tensors alone, with bare keys (conv_in.weight, up.0.block.0.norm1.weight, ...) as BFL ships it."""
+    from safetensors.torch import save_file
+
+    save_file({k.removeprefix("decoder."): v for k, v in _bfl_keys(vae).items() if k.startswith("decoder.")}, str(path))
+
+
+# file or folder -> (the model, its writer, its layout; None for the decoder alone, no VAE the pack loads: its
+# refusal names the file to use, so it is left out of the manifest)
+WRITTEN = {
+    "flux2-vae-diffusers": (make_vae, write_vae_folder, "diffusers"),
+    "flux2-ae.safetensors": (make_vae, write_ae, "BFL"),
+    "flux2-small-decoder-vae-diffusers": (make_small_decoder_vae, write_vae_folder, "diffusers"),
+    "full_encoder_small_decoder.safetensors": (make_small_decoder_vae, write_ae, "BFL"),
+    "small_decoder.safetensors": (make_small_decoder_vae, write_decoder_alone, None),
+}
 
 
 def write_vaes(root: str | Path) -> list[dict]:
-    from safetensors.torch import save_file
-
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    write_vae_folder(root / "flux2-vae-diffusers")
-    bf16 = {k: v.to(torch.bfloat16) for k, v in make_vae().state_dict().items()}
-    save_file(diffusers_to_ae(bf16), str(root / "flux2-ae.safetensors"))
-    return [
-        {"path": "flux2-vae-diffusers", "kind": "vae", "layout": "diffusers", "variant": None, "format": "bf16"},
-        {"path": "flux2-ae.safetensors", "kind": "vae", "layout": "BFL", "variant": None, "format": "bf16"},
-    ]
+    for name, (make, write, _) in WRITTEN.items():
+        write(root / name, make())
+    return [{"path": name, "kind": "vae", "layout": layout, "variant": None, "format": "bf16"}
+            for name, (_, _, layout) in WRITTEN.items() if layout]

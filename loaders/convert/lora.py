@@ -11,19 +11,9 @@ from dataclasses import dataclass, field
 
 from ...errors import CorruptFileError, UnsupportedFormatError, WrongModelError
 from ..formats.safetensors_file import SafetensorsFiles
+from ..models.lora_layouts import PAIRS
 from ..models.transformer_layout import bfl_shapes, module_names
 
-# The (up, down) key endings of the LoRA spellings ComfyUI's loader reads, longest first so that no ending is
-# taken for a shorter one it ends with; the layer's name is what comes before.
-PAIRS = tuple(sorted((
-    (".lora_up.weight", ".lora_down.weight"),  # kohya, generic
-    ("_lora.up.weight", "_lora.down.weight"),  # diffusers (old)
-    (".lora_B.weight", ".lora_A.weight"),  # PEFT / diffusers
-    (".lora.up.weight", ".lora.down.weight"),  # diffusers
-    (".lora_B", ".lora_A"),  # mochi
-    (".lora_linear_layer.up.weight", ".lora_linear_layer.down.weight"),  # transformers
-    (".lora_B.default.weight", ".lora_A.default.weight"),  # PEFT adapters named "default"
-), key=lambda pair: -len(pair[0])))
 DIFF = ".diff"  # a full difference of the weight's shape
 ALPHA = ".alpha"  # one number: the pair's product is scaled by alpha / rank
 FLOATS = ("F64", "F32", "F16", "BF16")

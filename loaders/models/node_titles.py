@@ -23,6 +23,8 @@ NODES = {
         *FLUX2_WORDS, "diffusion model", "load diffusion model", "unet", "fp8", "pipeline", "diffusers")),
     "Flux2DevVAESource": ("Load FLUX.2 VAE (file or pipeline)", (
         *FLUX2_WORDS, "vae", "flux2 vae", "load vae", "ae", "autoencoder", "pipeline", "diffusers")),
+    "Flux2DevLoraLoader": ("Load FLUX.2 LoRA", (
+        *FLUX2_WORDS, "lora", "flux2 lora", "load lora", "lora loader", "lokr", "loha", "lycoris", "turbo lora")),
     "Flux2DevPromptUpsampler": ("FLUX.2 [dev] prompt upsampler", (
         *FLUX2_WORDS, "upsample prompt", "prompt upsampling", "caption upsampling", "enhance prompt", "expand prompt",
         "rewrite prompt", "prompt enhancer", "mistral", "generate text", "llm")),

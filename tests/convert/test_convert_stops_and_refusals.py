@@ -49,6 +49,16 @@ sys.exit(status)
 """
 
 
+STOPS = (signal.SIGINT, signal.SIGTERM)
+
+
+def _default_stops() -> None:
+    """In the child before it runs: Ctrl-C and SIGTERM as a terminal's command gets them. A suite started in the
+    background (nohup, `&` in a script, some CI runners) passes SIGINT on ignored, and the child would not stop."""
+    for stop in STOPS:
+        signal.signal(stop, signal.SIG_DFL)
+
+
 def _python(script: str, **kwargs) -> subprocess.Popen:
     return subprocess.Popen([sys.executable, "-P", "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                             text=True, **kwargs)
@@ -56,7 +66,13 @@ def _python(script: str, **kwargs) -> subprocess.Popen:
 
 def _paused_convert(tiny_root, out: Path) -> subprocess.Popen:
     argv = ["convert", "transformer", str(tiny_root / TRANSFORMER), str(out), "--type", "Q8_0"]
-    process = _python(PAUSED.format(argv=argv))
+    # Started as from a background job, whatever started the suite: the signals the test sends ignored here.
+    ignored = {stop: signal.signal(stop, signal.SIG_IGN) for stop in STOPS}
+    try:
+        process = _python(PAUSED.format(argv=argv), preexec_fn=_default_stops)
+    finally:
+        for stop, handler in ignored.items():
+            signal.signal(stop, handler)
     assert process.stdout.readline() == "writing\n", process.communicate(timeout=60)[1][-3000:]
     return process
 

@@ -6,7 +6,6 @@ dense weight plus the LoRA's product, computed here by hand, then quantized."""
 from __future__ import annotations
 
 import math
-import sys
 
 import gguf
 import numpy as np
@@ -16,10 +15,7 @@ from gguf import GGMLQuantizationType as Q
 
 from comfyui_flux2dev.errors import CorruptFileError, WrongModelError
 from comfyui_flux2dev.loaders.convert.transformer import TYPES, convert_transformer
-from helpers import TESTS
-
-sys.path.append(str(TESTS / "models"))
-from test_transformer import dequantized  # noqa: E402  (the fp8 files dequantized without the pack)
+from helpers import fp8_weights
 
 # source -> (path under the tiny root, the file whose tensors are its dense weights, fp8 spelling or None)
 SOURCES = {
@@ -66,7 +62,7 @@ def dense(tiny_root) -> dict[str, dict[str, np.ndarray]]:
 
     out = {}
     for name, (path, plain, spelling) in SOURCES.items():
-        weights = dequantized(tiny_root / path, spelling) if spelling \
+        weights = fp8_weights(tiny_root / path, spelling) if spelling \
             else {k: v.float() for k, v in load_file(str(tiny_root / plain)).items()}
         out[name] = {k: v.numpy() for k, v in weights.items()}
     return out
@@ -274,13 +270,14 @@ def test_a_bake_says_which_layers_it_applied_and_refuses_a_lora_that_applies_to_
     out = tmp_path / "baked.gguf"
     convert_transformer(str(tiny_root / SOURCES["bfl"][0]), str(out), qtype="Q8_0", patch=bake)
     (baked,) = bake.baked
-    assert (baked.layers, baked.applied) == (3, ["double_blocks.0.img_attn.qkv.weight"])
-    assert baked.misfit == [("double_blocks.1.img_attn.qkv.weight", [3 * HIDDEN, HIDDEN])]
-    assert baked.unmatched == ["lora_te_text_model_encoder_layers_0_mlp_fc1"]
+    qkv0, qkv1, te = ("diffusion_model.double_blocks.0.img_attn.qkv", "diffusion_model.double_blocks.1.img_attn.qkv",
+                      "lora_te_text_model_encoder_layers_0_mlp_fc1")
+    assert baked.report.applied == {"transformer": [f"{qkv0}.lora_down.weight", f"{qkv0}.lora_up.weight"]}
     assert summary(baked) == (
-        f"LoRA {tmp_path / 'mixed.safetensors'} (strength 1): 1 of its 3 layer(s) baked in; not applied: 1 shaped "
-        "unlike its weight (double_blocks.1.img_attn.qkv.weight is [768, 256]); 1 naming no weight of the transformer "
-        "(lora_te_text_model_encoder_layers_0_mlp_fc1)")
+        f"LoRA {tmp_path / 'mixed.safetensors'} (strength 1): 2 of 6 LoRA tensors applied (2 to the transformer); "
+        f"2 not applied, naming no layer of the FLUX.2 transformer or its text encoder given: {te}.lora_down.weight, "
+        f"{te}.lora_up.weight; 2 not applied, shaped unlike the weight their layer names: {qkv1}.lora_down.weight, "
+        f"{qkv1}.lora_up.weight")
     found, plain = _tensors(str(out)), _tensors(converted[("bfl", "Q8_0")])
     patched = "double_blocks.0.img_attn.qkv.weight"
     assert not np.array_equal(found[patched][1], plain[patched][1])
@@ -288,8 +285,10 @@ def test_a_bake_says_which_layers_it_applied_and_refuses_a_lora_that_applies_to_
 
     save_file(_lora_pair("diffusion_model.double_blocks.0.img_attn.proj", up, down, 3 * HIDDEN, HIDDEN, 4),
               str(tmp_path / "misfit.safetensors"))
-    with pytest.raises(WrongModelError, match=r"none of its 1 layer\(s\) applies \(1 shaped unlike its weight "
-                                              r"\(double_blocks\.0\.img_attn\.proj\.weight is \[256, 256\]\)\)"):
+    said = (r"none of its 2 tensors lands on the transformer \(its layers are shaped unlike the weights they "
+            r"name[^\n]*\n0 of 2 LoRA tensors applied\n2 not applied, shaped unlike the weight their layer names: "
+            r"diffusion_model\.double_blocks\.0\.img_attn")
+    with pytest.raises(WrongModelError, match=said):
         convert_transformer(str(tiny_root / SOURCES["bfl"][0]), str(tmp_path / "out.gguf"), qtype="Q8_0",
                             patch=lora_patch([(str(tmp_path / "misfit.safetensors"), 1.0)]))
     assert not (tmp_path / "out.gguf").exists()

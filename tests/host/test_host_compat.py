@@ -93,6 +93,19 @@ def _host_names(path) -> set[str]:
     return {name for name in found if not any(other.startswith(name + ".") for other in found)}
 
 
+def test_the_hosts_lora_reader_logs_each_tensor_it_did_not_read(comfy_host):
+    """The LoRA node counts what the host's reader left by its log line for each such tensor."""
+    import comfy.lora
+
+    from comfyui_flux2dev.host.compat import lora_keys_not_loaded
+
+    lora = {"read.lora_up.weight": torch.ones(2, 1), "read.lora_down.weight": torch.ones(1, 2),
+            "left.diff": torch.ones(1)}
+    with lora_keys_not_loaded() as left:
+        patches = comfy.lora.load_lora(lora=lora, to_load={"read": "model.weight"})
+    assert list(patches) == ["model.weight"] and left == {"left.diff"}
+
+
 def test_every_host_name_the_pack_uses_is_probed_in_compat():
     """A scan of host/ and nodes/: each name of ComfyUI the code reaches is a REQUIRED or OPTIONAL row of
     compat (the row may name a member of it, or it a member of the row's), so a release that drops it fails

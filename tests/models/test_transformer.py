@@ -14,6 +14,7 @@ from comfyui_flux2dev.loaders.models.transformer_layout import (
     identify_transformer,
     variant_for_geometry,
 )
+from helpers import fp8_weights
 
 
 @pytest.fixture(scope="module")
@@ -78,21 +79,6 @@ def bfl_to_diffusers(bfl):
     return convert_flux2_transformer_checkpoint_to_diffusers(dict(bfl))
 
 
-def dequantized(path, spelling):
-    from safetensors.torch import load_file
-
-    stored, (weight_scale, input_scale) = load_file(str(path)), FP8_SPELLINGS[spelling]
-    out = {}
-    for key, t in stored.items():
-        if key == "scaled_fp8" or key.endswith((f".{weight_scale}", f".{input_scale}")):
-            continue
-        if t.dtype == torch.float8_e4m3fn:
-            scale = stored[key.removesuffix(".weight") + f".{weight_scale}"]
-            t = t.float() * (scale.reshape(-1, 1) if scale.numel() > 1 else scale)
-        out[key] = t.float()
-    return out
-
-
 @pytest.mark.parametrize("variant", TINY_VARIANTS, ids=lambda v: v.key)
 def test_tiny_files_are_what_they_claim(tiny, variant):
     from safetensors.torch import load_file
@@ -121,7 +107,7 @@ def test_fp8_files_hold_the_bf16_model_quantized(tiny):
         stored = load_file(str(root / entry["path"]))
         assert any(k.endswith(f".{FP8_SPELLINGS[spelling][0]}") for k in stored)
         assert stored["double_blocks.0.img_attn.qkv.weight"].dtype == torch.float8_e4m3fn
-        approx = dequantized(root / entry["path"], spelling)
+        approx = fp8_weights(root / entry["path"], spelling)
         assert approx.keys() == exact.keys()
         for key in exact:
             assert torch.allclose(approx[key], exact[key], rtol=0.07, atol=1e-6), key
@@ -154,7 +140,7 @@ def test_fp8_model_matches_diffusers_on_dequantized_weights(comfy_host, tiny, sp
     (entry,) = [e for e in entries_of(tiny, format="fp8-scaled") if spelling in e["path"]]
     (folder,) = entries_of(tiny, variant="dev", layout="diffusers")
     ref = Flux2Transformer2DModel.from_config(Flux2Transformer2DModel.load_config(str(root / folder["path"])))
-    ref.load_state_dict(bfl_to_diffusers(dequantized(root / entry["path"], spelling)), strict=True)
+    ref.load_state_dict(bfl_to_diffusers(fp8_weights(root / entry["path"], spelling)), strict=True)
     patcher = load_model(root / entry["path"], dtype=torch.float32)
     layer = patcher.model.diffusion_model.single_blocks[0].linear1
     assert layer.weight.dtype == torch.float8_e4m3fn  # stays fp8 in memory

@@ -28,18 +28,11 @@ def test_the_command_line_entry_is_installed():
     assert "tiny" not in out.stdout and "bench" not in out.stdout, "the user's command has user verbs only"
 
 
-PACK_NODES = {
-    "Flux2DevEncoderLoader",
-    "Flux2DevGGUFTransformerLoader",
-    "Flux2DevVAESource",
-    "Flux2DevEncoderSource",
-    "Flux2DevTransformerSource",
-    "Flux2DevPromptUpsampler",
-}
-
-
 @pytest.mark.server
 def test_the_server_loads_the_pack_and_lists_its_nodes(comfy_server):
+    from comfyui_flux2dev.loaders.models.node_titles import NODES
+
+    PACK_NODES = set(NODES)
     info = comfy_server.get("/object_info")
     assert PACK_NODES <= set(info), sorted(PACK_NODES - set(info))
     assert {name for name in info if name.startswith("Flux2Dev")} == PACK_NODES

@@ -1,0 +1,329 @@
+"""Load FLUX.2 LoRA (host/lora.py) on every LoRA layout trainers publish: BFL/ComfyUI names with lora_up/down and
+alpha or lora_A/B, diffusers/PEFT names, kohya, OneTrainer, LyCORIS LoKr, LoHa and full differences, DoRA. Every
+tensor lands, and the patched model equals the LoRA's own math, computed here: in BFL names directly, and in
+diffusers names placed into BFL's weights by diffusers' own converter (each diffusers weight's values traced back
+to the BFL weight and rows they came from), so the pack's key table is checked by code other than its own. The
+patched weights of a dense model are compared one by one; packed models (safetensors bf16, scaled fp8, GGUF Q8_0
+and Q4_K) by a forward pass against a dense model holding the same weights plus the expected differences."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from comfyui_flux2dev.errors import CorruptFileError, WrongModelError
+from helpers import dense_model, flux2_forward, fp8_weights, gguf_weights, tiny_lora
+
+CPU = torch.device("cpu")
+TRANSFORMER = "diffusion_models/flux2-dev-tiny.safetensors"
+FP8 = "diffusion_models/flux2-dev-tiny-fp8-weight_scale.safetensors"
+ENCODER = "text_encoders/mistral_3_small_flux2_bf16.safetensors"
+
+# One layer of each kind the transformer has, in BFL names and in diffusers names.
+BFL_LAYERS = (
+    "img_in", "txt_in", "time_in.in_layer", "time_in.out_layer", "guidance_in.in_layer", "guidance_in.out_layer",
+    "double_stream_modulation_img.lin", "double_stream_modulation_txt.lin", "single_stream_modulation.lin",
+    "double_blocks.0.img_attn.qkv", "double_blocks.0.img_attn.proj", "double_blocks.1.img_mlp.0",
+    "double_blocks.1.img_mlp.2", "double_blocks.1.txt_attn.qkv", "double_blocks.0.txt_attn.proj",
+    "double_blocks.0.txt_mlp.0", "double_blocks.1.txt_mlp.2", "single_blocks.0.linear1", "single_blocks.1.linear2",
+    "final_layer.linear", "final_layer.adaLN_modulation.1",
+)
+DIFFUSERS_LAYERS = (
+    "x_embedder", "context_embedder", "time_guidance_embed.timestep_embedder.linear_1",
+    "time_guidance_embed.guidance_embedder.linear_2", "double_stream_modulation_img.linear",
+    "double_stream_modulation_txt.linear", "single_stream_modulation.linear",
+    *(f"transformer_blocks.0.attn.{name}" for name in ("to_q", "to_k", "to_v", "to_out.0")),
+    *(f"transformer_blocks.1.attn.{name}" for name in ("add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")),
+    "transformer_blocks.0.ff.linear_in", "transformer_blocks.1.ff.linear_out",
+    "transformer_blocks.1.ff_context.linear_in", "transformer_blocks.0.ff_context.linear_out",
+    "single_transformer_blocks.0.attn.to_qkv_mlp_proj",
+    "single_transformer_blocks.1.attn.to_out", "proj_out", "norm_out.linear",
+)
+
+
+def _underscored(name: str) -> str:
+    return name.replace(".", "_")
+
+
+# (id, names the layers are given in, how a layer's name is spelled, the adapter)
+LAYOUTS = (
+    ("bfl-up-down-alpha", "bfl", "diffusion_model.{}", "lora_up_down"),
+    ("bfl-A-B", "bfl", "diffusion_model.{}", "lora_A_B"),
+    ("comfyui-bare-A-B", "bfl", "{}", "lora_A_B"),
+    ("diffusers-peft", "diffusers", "transformer.{}", "lora_A_B"),
+    ("kohya", "bfl", "lora_unet_{flat}", "lora_up_down"),
+    ("onetrainer", "diffusers", "lora_transformer_{flat}", "lora_up_down"),
+    ("lycoris-lokr-diffusers", "diffusers", "lycoris_{flat}", "lokr"),
+    ("lycoris-lokr-bfl", "bfl", "lycoris_{flat}", "lokr"),
+    ("lycoris-loha-bfl", "bfl", "lycoris_{flat}", "loha"),
+    ("lycoris-full-diffusers", "diffusers", "lycoris_{flat}", "diff"),
+    ("dora-bfl", "bfl", "diffusion_model.{}", "dora"),
+)
+
+
+def _spelled(spelling: str, layer: str) -> str:
+    return spelling.format(layer, flat=_underscored(layer))
+
+
+def _adapter(kind: str, name: str, weight: torch.Tensor, g: torch.Generator) -> tuple[dict, object]:
+    """The tensors of one layer of `kind` for `weight` (its shape, and DoRA's magnitudes near its own), and how its
+    difference follows from the weight: a tensor to add, or (for DoRA) a function of the weight."""
+    out, inputs = weight.shape
+    rank = 4
+    scale = 0.05
+
+    def rand(*size):
+        return torch.randn(*size, generator=g) * scale
+
+    if kind in ("lora_up_down", "lora_A_B", "dora"):
+        up, down = rand(out, rank), rand(rank, inputs)
+        alpha = 2.0 if kind != "lora_A_B" else None
+        names = (".lora_B.weight", ".lora_A.weight") if kind == "lora_A_B" else (".lora_up.weight", ".lora_down.weight")
+        tensors = {name + names[0]: up, name + names[1]: down}
+        if alpha is not None:
+            tensors[name + ".alpha"] = torch.tensor(alpha)
+        diff = up @ down * ((alpha or rank) / rank)
+        if kind == "dora":
+            magnitude = weight.norm(dim=0, keepdim=True) * (1 + rand(1, inputs))
+            tensors[name + ".dora_scale"] = magnitude
+
+            def decomposed(weight, diff=diff, magnitude=magnitude):
+                changed = weight + diff
+                return changed * (magnitude / (changed.norm(dim=0, keepdim=True) + torch.finfo(weight.dtype).eps)) \
+                    - weight
+            return tensors, decomposed
+        return tensors, diff
+    if kind == "lokr":  # w1 whole, w2 as a product of rank 2: the difference is kron(w1, w2) * alpha / rank
+        factor = 2 if out % 2 == 0 and inputs % 2 == 0 else 1
+        w1 = rand(factor, factor) * 20
+        w2_a, w2_b = rand(out // factor, 2), rand(2, inputs // factor)
+        tensors = {name + ".lokr_w1": w1, name + ".lokr_w2_a": w2_a, name + ".lokr_w2_b": w2_b,
+                   name + ".alpha": torch.tensor(1.0)}
+        return tensors, torch.kron(w1, w2_a @ w2_b) * (1.0 / 2)
+    if kind == "loha":  # the Hadamard product of two rank-2 products, times alpha / rank
+        w1_a, w1_b, w2_a, w2_b = rand(out, 2) * 4, rand(2, inputs) * 4, rand(out, 2) * 4, rand(2, inputs) * 4
+        tensors = {name + ".hada_w1_a": w1_a, name + ".hada_w1_b": w1_b, name + ".hada_w2_a": w2_a,
+                   name + ".hada_w2_b": w2_b, name + ".alpha": torch.tensor(2.0)}
+        return tensors, (w1_a @ w1_b) * (w2_a @ w2_b) * (2.0 / 2)
+    diff = rand(out, inputs)
+    return {name + ".diff": diff}, diff
+
+
+def _bfl_weights(path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return {k: v.float() for k, v in load_file(str(path)).items()}
+
+
+@pytest.fixture(scope="module")
+def places(tiny_root):
+    """Each diffusers weight -> (BFL key, the flat positions in it its values come from), traced through diffusers'
+    own converter on a BFL state dict whose every value is its own global position."""
+    from diffusers.loaders.single_file_utils import convert_flux2_transformer_checkpoint_to_diffusers
+
+    bfl = _bfl_weights(tiny_root / TRANSFORMER)
+    probe, owner, start = {}, {}, 0
+    for key, t in bfl.items():
+        probe[key] = torch.arange(start, start + t.numel(), dtype=torch.float64).reshape(t.shape)
+        owner[key] = start
+        start += t.numel()
+    starts = sorted((s, k) for k, s in owner.items())
+    out = {}
+    for name, values in convert_flux2_transformer_checkpoint_to_diffusers(dict(probe)).items():
+        flat = values.reshape(-1).long()
+        key = next(k for s, k in reversed(starts) if s <= flat[0].item())
+        out[name.removesuffix(".weight")] = (key, flat - owner[key])
+    return out
+
+
+def _layout_lora(layout, bfl: dict[str, torch.Tensor], places) -> tuple[dict, dict]:
+    """(the LoRA's tensors, the expected difference of each BFL weight, or a function of the weight)."""
+    _, names, spelling, kind = layout
+    g = torch.Generator().manual_seed(hash(layout[0]) % 2**31)
+    tensors, expected = {}, {}
+    for layer in BFL_LAYERS if names == "bfl" else DIFFUSERS_LAYERS:
+        if names == "bfl":
+            key, rows = layer + ".weight", None
+            weight = bfl[key]
+        else:
+            key, rows = places[layer]
+            weight = bfl[key].reshape(-1)[rows].reshape(-1, bfl[key].shape[1])
+        made, diff = _adapter(kind, _spelled(spelling, layer), weight, g)
+        tensors.update(made)
+        if rows is None:
+            expected[key] = diff
+        else:  # a slice (or a reordering) of the BFL weight
+            whole = expected.setdefault(key, torch.zeros_like(bfl[key]))
+            whole.view(-1)[rows] += diff.reshape(-1)
+    return tensors, expected
+
+
+def _expected_weights(bfl: dict, expected: dict) -> dict:
+    return {k: v + (expected[k](v) if callable(expected.get(k)) else expected.get(k, 0)) for k, v in bfl.items()}
+
+
+@pytest.fixture(scope="module")
+def models(tiny_root, tiny_part, comfy_host):
+    """name -> (a FLUX.2 [dev] MODEL, the float32 BFL weights it computes with)."""
+    from comfyui_flux2dev.host.model import load_gguf_model, load_model
+
+    root, entries = tiny_part("unet")
+    ggufs = {e["format"].removeprefix("gguf-"): root / e["path"] for e in entries if e["variant"] == "dev"}
+    bfl = _bfl_weights(tiny_root / TRANSFORMER)
+    return {
+        "dense": (dense_model(bfl), bfl),
+        "safetensors": (load_model(str(tiny_root / TRANSFORMER), dtype=torch.float32), bfl),
+        "fp8": (load_model(str(tiny_root / FP8), dtype=torch.float32), fp8_weights(tiny_root / FP8)),
+        **{fmt: (load_gguf_model(str(ggufs[fmt]), dtype=torch.float32), gguf_weights(ggufs[fmt]))
+           for fmt in ("Q8_0", "Q4_K")},
+    }
+
+
+def _forward(patcher) -> torch.Tensor:
+    patcher.patch_model(device_to=CPU)
+    try:
+        with torch.no_grad():
+            return flux2_forward(patcher, CPU)
+    finally:
+        patcher.unpatch_model(device_to=CPU)
+
+
+def _save(tensors: dict, path) -> str:
+    from safetensors.torch import save_file
+
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path))
+    return str(path)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS, ids=lambda layout: layout[0])
+def test_every_tensor_of_each_layout_lands_as_the_loras_own_math(models, places, layout, tmp_path):
+    from comfyui_flux2dev.host.lora import load_lora
+
+    bfl = models["dense"][1]
+    tensors, expected = _layout_lora(layout, bfl, places)
+    path = _save(tensors, tmp_path / f"{layout[0]}.safetensors")
+    # The dense model's patched weights, one by one (on 0.33 the norms' keys end in .weight, not .scale).
+    dense, _ = models["dense"]
+    patched, clip, report = load_lora(dense, None, path, 1.0, 1.0)
+    assert clip is None
+    assert (report.applied_count, report.total, report.not_applied) == (len(tensors), len(tensors), {})
+    assert report.summary() == f"{len(tensors)} of {len(tensors)} LoRA tensors applied ({len(tensors)} to the " \
+        "transformer)"
+    want = _expected_weights(bfl, expected)
+    patched.patch_model(device_to=CPU)
+    try:
+        got = {k.removesuffix(".weight") + ".scale" if "norm" in k and k.endswith(".weight") else k: v.clone()
+               for k, v in patched.model.diffusion_model.state_dict().items()}
+    finally:
+        patched.unpatch_model(device_to=CPU)
+    for key, value in want.items():
+        assert (got[key] - value).abs().max().item() <= 1e-5, key
+    changed = [k for k in want if not torch.equal(want[k], bfl[k])]
+    assert len(changed) == len(expected)
+    # Packed models: the forward pass against a dense model with the expected weights.
+    for name in ("safetensors", "fp8", "Q8_0", "Q4_K"):
+        model, weights = models[name]
+        out = _forward(load_lora(model, None, path, 1.0, 0.0)[0])
+        reference = _forward(dense_model(_expected_weights(weights, expected)))
+        assert (out - _forward(model)).abs().max() > 1e-3, name  # the LoRA counts
+        # float32 rounding grows with the output, which DoRA's rescaled columns make large
+        assert torch.allclose(out, reference, rtol=1e-6, atol=1e-5), (name, (out - reference).abs().max().item())
+
+
+def test_strength_scales_and_the_input_model_is_untouched(models, places, tmp_path):
+    from comfyui_flux2dev.host.lora import load_lora
+
+    model, bfl = models["Q4_K"]
+    tensors, expected = _layout_lora(LAYOUTS[3], models["dense"][1], places)
+    path = _save(tensors, tmp_path / "lora.safetensors")
+    before = _forward(model)
+    half = _forward(load_lora(model, None, path, 0.5, 1.0)[0])
+    reference = _forward(dense_model({k: v + 0.5 * expected.get(k, 0) for k, v in bfl.items()}))
+    assert (half - reference).abs().max().item() <= 1e-5
+    assert torch.equal(_forward(model), before)
+    assert load_lora(model, None, path, 0.0, 1.0)[0] is model  # strength 0: the MODEL as it came
+
+
+ENCODER_LAYERS = ("layers.0.self_attn.q_proj", "layers.1.mlp.down_proj", "layers.29.self_attn.o_proj")
+
+
+@pytest.mark.parametrize("spelling", ("text_encoder.model.language_model.{}", "text_encoder.model.{}",
+                                      "base_model.model.model.{}", "lora_te_model_{flat}"))
+def test_text_encoder_layers_land_on_the_clip_as_the_hosts_own_spelling_does(comfy_host, tiny_root, models,
+                                                                             spelling, tmp_path):
+    """Hugging Face/PEFT and kohya names of the Mistral encoder's layers, against the host's own LoRA loader given
+    the same layers in its own spelling (text_encoders.mistral3_24b.transformer.model.<layer>)."""
+    from comfyui_flux2dev.host.clip import load_clip
+    from comfyui_flux2dev.host.lora import load_lora
+
+    clip = load_clip(str(tiny_root / ENCODER), dtype=torch.float32)
+    g = torch.Generator().manual_seed(5)
+    ours, hosts = {}, {}
+    for layer in ENCODER_LAYERS:
+        rows, columns = clip.cond_stage_model.get_submodule(f"mistral3_24b.transformer.model.{layer}").weight.shape
+        up, down = torch.randn(rows, 4, generator=g) * 0.2, torch.randn(4, columns, generator=g) * 0.2
+        name = spelling.format(layer, flat=_underscored(layer))
+        ours.update({f"{name}.lora_B.weight": up, f"{name}.lora_A.weight": down})
+        hosts.update({f"text_encoders.mistral3_24b.transformer.model.{layer}.lora_B.weight": up,
+                      f"text_encoders.mistral3_24b.transformer.model.{layer}.lora_A.weight": down})
+    model, _ = models["Q8_0"]
+    same_model, patched, report = load_lora(model, clip, _save(ours, tmp_path / "te.safetensors"), 1.0, 0.8)
+    assert same_model is model  # nothing of it patches the transformer
+    assert report.summary() == f"{len(ours)} of {len(ours)} LoRA tensors applied ({len(ours)} to the text encoder)"
+    _, expected = comfy_host.load_lora_for_models(None, clip, hosts, 0.0, 0.8)
+    tokens = clip.tokenize("a red fox in the snow")
+    want = expected.encode_from_tokens(tokens)
+    assert (want - clip.encode_from_tokens(tokens)).abs().max() > 1e-3
+    assert (patched.encode_from_tokens(tokens) - want).abs().max().item() <= 1e-6
+
+
+def test_tensors_that_land_nowhere_are_named(models, tmp_path):
+    from comfyui_flux2dev.host.lora import load_lora
+
+    model, _ = models["dense"]
+    lora = tiny_lora(model)
+    lora["diffusion_model.double_blocks.7.img_attn.qkv.lora_up.weight"] = torch.zeros(768, 4)  # no block 7
+    lora["diffusion_model.double_blocks.7.img_attn.qkv.lora_down.weight"] = torch.zeros(4, 256)
+    lora["diffusion_model.double_blocks.1.img_attn.proj.lora_up.weight"] = torch.zeros(768, 4)  # shaped for qkv
+    lora["diffusion_model.double_blocks.1.img_attn.proj.lora_down.weight"] = torch.zeros(4, 256)
+    lora["text_encoders.mistral3_24b.transformer.model.layers.0.mlp.up_proj.lora_up.weight"] = torch.zeros(8, 4)
+    lora["text_encoders.mistral3_24b.transformer.model.layers.0.mlp.up_proj.lora_down.weight"] = torch.zeros(4, 8)
+    _, _, report = load_lora(model, None, _save(lora, tmp_path / "some.safetensors"), 1.0, 1.0)
+    assert report.summary() == (
+        "9 of 15 LoRA tensors applied (9 to the transformer)\n"
+        "4 not applied, naming no layer of the FLUX.2 transformer or its text encoder given: "
+        "diffusion_model.double_blocks.7.img_attn.qkv.lora_down.weight, "
+        "diffusion_model.double_blocks.7.img_attn.qkv.lora_up.weight, "
+        "text_encoders.mistral3_24b.transformer.model.layers.0.mlp.up_proj.lora_down.weight ...\n"
+        "2 not applied, shaped unlike the weight their layer names: "
+        "diffusion_model.double_blocks.1.img_attn.proj.lora_down.weight, "
+        "diffusion_model.double_blocks.1.img_attn.proj.lora_up.weight")
+
+
+def _pair(name: str, out: int, inputs: int) -> dict:
+    return {f"{name}.lora_up.weight": torch.ones(out, 2), f"{name}.lora_down.weight": torch.ones(2, inputs)}
+
+
+@pytest.mark.parametrize("lora, said", (
+    ({**_pair("lora_unet_input_blocks_1_1_proj_in", 320, 320)},
+     "its layers name no weight of a FLUX.2 transformer or of FLUX.2 \\[dev\\]'s Mistral text encoder"),
+    ({**_pair("diffusion_model.double_blocks.0.img_mod.lin", 6 * 3072, 3072),
+      **_pair("diffusion_model.double_blocks.0.img_attn.qkv", 3 * 3072, 3072)}, "it is a LoRA of FLUX.1"),
+    ({**_pair("transformer.transformer_blocks.0.norm1.linear", 1536, 256)}, "it is a LoRA of FLUX.1"),
+    ({**_pair("diffusion_model.double_blocks.0.img_attn.qkv", 3 * 128, 128)},
+     "its layers take inputs of width 128, this transformer's are 256; it is for another model: FLUX.2 Klein 4B"),
+), ids=("sdxl", "flux1-bfl", "flux1-diffusers", "klein"))
+def test_a_lora_that_patches_nothing_is_refused_saying_what_it_is_for(models, lora, said, tmp_path):
+    from comfyui_flux2dev.host.lora import load_lora
+
+    with pytest.raises(WrongModelError, match=said):
+        load_lora(models["dense"][0], None, _save(lora, tmp_path / "other.safetensors"), 1.0, 1.0)
+
+
+def test_a_damaged_lora_is_refused_before_a_tensor_is_read(models, tmp_path):
+    from comfyui_flux2dev.host.lora import load_lora
+
+    lora = _pair("diffusion_model.double_blocks.0.img_attn.qkv", 768, 256)
+    del lora["diffusion_model.double_blocks.0.img_attn.qkv.lora_down.weight"]
+    with pytest.raises(CorruptFileError, match="not its other half"):
+        load_lora(models["dense"][0], None, _save(lora, tmp_path / "half.safetensors"), 1.0, 1.0)
