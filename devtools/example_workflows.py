@@ -38,9 +38,7 @@ MODELS = {
            "flux2-dev-tiny-Q4_K.gguf"),
     ENCODER: ("text_encoders", "https://huggingface.co/Comfy-Org/flux2-dev/resolve/main/split_files/text_encoders/"
               "mistral_3_small_flux2_fp8.safetensors", "mistral_3_small_flux2_fp8.safetensors"),
-    # The tiny form keeps the standard VAE's geometry: the pack builds no small decoder on 0.3.75 yet.
-    VAE: ("vae", "https://huggingface.co/black-forest-labs/FLUX.2-small-decoder/resolve/main/" + VAE,
-          "flux2-ae.safetensors"),
+    VAE: ("vae", "https://huggingface.co/black-forest-labs/FLUX.2-small-decoder/resolve/main/" + VAE, VAE),
     TURBO_LORA: ("loras", "https://huggingface.co/ByteZSzn/Flux.2-Turbo-ComfyUI/resolve/main/" + TURBO_LORA,
                  TINY_TURBO_LORA),
     UPSAMPLER: ("text_encoders", "https://huggingface.co/unsloth/Mistral-Small-3.2-24B-Instruct-2506-GGUF/resolve/main/"
