@@ -18,6 +18,8 @@ from ..loaders.convert.lora import read_lora
 from ..loaders.formats.safetensors_file import SafetensorsFiles
 from ..loaders.models import lora_layouts
 from ..loaders.models.lora_layouts import ENCODER, PAIRS, TRANSFORMER, LoraPlan, Target
+from ..loaders.models.node_titles import title
+from ..loaders.models.transformer_layout import BFL
 from ..loaders.models.variants import known_variants
 from . import compat, ensure_comfy
 from .clip_tokenizer import CLIP_NAME
@@ -122,6 +124,10 @@ def fits(entry: tuple, key: str, shape: tuple[int, ...]) -> bool:
     return bool(reached)
 
 
+UNPLACED = "naming no layer of the FLUX.2 transformer or its text encoder given"
+MISFIT = "shaped unlike the weight their layer names"
+
+
 def lora_patches(tensors: dict[str, torch.Tensor], path: str, shapes: dict[str, dict[str, tuple[int, ...]]],
                  layouts: dict[str, dict[str, Target]]) -> tuple[dict[str, dict], LoraReport]:
     """The host's patches of the LoRA `tensors` (from `path`) for each model word in `layouts` (its targets;
@@ -149,7 +155,7 @@ def lora_patches(tensors: dict[str, torch.Tensor], path: str, shapes: dict[str, 
         patches[target.model][key] = adapter
         report.applied.setdefault(target.model, []).extend(names)
     reasons = (
-        ("naming no layer of the FLUX.2 transformer or its text encoder given", layout.unplaced),
+        (UNPLACED, layout.unplaced),
         ("of a kind the host's LoRA reader does not read", sorted(not_loaded - set(layout.unplaced))),
         (MISFIT, sorted(misfit)),
     )
@@ -157,15 +163,15 @@ def lora_patches(tensors: dict[str, torch.Tensor], path: str, shapes: dict[str, 
     return patches, report
 
 
-MISFIT = "shaped unlike the weight their layer names"
-
-
-def what_it_is_for(report: LoraReport, tensors: dict[str, torch.Tensor], hidden_size: int | None) -> str:
+def what_it_is_for(report: LoraReport, tensors: dict[str, torch.Tensor], shapes: dict[str, dict]) -> str:
     """A clause naming what a LoRA none of whose tensors landed was made for, as far as its names and the width of
-    its layers' inputs tell (`hidden_size`: the model's own, None without a MODEL)."""
+    its layers' inputs tell (`shapes`: the weights' shapes of the models given, by model word)."""
     family = lora_layouts.other_family(tensors)
     if family is not None:
         return f"it is a LoRA of {family}"
+    if ENCODER not in shapes and lora_layouts.names_model(report.not_applied.get(UNPLACED, ()), ENCODER):
+        return "its layers are the text encoder's: connect the FLUX.2 [dev] CLIP to the node's clip input"
+    hidden_size = shapes.get(TRANSFORMER, {}).get(MODEL_PREFIX + "img_in.weight", (None,))[0]
     downs = tuple(down for _, down in PAIRS)
     widths = Counter(tensors[n].shape[-1] for n in report.not_applied.get(MISFIT, ()) if n.endswith(downs))
     if not widths:
@@ -182,10 +188,9 @@ def what_it_is_for(report: LoraReport, tensors: dict[str, torch.Tensor], hidden_
 
 def refusal(report: LoraReport, tensors: dict[str, torch.Tensor], shapes: dict[str, dict]) -> WrongModelError:
     """The error for a LoRA none of whose tensors landed on the models whose weights' shapes `shapes` gives."""
-    hidden = shapes.get(TRANSFORMER, {}).get(MODEL_PREFIX + "img_in.weight", (None,))[0]
     return WrongModelError(
         f"{report.path} patches nothing here: none of its {report.total} tensors lands on the "
-        f"{' or the '.join(shapes) or 'nothing connected'} ({what_it_is_for(report, tensors, hidden)}).\n"
+        f"{' or the '.join(shapes) or 'nothing connected'} ({what_it_is_for(report, tensors, shapes)}).\n"
         f"{report.summary()}\nPick a LoRA made for FLUX.2 [dev]."
     )
 
@@ -199,6 +204,12 @@ def load_lora(model, clip, path: str, strength_model: float, strength_clip: floa
     shapes, layouts = {}, {}
     if model is not None:
         shapes[TRANSFORMER] = weight_shapes(model.model)
+        if MODEL_PREFIX + BFL.flux2_marker not in shapes[TRANSFORMER]:
+            raise WrongModelError(
+                f"The MODEL given to {title('Flux2DevLoraLoader')} is no FLUX.2 transformer "
+                f"({type(model.model).__name__}, without {BFL.flux2_marker}). Use ComfyUI's own Load LoRA for other "
+                "models."
+            )
         layouts[TRANSFORMER] = lora_layouts.transformer_targets(shapes[TRANSFORMER], MODEL_PREFIX)
     if clip is not None:
         shapes[ENCODER] = weight_shapes(clip.cond_stage_model)

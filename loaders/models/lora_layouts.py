@@ -170,6 +170,14 @@ def _target(layer: str, lookups: dict[str, dict[str, Target]]) -> Target | None:
     return None
 
 
+def names_model(names, model: str) -> bool:
+    """Whether any of the LoRA tensors `names` is spelled as a trainer spells a layer of `model` alone (by its
+    prefix)."""
+    shared = {prefix for prefix, of in SPELLINGS if of != model}
+    prefixes = tuple(prefix for prefix, of in SPELLINGS if of == model and prefix not in shared)
+    return any(name.startswith(prefixes) for name in names)
+
+
 def other_family(names) -> str | None:
     """The model family other than FLUX.2 whose layers the LoRA tensors `names` name, or None."""
     for family, pattern, _ in OTHER_FAMILIES:

@@ -320,6 +320,19 @@ def test_a_lora_that_patches_nothing_is_refused_saying_what_it_is_for(models, lo
         load_lora(models["dense"][0], None, _save(lora, tmp_path / "other.safetensors"), 1.0, 1.0)
 
 
+def test_text_encoder_layers_without_a_clip_and_a_model_of_another_family_are_refused(comfy_host, models, tmp_path):
+    import comfy.model_patcher
+
+    from comfyui_flux2dev.host.lora import load_lora
+
+    lora = _save(_pair("text_encoder.model.layers.0.self_attn.q_proj", 64, 64), tmp_path / "te.safetensors")
+    with pytest.raises(WrongModelError, match="its layers are the text encoder's: connect the FLUX.2 \\[dev\\] CLIP"):
+        load_lora(models["dense"][0], None, lora, 1.0, 1.0)
+    other = comfy.model_patcher.ModelPatcher(torch.nn.Linear(2, 2), load_device=CPU, offload_device=CPU)
+    with pytest.raises(WrongModelError, match="is no FLUX.2 transformer \\(Linear, without double_stream_modulation"):
+        load_lora(other, None, lora, 1.0, 1.0)
+
+
 def test_a_damaged_lora_is_refused_before_a_tensor_is_read(models, tmp_path):
     from comfyui_flux2dev.host.lora import load_lora
 
