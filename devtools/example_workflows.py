@@ -14,6 +14,8 @@ import os
 from pathlib import Path
 
 from ..tokenizers.prompt import PADDING_MODES
+from .tiny.loras import TURBO_LORA as TINY_TURBO_LORA
+from .workflow_files import ALWAYS, BYPASS
 from .workflows import node, official_dev_graph
 
 PACK_ROOT = Path(__file__).resolve().parents[1]
@@ -24,7 +26,9 @@ TINY_FOLDER = "flux2dev-tiny"  # where `tiny --comfyui` puts the tiny models, in
 GGUF = "flux2-dev-Q4_K_M.gguf"
 UPSAMPLER = "Mistral-Small-3.2-24B-Instruct-2506-Q4_K_M.gguf"  # the whole model (the encoder files are pruned)
 ENCODER = "mistral_3_small_flux2_fp8.safetensors"
-VAE = "flux2-vae.safetensors"
+VAE = "full_encoder_small_decoder.safetensors"  # BFL's small decoder, as the official templates load
+TURBO_LORA = "Flux_2-Turbo-LoRA_comfyui.safetensors"
+TURBO_STEPS = 8  # what the Turbo LoRA samples in, in place of SIZES' steps
 DEV_PIPELINE = "FLUX.2-dev/"
 KLEIN_PIPELINE = "FLUX.2-klein-4B/"
 # The public files the examples name: name -> (ComfyUI model folder, download address, tiny model in its place).
@@ -34,8 +38,9 @@ MODELS = {
            "flux2-dev-tiny-Q4_K.gguf"),
     ENCODER: ("text_encoders", "https://huggingface.co/Comfy-Org/flux2-dev/resolve/main/split_files/text_encoders/"
               "mistral_3_small_flux2_fp8.safetensors", "mistral_3_small_flux2_fp8.safetensors"),
-    VAE: ("vae", "https://huggingface.co/Comfy-Org/flux2-dev/resolve/main/split_files/vae/flux2-vae.safetensors",
-          "flux2-ae.safetensors"),
+    VAE: ("vae", "https://huggingface.co/black-forest-labs/FLUX.2-small-decoder/resolve/main/" + VAE, VAE),
+    TURBO_LORA: ("loras", "https://huggingface.co/ByteZSzn/Flux.2-Turbo-ComfyUI/resolve/main/" + TURBO_LORA,
+                 TINY_TURBO_LORA),
     UPSAMPLER: ("text_encoders", "https://huggingface.co/unsloth/Mistral-Small-3.2-24B-Instruct-2506-GGUF/resolve/main/"
                 "Mistral-Small-3.2-24B-Instruct-2506-Q4_K_M.gguf", "mistral3-q4_k.gguf"),
 }
@@ -73,7 +78,13 @@ def vae_source(name: str = VAE) -> dict:
 
 
 def _dev(model: dict, clip: dict, vae: dict, prefix: str, prompt: str = PROMPT) -> dict:
-    return official_dev_graph(model, clip, vae, prompt=prompt, **SIZES, filename_prefix=prefix)
+    """The official graph with its Turbo LoRA switch: the LoRA node, bypassed (off) as 0.3.75 has no switch node."""
+    graph = official_dev_graph(model, clip, vae, prompt=prompt, **SIZES, filename_prefix=prefix)
+    graph["turbo"] = {**node("Flux2DevLoraLoader", model=["model", 0], lora_name=TURBO_LORA, strength_model=1.0,
+                             strength_clip=1.0),
+                      "mode": BYPASS, "_meta": {"title": f"Turbo LoRA (Ctrl+B: on/off; on: {TURBO_STEPS} steps)"}}
+    graph["guider"]["inputs"]["model"] = ["turbo", 0]
+    return graph
 
 
 def _edit() -> dict:
@@ -195,10 +206,27 @@ def numbered(graph: dict) -> dict:
     """The graph with node ids 1, 2, ... in order, as the frontend numbers them."""
     ids = {key: str(i) for i, key in enumerate(graph, 1)}
     return {
-        ids[key]: {"class_type": n["class_type"],
-                   "inputs": {k: [ids[v[0]], v[1]] if isinstance(v, list) else v for k, v in n["inputs"].items()}}
+        ids[key]: {**n, "inputs": {k: [ids[v[0]], v[1]] if isinstance(v, list) else v for k, v in n["inputs"].items()}}
         for key, n in graph.items()
     }
+
+
+# What a bypassed node passes on: its output slot -> the input it passes (what the frontend picks by type).
+PASSES = {"Flux2DevLoraLoader": ("model", "clip")}
+
+
+def as_run(graph: dict) -> dict:
+    """The API graph the server gets when an example's UI file is queued: bypassed nodes left out, what they pass
+    on linked past them."""
+    def source(link):
+        while isinstance(link, list) and graph[link[0]].get("mode") == BYPASS:
+            passing = graph[link[0]]
+            link = passing["inputs"].get(PASSES[passing["class_type"]][link[1]])
+        return link
+
+    return {key: {"class_type": n["class_type"],
+                  "inputs": {k: source(v) for k, v in n["inputs"].items() if source(v) is not None}}
+            for key, n in graph.items() if n.get("mode", ALWAYS) != BYPASS}
 
 
 def write_all(object_info: dict) -> list[Path]:
@@ -210,7 +238,7 @@ def write_all(object_info: dict) -> list[Path]:
     for name, build in EXAMPLES.items():
         graph = numbered(build())
         for path, doc in ((UI_FOLDER / f"{name}.json", api_to_ui(graph, object_info, downloads())),
-                          (API_FOLDER / f"{name}.json", graph)):
+                          (API_FOLDER / f"{name}.json", as_run(graph))):
             path.write_text(json.dumps(doc, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
             written.append(path)
     return written

@@ -9,6 +9,11 @@ import uuid
 # The frontend adds a value after some widgets: the seed's "control after generate" and the image upload.
 EXTRA_WIDGET_VALUES = {"control_after_generate": "fixed", "image_upload": "image"}
 COLUMN_WIDTH, NODE_WIDTH, ROW_GAP = 400, 340, 40
+# LiteGraph's node modes: ALWAYS runs; no other does (muted: 2), and a BYPASS node passes its inputs on.
+ALWAYS, BYPASS = 0, 4
+FRONTEND_ONLY = ("Note", "MarkdownNote")  # drawn by the frontend, never sent to the server
+SUBGRAPH_INPUT, SUBGRAPH_OUTPUT = -10, -20  # the ids a subgraph's links give its inputs and outputs
+_WIDGET = object()  # a subgraph input no link feeds: the inner node's own widget value stands
 
 
 def _inputs(schema: dict) -> list[tuple[str, list]]:
@@ -88,7 +93,7 @@ def api_to_ui(graph: dict, object_info: dict, downloads: dict[str, tuple[str, st
         y_of_column[x] = y + height + ROW_GAP
         nodes.append({
             "id": ids[key], "type": node["class_type"], "pos": [x * COLUMN_WIDTH, y], "size": [NODE_WIDTH, height],
-            "flags": {}, "order": 0, "mode": 0, "inputs": inputs, "outputs": outs,
+            "flags": {}, "order": 0, "mode": node.get("mode", ALWAYS), "inputs": inputs, "outputs": outs,
             "title": node.get("_meta", {}).get("title", schema["display_name"]),
             "properties": {"Node name for S&R": node["class_type"], **_models(widgets, downloads)},
             "widgets_values": widgets,
@@ -120,23 +125,122 @@ def _key(graph: dict, ids: dict, node_id: int) -> str:
 
 
 def ui_to_api(ui: dict, object_info: dict) -> dict:
-    """The API graph a UI-format workflow runs as (what the frontend sends when a user queues it)."""
-    links = {link[0]: link for link in ui["links"]}
-    graph = {}
-    for n in ui["nodes"]:
-        if n.get("mode", 0) != 0:
+    """The API graph a UI-format workflow runs as (what the frontend sends when a user queues it): the nodes of its
+    subgraphs take their place, with ids "<subgraph node>:<inner node>"; a muted node is left out, a bypassed one
+    passes its inputs on (the frontend's rule, _bypass_input); nodes the frontend alone draws are left out."""
+    subgraphs = {sg["id"]: sg for sg in ui.get("definitions", {}).get("subgraphs", [])}
+    graph: dict = {}
+    _add_nodes(_Scope("", ui, None, None), subgraphs, object_info, graph)
+    return graph
+
+
+class _Scope:
+    """The top graph, or one subgraph node's copy of its definition: its nodes, its links (origin id, origin slot,
+    target id, target slot) and the prefix of its nodes' API ids."""
+
+    def __init__(self, prefix: str, graph: dict, instance: dict | None, parent: _Scope | None):
+        self.prefix, self.graph, self.instance, self.parent = prefix, graph, instance, parent
+        self.nodes = {n["id"]: n for n in graph["nodes"]}
+        self.links = {link[0]: tuple(link[1:5]) for link in graph["links"] if isinstance(link, list)}
+        self.links.update({link["id"]: (link["origin_id"], link["origin_slot"], link["target_id"],
+                                        link["target_slot"]) for link in graph["links"] if isinstance(link, dict)})
+
+    def inner(self, node: dict, subgraphs: dict) -> _Scope:
+        return _Scope(f"{self.prefix}{node['id']}:", subgraphs[node["type"]], node, self)
+
+
+def _add_nodes(scope: _Scope, subgraphs: dict, object_info: dict, graph: dict) -> None:
+    for n in scope.graph["nodes"]:
+        if n["type"] in FRONTEND_ONLY or n.get("mode", ALWAYS) != ALWAYS:
+            continue
+        if n["type"] in subgraphs:
+            _add_nodes(scope.inner(n, subgraphs), subgraphs, object_info, graph)
             continue
         schema = object_info[n["type"]]
-        linked = {inp["name"]: inp["link"] for inp in n.get("inputs", []) if inp.get("link") is not None}
-        values = iter(n.get("widgets_values", []))
+        sockets = {inp["name"]: inp for inp in n.get("inputs", []) if inp.get("link") is not None}
+        values = widget_values(n, schema)
         inputs = {}
-        for name, spec in _inputs(schema):
-            if name in linked:
-                link = links[linked[name]]
-                inputs[name] = [str(link[1]), link[2]]
-            elif _is_widget(spec):
-                inputs[name] = next(values)
-                for _ in _extras(spec):
-                    next(values)
-        graph[str(n["id"])] = {"class_type": n["type"], "inputs": inputs}
-    return graph
+        for name, _ in _inputs(schema):
+            source = _source(scope, *scope.links[sockets[name]["link"]][:2], subgraphs) if name in sockets else _WIDGET
+            if source is _WIDGET and name in values:
+                inputs[name] = values[name]
+            elif isinstance(source, list):
+                inputs[name] = source
+        graph[f"{scope.prefix}{n['id']}"] = {"class_type": n["type"], "inputs": inputs}
+
+
+def _source(scope: _Scope, origin: int, slot: int, subgraphs: dict) -> list | object | None:
+    """What a link from `origin`'s output `slot` carries in the API graph: [node id, slot], _WIDGET, or None
+    (a muted node's output, or a bypassed one's without an input of its type)."""
+    if origin == SUBGRAPH_INPUT:
+        name = scope.graph["inputs"][slot]["name"]
+        outer = next((inp for inp in scope.instance.get("inputs", []) if inp["name"] == name), {})
+        if outer.get("link") is None:
+            return _WIDGET
+        return _source(scope.parent, *scope.parent.links[outer["link"]][:2], subgraphs)
+    node = scope.nodes[origin]
+    mode = node.get("mode", ALWAYS)
+    if mode == BYPASS:
+        passed = _bypass_input(node, slot)
+        return None if passed is None else _source(scope, *scope.links[passed["link"]][:2], subgraphs)
+    if mode != ALWAYS:
+        return None
+    if node["type"] in subgraphs:
+        inner = scope.inner(node, subgraphs)
+        origin, slot = next((o, s) for o, s, target, target_slot in inner.links.values()
+                            if (target, target_slot) == (SUBGRAPH_OUTPUT, slot))
+        return _source(inner, origin, slot, subgraphs)
+    return [f"{scope.prefix}{origin}", slot]
+
+
+def _bypass_input(node: dict, slot: int) -> dict | None:
+    """The linked input a bypassed node passes to its output `slot`, as the frontend picks it: the input in the same
+    place if it has the output's type, else the first input of that type."""
+    kind = node["outputs"][slot]["type"]
+    inputs = node.get("inputs", [])
+    same_place = [inputs[slot]] if slot < len(inputs) else []
+    passed = next((inp for inp in same_place + inputs if inp["type"] == kind), None)
+    return passed if passed is not None and passed.get("link") is not None else None
+
+
+def _saved_widgets(node: dict, schema: dict) -> list[tuple[str, list, list]]:
+    """(name, spec, [its value, the extra values after it]) of each widget a node's widgets_values holds. The
+    frontend saves a value for every widget, linked or not; api_to_ui (as frontends before widget sockets did)
+    leaves the linked ones out."""
+    widgets = [(name, spec) for name, spec in _inputs(schema) if _is_widget(spec)]
+    saved = node.get("widgets_values", [])
+    if len(saved) != sum(1 + len(_extras(spec)) for _, spec in widgets):
+        linked = {inp["name"] for inp in node.get("inputs", []) if inp.get("link") is not None}
+        widgets = [(name, spec) for name, spec in widgets if name not in linked]
+    out, at = [], 0
+    for name, spec in widgets:
+        width = 1 + len(_extras(spec))
+        if at < len(saved):
+            out.append((name, spec, saved[at:at + width]))
+        at += width
+    return out
+
+
+def widget_values(node: dict, schema: dict) -> dict:
+    """name -> value of a UI node's widgets (`schema`: its /object_info entry)."""
+    return {name: held[0] for name, _, held in _saved_widgets(node, schema)}
+
+
+def set_widget_values(node: dict, schema: dict, values: dict) -> None:
+    """Writes `values` (name -> value) into a UI node's widgets_values, which then holds a value for every widget,
+    as the frontend saves it; a widget neither `values` nor the node has takes its default."""
+    saved = {name: held for name, _, held in _saved_widgets(node, schema)}
+    out = []
+    for name, spec in _inputs(schema):
+        if _is_widget(spec):
+            held = saved.get(name) or [_default(spec), *_extras(spec)]
+            out += [values.get(name, held[0]), *held[1:]]
+    node["widgets_values"] = out
+
+
+def _default(spec: list):
+    options = _options(spec)
+    if "default" in options:
+        return options["default"]
+    choices = spec[0] if isinstance(spec[0], list) else options.get("options", [None])
+    return choices[0]

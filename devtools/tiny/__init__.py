@@ -24,6 +24,7 @@ PARTS = {
     "vae": ("vae", "write_vaes"),
     "diffusers": ("pipelines", "write_pipelines"),
     "unet": ("gguf_transformers", "write_gguf_transformers"),
+    "loras": ("loras", "write_loras"),
 }
 MANIFEST = "manifest.json"
 

@@ -11,12 +11,13 @@ import re
 import urllib.parse
 from pathlib import Path
 
+import numpy as np
 import pytest
 from PIL import Image
 
 from comfyui_flux2dev.devtools import example_workflows as examples
 from comfyui_flux2dev.devtools.headless import PACK_FOLDER, HeadlessComfy
-from comfyui_flux2dev.devtools.workflow_files import ui_to_api
+from comfyui_flux2dev.devtools.workflow_files import ALWAYS, BYPASS, set_widget_values, ui_to_api
 from helpers import run_devtools, run_flux2dev
 
 NAMES = sorted(examples.EXAMPLES)
@@ -59,7 +60,7 @@ def test_each_template_has_a_thumbnail_of_its_own():
 @pytest.mark.parametrize("name", NAMES)
 def test_each_ui_file_is_the_graph_of_its_api_twin(comfy_server, name):
     twin = _load(examples.API_FOLDER, name)
-    assert twin == examples.numbered(examples.EXAMPLES[name]())
+    assert twin == examples.as_run(examples.numbered(examples.EXAMPLES[name]()))
     ui = _load(examples.UI_FOLDER, name)
     assert ui_to_api(ui, comfy_server.get("/object_info")) == twin
     assert len({tuple(n["pos"]) for n in ui["nodes"]}) == len(ui["nodes"])  # no node hides another
@@ -76,7 +77,7 @@ def test_each_model_file_a_template_names_has_a_download_address_the_readme_list
             url = urllib.parse.urlparse(model["url"])
             assert url.scheme == "https" and url.netloc == "huggingface.co", model
             assert url.path.rsplit("/", 1)[1] == model["name"]
-            assert model["directory"] in ("diffusion_models", "text_encoders", "vae")
+            assert model["directory"] in ("diffusion_models", "text_encoders", "vae", "loras")
             assert model["url"] in readme and f"`{model['name']}`" in readme
 
 
@@ -100,6 +101,54 @@ def test_the_edit_examples_pictures_are_in_the_input_folder(comfy_server):
         copied = comfy_server.base_dir / "input" / image
         assert copied.read_bytes() == (examples.INPUTS_FOLDER / image).read_bytes()
     assert set(images) <= set(comfy_server.get("/object_info/LoadImage")["LoadImage"]["input"]["required"]["image"][0])
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_each_example_follows_the_official_template(name):
+    """As ComfyUI's own FLUX.2 [dev] templates: Flux2Scheduler, and a Turbo LoRA switch, here the pack's LoRA node
+    bypassed (off; 0.3.75 has no switch node); the small-decoder VAE where the example loads a VAE file."""
+    ui = _load(examples.UI_FOLDER, name)
+    (turbo,) = (n for n in ui["nodes"] if n["type"] == "Flux2DevLoraLoader")
+    assert turbo["mode"] == BYPASS and turbo["widgets_values"][0] == examples.TURBO_LORA
+    assert str(examples.TURBO_STEPS) in turbo["title"]
+    assert any(n["type"] == "Flux2Scheduler" for n in ui["nodes"])
+    vaes = [n["widgets_values"][0] for n in ui["nodes"] if n["type"] == "Flux2DevVAESource"]
+    assert vaes == [examples.VAE] or vaes[0].endswith("/"), vaes  # or a pipeline's VAE
+
+
+def _turbo_on(ui: dict, object_info: dict) -> dict:
+    """The example with its Turbo LoRA on (not bypassed), in its steps."""
+    nodes = []
+    for n in ui["nodes"]:
+        n = {**n, "mode": ALWAYS}
+        if n["type"] == "Flux2Scheduler":
+            set_widget_values(n, object_info["Flux2Scheduler"], {"steps": examples.TURBO_STEPS})
+        nodes.append(n)
+    return {**ui, "nodes": nodes}
+
+
+def _small(graph: dict) -> dict:
+    """The tiny form at 64x64, which is enough to tell two images apart."""
+    graph = examples.tiny_form(graph, folder="")
+    for n in graph.values():
+        if n["class_type"] in examples.SIZED:
+            n["inputs"].update({k: 64 for k in ("width", "height") if k in n["inputs"]})
+    return graph
+
+
+def test_the_turbo_switch_of_an_example_runs_its_lora(comfy_server):
+    """Turned on, the Turbo LoRA node runs between the transformer and the guider, in the Turbo steps, and changes
+    the image of the tiny weights."""
+    object_info = comfy_server.get("/object_info")
+    ui = _load(examples.UI_FOLDER, examples.TEXT_TO_IMAGE)
+    example = examples.numbered(examples.EXAMPLES[examples.TEXT_TO_IMAGE]())
+    graph = {key: {**n, "mode": ALWAYS} for key, n in example.items()}
+    (scheduler,) = (n for n in graph.values() if n["class_type"] == "Flux2Scheduler")
+    scheduler["inputs"]["steps"] = examples.TURBO_STEPS
+    on = ui_to_api(_turbo_on(ui, object_info), object_info)
+    assert on == examples.as_run(graph)
+    off = _load(examples.API_FOLDER, examples.TEXT_TO_IMAGE)
+    assert not np.array_equal(*(np.asarray(_saved_image(comfy_server, comfy_server.run(_small(g)))) for g in (off, on)))
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -14,6 +14,9 @@ import pytest
 from comfyui_flux2dev.devtools import example_workflows as examples
 from comfyui_flux2dev.devtools import frontend
 from comfyui_flux2dev.devtools.headless import PACK_FOLDER
+from comfyui_flux2dev.devtools.official_templates import with_pack_nodes
+from comfyui_flux2dev.devtools.workflow_files import ui_to_api
+from test_official_templates import TEMPLATES
 
 pytestmark = pytest.mark.server
 
@@ -23,6 +26,7 @@ TITLES = {
     "gguf": "Load FLUX.2 transformer (GGUF)",
     "transformer source": "Load FLUX.2 transformer (safetensors or pipeline)",
     "vae": "Load FLUX.2 VAE (file or pipeline)",
+    "lora": "Load FLUX.2 LoRA",
 }
 FIRST = {"flux2 vae": TITLES["vae"], "gguf": TITLES["gguf"], "text encoder": TITLES["encoder"]}
 
@@ -54,7 +58,7 @@ def page(tiny_comfyui):
 
 
 def test_search_phrases_list_the_node_they_mean_first(page):
-    assert sorted(frontend.search(page, "load flux")[:5]) == sorted(TITLES.values())
+    assert sorted(frontend.search(page, "load flux")[:len(TITLES)]) == sorted(TITLES.values())
     for phrase, title in FIRST.items():
         assert frontend.search(page, phrase)[0] == title, phrase
 
@@ -76,3 +80,17 @@ def test_the_template_names_the_public_files_which_the_frontend_reports_missing(
     template = json.loads((examples.UI_FOLDER / f"{examples.TEXT_TO_IMAGE}.json").read_text(encoding="utf-8"))
     frontend.load_workflow(page, template)
     assert frontend.shows_missing_models(page)
+
+
+def test_the_frontend_queues_workflows_as_ui_to_api_reads_them(page, tiny_comfyui):
+    """ui_to_api, which the tests run UI files through, sends what the frontend sends: for an example, without its
+    bypassed Turbo LoRA; for the official templates with the pack's nodes, their subgraph's nodes with its values."""
+    folder, server = tiny_comfyui
+    object_info = server.get("/object_info")
+    workflows = [frontend.tiny_workflow(folder, examples.TEXT_TO_IMAGE)]
+    workflows += [with_pack_nodes(server.get(f"/templates/{name}.json"), object_info) for name in TEMPLATES]
+    for ui in workflows:
+        frontend.load_workflow(page, ui)
+        sent = page.evaluate("async () => (await window.app.graphToPrompt()).output")
+        assert {key: {"class_type": n["class_type"], "inputs": n["inputs"]} for key, n in sent.items()} \
+            == ui_to_api(ui, object_info)
