@@ -137,8 +137,10 @@ def _small(graph: dict) -> dict:
 
 
 def test_the_turbo_switch_of_an_example_runs_its_lora(comfy_server):
-    """Turned on, the Turbo LoRA node runs between the transformer and the guider, in the Turbo steps, and changes
-    the image of the tiny weights."""
+    """Turned on, the Turbo LoRA node runs between the transformer and the guider, in the Turbo steps, shows that it
+    applied every tensor of the LoRA, and changes the image of the tiny weights."""
+    from comfyui_flux2dev.devtools.tiny.loras import turbo_lora
+
     object_info = comfy_server.get("/object_info")
     ui = _load(examples.UI_FOLDER, examples.TEXT_TO_IMAGE)
     example = examples.numbered(examples.EXAMPLES[examples.TEXT_TO_IMAGE]())
@@ -148,7 +150,11 @@ def test_the_turbo_switch_of_an_example_runs_its_lora(comfy_server):
     on = ui_to_api(_turbo_on(ui, object_info), object_info)
     assert on == examples.as_run(graph)
     off = _load(examples.API_FOLDER, examples.TEXT_TO_IMAGE)
-    assert not np.array_equal(*(np.asarray(_saved_image(comfy_server, comfy_server.run(_small(g)))) for g in (off, on)))
+    ran = {"off": comfy_server.run(_small(off)), "on": comfy_server.run(_small(on))}
+    assert not np.array_equal(*(np.asarray(_saved_image(comfy_server, outputs)) for outputs in ran.values()))
+    (lora,) = (key for key, n in on.items() if n["class_type"] == "Flux2DevLoraLoader")
+    count = len(turbo_lora())
+    assert ran["on"][lora]["text"] == [f"{count} of {count} LoRA tensors applied ({count} to the transformer)"]
 
 
 @pytest.mark.parametrize("name", NAMES)
