@@ -126,6 +126,7 @@ def fits(entry: tuple, key: str, shape: tuple[int, ...]) -> bool:
 
 UNPLACED = "naming no layer of the FLUX.2 transformer or its text encoder given"
 MISFIT = "shaped unlike the weight their layer names"
+UNUSED = "that change no weight (an alpha without its pair, a bias difference where FLUX.2 has no bias)"
 
 
 def lora_patches(tensors: dict[str, torch.Tensor], path: str, shapes: dict[str, dict[str, tuple[int, ...]]],
@@ -143,11 +144,17 @@ def lora_patches(tensors: dict[str, torch.Tensor], path: str, shapes: dict[str, 
     report = LoraReport(path, len(tensors))
     patches: dict[str, dict] = {model: {} for model in layouts}
     misfit: list[str] = []
+    unused: list[str] = []
     for layer, target in layout.layers.items():
         key = to_load[layer]
         adapter = made.get(key)
         names = [n for n in layout.tensors[layer] if n not in not_loaded]
-        if adapter is None or not names:
+        bias = target.key.removesuffix(".weight") + ".bias"
+        if bias not in shapes[target.model]:  # the host makes a bias patch of them, which lands nowhere
+            unused.extend(n for n in names if n.endswith(lora_layouts.BIAS_PARTS))
+            names = [n for n in names if not n.endswith(lora_layouts.BIAS_PARTS)]
+        if adapter is None:
+            unused.extend(names)
             continue
         if not fits(patch_entry(key, adapter, 1.0)[1], target.key, shapes[target.model][target.key]):
             misfit.extend(names)
@@ -158,6 +165,7 @@ def lora_patches(tensors: dict[str, torch.Tensor], path: str, shapes: dict[str, 
         (UNPLACED, layout.unplaced),
         ("of a kind the host's LoRA reader does not read", sorted(not_loaded - set(layout.unplaced))),
         (MISFIT, sorted(misfit)),
+        (UNUSED, sorted(unused)),
     )
     report.not_applied = {reason: names for reason, names in reasons if names}
     return patches, report

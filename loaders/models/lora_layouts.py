@@ -55,6 +55,8 @@ PARTS = tuple(sorted((
     ".diff", ".diff_b", ".set_weight", ".w_norm", ".b_norm",  # full weights and differences
 ), key=len, reverse=True))
 
+BIAS_PARTS = (".diff_b", ".b_norm")  # parts the host adds to the layer's bias, not its weight
+
 # Other model families whose LoRAs FLUX.2 users meet: the layers only they have (in kohya's underscore form; a
 # LoRA naming them is for that family), and their width.
 OTHER_FAMILIES = (

@@ -288,16 +288,21 @@ def test_tensors_that_land_nowhere_are_named(models, tmp_path):
     lora["diffusion_model.double_blocks.1.img_attn.proj.lora_down.weight"] = torch.zeros(4, 256)
     lora["text_encoders.mistral3_24b.transformer.model.layers.0.mlp.up_proj.lora_up.weight"] = torch.zeros(8, 4)
     lora["text_encoders.mistral3_24b.transformer.model.layers.0.mlp.up_proj.lora_down.weight"] = torch.zeros(4, 8)
+    lora["diffusion_model.img_in.alpha"] = torch.tensor(1.0)  # no pair beside it
+    lora["diffusion_model.txt_in.diff_b"] = torch.zeros(256)  # FLUX.2's layers have no bias
     _, _, report = load_lora(model, None, _save(lora, tmp_path / "some.safetensors"), 1.0, 1.0)
+    assert report.applied_count + sum(map(len, report.not_applied.values())) == report.total
     assert report.summary() == (
-        "9 of 15 LoRA tensors applied (9 to the transformer)\n"
+        "9 of 17 LoRA tensors applied (9 to the transformer)\n"
         "4 not applied, naming no layer of the FLUX.2 transformer or its text encoder given: "
         "diffusion_model.double_blocks.7.img_attn.qkv.lora_down.weight, "
         "diffusion_model.double_blocks.7.img_attn.qkv.lora_up.weight, "
         "text_encoders.mistral3_24b.transformer.model.layers.0.mlp.up_proj.lora_down.weight ...\n"
         "2 not applied, shaped unlike the weight their layer names: "
         "diffusion_model.double_blocks.1.img_attn.proj.lora_down.weight, "
-        "diffusion_model.double_blocks.1.img_attn.proj.lora_up.weight")
+        "diffusion_model.double_blocks.1.img_attn.proj.lora_up.weight\n"
+        "2 not applied, that change no weight (an alpha without its pair, a bias difference where FLUX.2 has no "
+        "bias): diffusion_model.img_in.alpha, diffusion_model.txt_in.diff_b")
 
 
 def _pair(name: str, out: int, inputs: int) -> dict:
