@@ -165,12 +165,21 @@ def _progress(what: str):
     return progress.listening(show)
 
 
+def _check_output(args, suffix: str) -> None:
+    """OUT refused here, before torch is imported, where a conversion could not write it (the converter checks
+    it again for its library callers)."""
+    from .loaders.convert.output import check_not_source, check_output
+
+    check_not_source(check_output(args.out, force=args.force, suffix=suffix), args.path)
+
+
 def _convert_encoder(args) -> None:
     suffix = Path(args.out).suffix.lower()
     other = "dtype" if suffix == ".gguf" else "type"  # --dtype chooses a .safetensors file's weights, --type a .gguf's
     if getattr(args, other) is not None:
         raise InputError(f"--{other} does not apply to a {suffix or 'extensionless'} OUT: a .safetensors encoder takes "
                          "--dtype bf16|fp8, a .gguf one --type (Q8_0, Q4_K_M ...).")
+    _check_output(args, ".gguf" if suffix == ".gguf" else ".safetensors")
     if suffix == ".gguf":
         if args.type is None:
             raise InputError("a .gguf encoder needs --type (Q8_0, Q6_K, Q5_K_M, Q4_K_M, ... BF16 or F16).")
@@ -208,6 +217,10 @@ class _Lora(argparse.Action):
 
 
 def _convert_transformer(args) -> None:
+    from .loaders.models.transformer_layout import identify_transformer
+
+    _check_output(args, ".gguf")
+    identify_transformer(args.path)  # an unknown geometry, FLUX.1 or a GGUF source refused from the headers
     bake = None
     if args.loras:  # each LoRA is checked against the transformer's headers here, before torch is imported
         from .loaders.convert.lora import check_loras
@@ -312,8 +325,16 @@ def _padding_option(parser) -> None:
                         f"{PADDING_MODES[0]})")
 
 
+class Parser(argparse.ArgumentParser):
+    """argparse's parser, whose errors are one sentence on stderr and exit status 2 as every other refusal of the
+    command line, pointing at --help instead of printing the usage."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: {message}; see {self.prog} --help.\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="flux2dev", description=__doc__.splitlines()[0])
+    parser = Parser(prog="flux2dev", description=__doc__.splitlines()[0])
     parser.add_argument("--debug", action="store_true", help="show the traceback of a failure")
     sub = parser.add_subparsers(dest="command", required=True)
 

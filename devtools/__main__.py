@@ -9,7 +9,7 @@ import importlib
 import sys
 from pathlib import Path
 
-from ..cli import UsageError, run
+from ..cli import Parser, UsageError, run
 
 PROG = "python -m comfyui_flux2dev.devtools"
 # Verbs that are programs of their own, with their own options: VERB -> module (whose main takes argv).
@@ -58,7 +58,7 @@ def _demo(args) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.splitlines()[0])
+    parser = Parser(prog=PROG, description=__doc__.splitlines()[0])
     parser.add_argument("--debug", action="store_true", help="show the traceback of a failure")
     sub = parser.add_subparsers(dest="command", required=True)
 

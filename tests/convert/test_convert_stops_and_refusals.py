@@ -185,6 +185,40 @@ def test_bad_loras_are_refused_in_one_line_before_torch_is_imported(tiny_root, t
         assert not out.exists() and not _partials(tmp_path)
 
 
+def test_output_and_argument_refusals_are_one_line_before_torch_is_imported(tiny_root, tmp_path):
+    src, encoder = tiny_root / TRANSFORMER, tiny_root / ENCODER
+    gguf = tiny_root / "text_encoders" / "mistral3-q4_0.gguf"
+    (tmp_path / "taken.gguf").write_bytes(b"a user's file")
+    (tmp_path / "folder.gguf").mkdir()
+    os.link(src, tmp_path / "same.gguf")
+    transformer = ["convert", "transformer", str(src)]
+    cases = {
+        "a wrong suffix": ([*transformer, str(tmp_path / "out.bin"), "--type", "Q8_0"],
+                           "the output of this conversion is a .gguf file"),
+        "OUT taken": ([*transformer, str(tmp_path / "taken.gguf"), "--type", "Q8_0"], "already exists and was left"),
+        "OUT a folder": ([*transformer, str(tmp_path / "folder.gguf"), "--type", "Q8_0", "--force"], "is a folder"),
+        "OUT the source": ([*transformer, str(tmp_path / "same.gguf"), "--type", "Q8_0", "--force"],
+                           "is the source being converted"),
+        "a GGUF source": (["convert", "transformer", str(gguf), str(tmp_path / "out.gguf"), "--type", "Q8_0"],
+                          "is not a .safetensors file"),
+        "an encoder's OUT taken": (["convert", "encoder", str(encoder), str(tmp_path / "taken.gguf"), "--type", "Q8_0"],
+                                   "already exists and was left"),
+        "an encoder's wrong suffix": (["convert", "encoder", str(encoder), str(tmp_path / "out.bin")],
+                                      "the output of this conversion is a .safetensors file"),
+        "an unknown type": ([*transformer, str(tmp_path / "out.gguf"), "--type", "Q9"],
+                            "argument --type: invalid choice: 'Q9'"),
+    }
+    for name, (argv, said) in cases.items():
+        stdout, stderr = _python(COMFY_IMPORTED.format(argv=argv)).communicate(timeout=120)
+        lines = stderr.splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"flux2dev {' '.join(argv[:2])}: "), (name, stderr)
+        assert said in lines[0], (name, stderr)
+        # an argument error ends the command before it runs; every other refusal is made before torch is imported
+        assert stdout.splitlines()[-1:] == ([] if "argument" in said else ["False False []"]), (name, stdout)
+    assert (tmp_path / "taken.gguf").read_bytes() == b"a user's file"
+    assert sorted(os.listdir(tmp_path)) == ["folder.gguf", "same.gguf", "taken.gguf"]
+
+
 def test_compare_of_dev_and_klein_or_of_two_kinds_is_refused_before_torch_is_imported(tiny_root):
     argv = ["compare", str(tiny_root / TRANSFORMER), str(tiny_root / KLEIN)]
     stdout, stderr = _python(COMFY_IMPORTED.format(argv=argv)).communicate(timeout=120)
