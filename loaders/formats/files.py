@@ -246,10 +246,10 @@ def _locked(fd: int, *, wait: bool) -> bool:
 @contextlib.contextmanager
 def new_file(path: str | Path, *, replace: bool = False) -> Iterator[BinaryIO]:
     """A file to write `path` through: a fresh temporary file in the same folder, created exclusively (never
-    through a link) and locked while it is written, which becomes `path` only when the block ends without an
-    error, after its bytes reached the disk. It is linked into place, and a link never replaces what is at the
-    name: FileExistsError when something is there (checked first too, before any byte is written). With
-    `replace`, it is renamed into place instead, which replaces a file or a link at the name and never writes
+    through a link) and locked from its creation until it is published, which becomes `path` only when the block
+    ends without an error, after its bytes reached the disk. It is linked into place, and a link never replaces
+    what is at the name: FileExistsError when something is there (checked first too, before any byte is written).
+    With `replace`, it is renamed into place instead, which replaces a file or a link at the name and never writes
     through the link. When the block fails (a full disk, an interrupt), the temporary file is removed and
     nothing shows under `path`; one left by a killed process is stale (remove_stale_partials)."""
     path = Path(path)
@@ -259,7 +259,7 @@ def new_file(path: str | Path, *, replace: bool = False) -> Iterator[BinaryIO]:
     while True:
         temp = _partial_name(path)
         fd = os.open(temp, flags, 0o644)
-        _locked(fd, wait=True)
+        locked = _locked(fd, wait=True)
         with contextlib.suppress(FileNotFoundError):  # a sweep may take it as stale between create and lock
             if os.path.samestat(os.fstat(fd), os.lstat(temp)):
                 break
@@ -269,13 +269,23 @@ def new_file(path: str | Path, *, replace: bool = False) -> Iterator[BinaryIO]:
             yield f
             f.flush()
             os.fsync(f.fileno())
-        if replace:
-            os.replace(temp, path)
-        else:
-            os.link(temp, path)
+            if locked:  # published before the lock goes, so a sweep never takes the finished file for a killed one's
+                _publish(temp, path, replace=replace)
+        if not locked:  # nothing sweeps an unlocked file, and Windows (no locks) renames no open file
+            _publish(temp, path, replace=replace)
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(temp)
+
+
+def _publish(temp: Path, path: Path, *, replace: bool) -> None:
+    """The finished temporary file under `path`: renamed over what is there (`replace`), else linked, which never
+    replaces anything (FileExistsError), and its temporary name removed."""
+    if replace:
+        os.replace(temp, path)
+    else:
+        os.link(temp, path)
+        os.unlink(temp)
 
 
 def remove_stale_partials(path: str | Path) -> list[str]:
