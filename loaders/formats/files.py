@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import os
 import stat
 from collections.abc import Iterator
@@ -222,14 +223,31 @@ def first_look(path: str | Path) -> None:
         regular_file(path, "model file")
 
 
+_NAME_MAX = 255  # bytes in a file name on the file systems models are kept on (ext4, XFS, btrfs, APFS, NTFS)
+_PARTIAL_PARTS = len("..0123456789abcdef.partial")  # what a temporary name adds to its stem
+
+
+def _partial_stem(name: str) -> str:
+    """What the temporary names of a file `name` hold of it: the name itself, or where that would make them longer
+    than a file name may be, as many of its first characters as fit, then "~" and a digest of the whole name."""
+    room = _NAME_MAX - _PARTIAL_PARTS
+    if len(os.fsencode(name)) <= room:
+        return name
+    digest = "~" + hashlib.sha256(os.fsencode(name)).hexdigest()[:16]
+    head = name
+    while len(os.fsencode(head + digest)) > room:  # cut at a character, never inside one
+        head = head[:-1]
+    return head + digest
+
+
 def _partial_name(path: Path) -> Path:
     """The fresh temporary name new_file writes `path` through (PARTIAL matches exactly these)."""
     import secrets
 
-    return path.with_name(f".{path.name}.{secrets.token_hex(8)}.partial")
+    return path.with_name(f".{_partial_stem(path.name)}.{secrets.token_hex(8)}.partial")
 
 
-PARTIAL = r"\.{name}\.[0-9a-f]{{16}}\.partial"  # _partial_name's names for a file `name`, as a pattern
+PARTIAL = r"\.{stem}\.[0-9a-f]{{16}}\.partial"  # _partial_name's names, as a pattern (`stem`: _partial_stem's)
 
 
 def _locked(fd: int, *, wait: bool) -> bool:
@@ -295,7 +313,7 @@ def remove_stale_partials(path: str | Path) -> list[str]:
     import re
 
     path = Path(path)
-    pattern = re.compile(PARTIAL.format(name=re.escape(path.name)))
+    pattern = re.compile(PARTIAL.format(stem=re.escape(_partial_stem(path.name))))
     removed = []
     if fcntl is None or not path.parent.is_dir():
         return removed

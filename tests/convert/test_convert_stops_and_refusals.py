@@ -121,14 +121,19 @@ def test_the_next_conversion_removes_the_partial_file_a_killed_one_left_and_noth
                "out.gguf" + PARTIAL_END, ".out.gguf" + PARTIAL_END + ".txt"]
     for name in foreign:
         (tmp_path / name).write_bytes(b"not the pack's to remove")
+    victim = tmp_path / "victim.txt"  # and a link at a name of the pattern, to a file of the user's
+    victim.write_bytes(b"not the pack's to remove")
+    link = tmp_path / ".out.gguf.00112233aabbccdd.partial"
+    link.symlink_to(victim)
     live = tmp_path / (".out.gguf.fedcba9876543210.partial")
     live.write_bytes(b"a conversion in progress")
     with open(live, "rb") as held:
         fcntl.flock(held.fileno(), fcntl.LOCK_EX)
         done = run_flux2dev("convert", "transformer", tiny_root / TRANSFORMER, out, "--type", "Q8_0")
     assert done.returncode == 0, done.stderr
-    assert sorted(os.listdir(tmp_path)) == sorted(["out.gguf", live.name, *foreign])
-    assert all((tmp_path / name).read_bytes() == b"not the pack's to remove" for name in foreign)
+    assert sorted(os.listdir(tmp_path)) == sorted(["out.gguf", live.name, *foreign, victim.name, link.name])
+    assert all((tmp_path / name).read_bytes() == b"not the pack's to remove" for name in [*foreign, victim.name])
+    assert link.is_symlink()
 
 
 def test_a_finished_file_being_published_is_left_to_its_writer_by_another_conversion(tiny_root, tmp_path):
