@@ -166,7 +166,7 @@ def part_files(path: str | Path, part: str, choose: str) -> list[Path]:
     if not os.path.lexists(path):
         raise none
     if not path.is_dir():
-        if path.suffix != ".safetensors":
+        if path.suffix.lower() != ".safetensors":
             raise UnsupportedFormatError(
                 f"{path.name} is not a .safetensors file; the pack never unpickles .ckpt/.pt/.bin files. {choose}"
             )
@@ -215,9 +215,10 @@ def first_look(path: str | Path) -> None:
     path = Path(path)
     if not os.path.lexists(path) or path.is_dir():
         return
-    if path.suffix == ".safetensors":
+    suffix = path.suffix.lower()
+    if suffix == ".safetensors":
         safetensors_file.read_header(str(path))
-    elif path.suffix == ".gguf":
+    elif suffix == ".gguf":
         gguf_file.check_start(path)
     else:
         regular_file(path, "model file")
