@@ -273,9 +273,13 @@ def _compare(args) -> None:
         with _progress("running the transformers"):
             report["parity"] = transformer_parity(a.path, b.path)
     if args.json:
-        print(json.dumps(report))
+        print(json.dumps(report, allow_nan=False))  # strict JSON: an undefined figure is null
     else:
         print(_compare_text(report))
+
+
+def _figure(value: float | None, spec: str) -> str:
+    return "undefined" if value is None else format(value, spec)
 
 
 def _compare_text(report: dict) -> str:
@@ -290,7 +294,8 @@ def _compare_text(report: dict) -> str:
     differ = [t for t in identity["tensors"] if t["verdict"] not in ("identical", "equal after dequantization",
                                                                     "B is a cast of A", "A is a cast of B")]
     for t in differ[:10]:
-        extra = f" (max abs {t['max_abs']:.3g}, rel L2 {t['rel_l2']:.3g})" if "max_abs" in t else ""
+        extra = f" (max abs {_figure(t['max_abs'], '.3g')}, rel L2 {_figure(t['rel_l2'], '.3g')})" \
+            if "max_abs" in t else ""
         lines.append(f"  {t['verdict']}: {t['name']}{extra}")
     if len(differ) > 10:
         lines.append(f"  ... and {len(differ) - 10} more (--json lists every tensor)")
@@ -303,13 +308,18 @@ def _compare_text(report: dict) -> str:
             label = r[first] if first == "timestep" else json.dumps(r[first], ensure_ascii=False)
             label = str(label)[:40] + ("..." if len(str(label)) > 40 else "")
             if "cosine" in r:
-                lines.append(f"  {label:<42} {r['cosine']:>12.8f} {r['rel_l2']:>10.3g} {r['max_abs']:>10.3g}")
+                lines.append(f"  {label:<42} {_figure(r['cosine'], '.8f'):>12} {_figure(r['rel_l2'], '.3g'):>10} "
+                             f"{_figure(r['max_abs'], '.3g'):>10}")
             else:
                 lines.append(f"  {label:<42} token counts differ: {r['shapes']}")
         worst = parity["worst"]
         if worst is not None:
             label = worst[first] if first == "timestep" else json.dumps(worst[first], ensure_ascii=False)
-            lines.append(f"  worst: {label} (cosine {worst['cosine']:.8f})")
+            lines.append(f"  worst: {label} (cosine {_figure(worst['cosine'], '.8f')})")
+    shown = differ[:10] + (parity["rows"] if parity else [])
+    if any(r.get(k, 0) is None for r in shown for k in ("cosine", "rel_l2", "max_abs")):
+        lines.append("undefined: the figure has no value (a cosine where an output is all zeros, a rel L2 where A's "
+                     "values are, any figure where values are NaN or infinite)")
     return "\n".join(lines)
 
 

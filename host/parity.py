@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from ..errors import VariantMismatchError
+from ..loaders.convert.identity import distances, figure
 from ..loaders.formats import progress
 from ..tokenizers.prompt import PADDING_MODES
 from . import compat, ensure_comfy
@@ -30,12 +31,17 @@ GUIDANCE = 4.0  # the reference's default for [dev]
 
 
 def figures(a: torch.Tensor, b: torch.Tensor) -> dict:
-    """cosine similarity, relative L2 distance (|a - b| / |a|) and largest absolute difference, in float64."""
+    """cosine similarity (None where an output is all zeros: it has no direction), and the distances of B from A
+    (identity.distances), in float64; any figure None where an output holds NaN or infinities."""
     a, b = a.double().reshape(-1), b.double().reshape(-1)
-    norms = a.norm().item() * b.norm().item()
-    return {"cosine": (a @ b).item() / norms if norms else float("nan"),
-            "rel_l2": (a - b).norm().item() / a.norm().item() if a.norm().item() else float("inf"),
-            "max_abs": (a - b).abs().max().item()}
+    return {"cosine": figure((a @ b) / (a.norm() * b.norm())), **distances(a, b)}
+
+
+def worst(rows: list[dict]) -> dict | None:
+    """The row of the lowest cosine, a row whose cosine is undefined before any (nothing vouches for its
+    outputs); None where no row has figures."""
+    ranked = [r for r in rows if "cosine" in r]
+    return min(ranked, key=lambda r: (r["cosine"] is not None, r["cosine"] or 0.0)) if ranked else None
 
 
 def _conditionings(path: str, prompts: list[str], padding: str) -> list[torch.Tensor]:
@@ -61,9 +67,7 @@ def encoder_parity(a: str, b: str, prompts: list[str], padding: str = PADDING_MO
             rows.append({"prompt": prompt, "shapes": [list(x.shape), list(y.shape)]})
             continue
         rows.append({"prompt": prompt, **figures(x, y)})
-    ranked = [r for r in rows if "cosine" in r]
-    worst = min(ranked, key=lambda r: r["cosine"]) if ranked else None
-    return {"what": f"conditioning ({padding} padding)", "rows": rows, "worst": worst}
+    return {"what": f"conditioning ({padding} padding)", "rows": rows, "worst": worst(rows)}
 
 
 def _load(path: str):
@@ -108,4 +112,4 @@ def transformer_parity(a: str, b: str) -> dict:
                                    "cannot be compared (they take conditioning of different widths).")
     rows = [{"timestep": t, **figures(x, y)} for t, x, y in zip(TIMESTEPS, outs_a, outs_b)]
     return {"what": f"transformer output (seed {SEED}, latent {list(LATENT)}, {TEXT_TOKENS} text tokens)", "rows": rows,
-            "worst": min(rows, key=lambda r: r["cosine"])}
+            "worst": worst(rows)}

@@ -16,6 +16,7 @@ for transformers, as stored for VAEs), one weight at a time with the companions 
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -163,10 +164,19 @@ def is_cast(dense: torch.Tensor, entries: dict, name: str) -> bool:
     return torch.equal(dense.to(weight.dtype).view(torch.int8), weight.view(torch.int8))
 
 
-def _figures(a: torch.Tensor, b: torch.Tensor) -> dict:
-    diff = (a.double() - b.double())
-    norm = a.double().norm().item()
-    return {"max_abs": diff.abs().max().item(), "rel_l2": diff.norm().item() / norm if norm else float("inf")}
+def figure(value: torch.Tensor) -> float | None:
+    """A 0-d result as a number, or None where it is none (NaN or infinite: a division by a norm of 0, or values
+    that are not finite), which JSON cannot hold."""
+    value = value.item()
+    return value if math.isfinite(value) else None
+
+
+def distances(a: torch.Tensor, b: torch.Tensor) -> dict:
+    """B's distance from A, in float64: the largest absolute difference and the relative L2 distance |a - b| / |a|
+    (None where A is all zeros)."""
+    a, b = a.double().reshape(-1), b.double().reshape(-1)
+    diff = a - b
+    return {"max_abs": figure(diff.abs().max()), "rel_l2": figure(diff.norm() / a.norm())}
 
 
 def verdict(a: dict, b: dict, name: str, shape_a, shape_b) -> dict:
@@ -182,7 +192,7 @@ def verdict(a: dict, b: dict, name: str, shape_a, shape_b) -> dict:
         return {"name": name, "verdict": CAST_OF_A}
     if is_cast(dense_b, a, name):
         return {"name": name, "verdict": CAST_OF_B}
-    return {"name": name, "verdict": DIFFER, **_figures(dense_a, dense_b)}
+    return {"name": name, "verdict": DIFFER, **distances(dense_a, dense_b)}
 
 
 def compare_weights(a: Weights, b: Weights) -> dict:

@@ -15,7 +15,7 @@ from typing import BinaryIO
 import torch
 
 from ..formats.gguf_quant import quantize
-from ..formats.quant_rows import quantized_buffer, quantized_nbytes
+from ..formats.quant_rows import UNLIMITED, check_peak, quantized_buffer, quantized_nbytes
 from ..formats.safetensors_file import DTYPES
 
 # torch dtype -> safetensors dtype name, from the reader's own table
@@ -135,6 +135,8 @@ _ROW_VALUES = 1 << 24  # values quantized and written at a time, so no full-size
 def write_quantized(file: TensorFile, name: str, values: torch.Tensor, qtype) -> None:
     """`values` quantized as `qtype` (a GGMLQuantizationType) in chunks of rows, each written at its place in the
     GGUF `file`; NotQuantizable where a value does not fit the type."""
+    if values.dtype == torch.float64 and values.numel():  # before the quantizer's float32 cast makes 1e300 infinite
+        check_peak(max(values.amax().item(), -values.amin().item()), limited=qtype not in UNLIMITED)
     rows = values.reshape(-1, values.shape[-1] if values.dim() else 1)
     step = max(1, _ROW_VALUES // rows.shape[1])
     row_bytes = quantized_nbytes(qtype, (rows.shape[1],))

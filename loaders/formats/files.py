@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import hashlib
 import os
 import stat
 from collections.abc import Iterator
@@ -165,7 +166,7 @@ def part_files(path: str | Path, part: str, choose: str) -> list[Path]:
     if not os.path.lexists(path):
         raise none
     if not path.is_dir():
-        if path.suffix != ".safetensors":
+        if path.suffix.lower() != ".safetensors":
             raise UnsupportedFormatError(
                 f"{path.name} is not a .safetensors file; the pack never unpickles .ckpt/.pt/.bin files. {choose}"
             )
@@ -214,22 +215,40 @@ def first_look(path: str | Path) -> None:
     path = Path(path)
     if not os.path.lexists(path) or path.is_dir():
         return
-    if path.suffix == ".safetensors":
+    suffix = path.suffix.lower()
+    if suffix == ".safetensors":
         safetensors_file.read_header(str(path))
-    elif path.suffix == ".gguf":
+    elif suffix == ".gguf":
         gguf_file.check_start(path)
     else:
         regular_file(path, "model file")
+
+
+_NAME_MAX = 255  # bytes in a file name on the file systems models are kept on (ext4, XFS, btrfs, APFS, NTFS)
+_PARTIAL_PARTS = len("..0123456789abcdef.partial")  # what a temporary name adds to its stem
+
+
+def _partial_stem(name: str) -> str:
+    """What the temporary names of a file `name` hold of it: the name itself, or where that would make them longer
+    than a file name may be, as many of its first characters as fit, then "~" and a digest of the whole name."""
+    room = _NAME_MAX - _PARTIAL_PARTS
+    if len(os.fsencode(name)) <= room:
+        return name
+    digest = "~" + hashlib.sha256(os.fsencode(name)).hexdigest()[:16]
+    head = name
+    while len(os.fsencode(head + digest)) > room:  # cut at a character, never inside one
+        head = head[:-1]
+    return head + digest
 
 
 def _partial_name(path: Path) -> Path:
     """The fresh temporary name new_file writes `path` through (PARTIAL matches exactly these)."""
     import secrets
 
-    return path.with_name(f".{path.name}.{secrets.token_hex(8)}.partial")
+    return path.with_name(f".{_partial_stem(path.name)}.{secrets.token_hex(8)}.partial")
 
 
-PARTIAL = r"\.{name}\.[0-9a-f]{{16}}\.partial"  # _partial_name's names for a file `name`, as a pattern
+PARTIAL = r"\.{stem}\.[0-9a-f]{{16}}\.partial"  # _partial_name's names, as a pattern (`stem`: _partial_stem's)
 
 
 def _locked(fd: int, *, wait: bool) -> bool:
@@ -246,10 +265,10 @@ def _locked(fd: int, *, wait: bool) -> bool:
 @contextlib.contextmanager
 def new_file(path: str | Path, *, replace: bool = False) -> Iterator[BinaryIO]:
     """A file to write `path` through: a fresh temporary file in the same folder, created exclusively (never
-    through a link) and locked while it is written, which becomes `path` only when the block ends without an
-    error, after its bytes reached the disk. It is linked into place, and a link never replaces what is at the
-    name: FileExistsError when something is there (checked first too, before any byte is written). With
-    `replace`, it is renamed into place instead, which replaces a file or a link at the name and never writes
+    through a link) and locked from its creation until it is published, which becomes `path` only when the block
+    ends without an error, after its bytes reached the disk. It is linked into place, and a link never replaces
+    what is at the name: FileExistsError when something is there (checked first too, before any byte is written).
+    With `replace`, it is renamed into place instead, which replaces a file or a link at the name and never writes
     through the link. When the block fails (a full disk, an interrupt), the temporary file is removed and
     nothing shows under `path`; one left by a killed process is stale (remove_stale_partials)."""
     path = Path(path)
@@ -259,7 +278,7 @@ def new_file(path: str | Path, *, replace: bool = False) -> Iterator[BinaryIO]:
     while True:
         temp = _partial_name(path)
         fd = os.open(temp, flags, 0o644)
-        _locked(fd, wait=True)
+        locked = _locked(fd, wait=True)
         with contextlib.suppress(FileNotFoundError):  # a sweep may take it as stale between create and lock
             if os.path.samestat(os.fstat(fd), os.lstat(temp)):
                 break
@@ -269,13 +288,23 @@ def new_file(path: str | Path, *, replace: bool = False) -> Iterator[BinaryIO]:
             yield f
             f.flush()
             os.fsync(f.fileno())
-        if replace:
-            os.replace(temp, path)
-        else:
-            os.link(temp, path)
+            if locked:  # published before the lock goes, so a sweep never takes the finished file for a killed one's
+                _publish(temp, path, replace=replace)
+        if not locked:  # nothing sweeps an unlocked file, and Windows (no locks) renames no open file
+            _publish(temp, path, replace=replace)
     finally:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(temp)
+
+
+def _publish(temp: Path, path: Path, *, replace: bool) -> None:
+    """The finished temporary file under `path`: renamed over what is there (`replace`), else linked, which never
+    replaces anything (FileExistsError), and its temporary name removed."""
+    if replace:
+        os.replace(temp, path)
+    else:
+        os.link(temp, path)
+        os.unlink(temp)
 
 
 def remove_stale_partials(path: str | Path) -> list[str]:
@@ -285,7 +314,7 @@ def remove_stale_partials(path: str | Path) -> list[str]:
     import re
 
     path = Path(path)
-    pattern = re.compile(PARTIAL.format(name=re.escape(path.name)))
+    pattern = re.compile(PARTIAL.format(stem=re.escape(_partial_stem(path.name))))
     removed = []
     if fcntl is None or not path.parent.is_dir():
         return removed

@@ -13,17 +13,22 @@ from gguf import GGMLQuantizationType as Q
 from .dequant_steps import output
 
 _F16_MAX = 65504.0
+_F32_MAX = float(np.finfo(np.float32).max)
+UNLIMITED = (Q.F32, Q.BF16)  # the types without a float16 field: they hold any finite float32
 
 
 class NotQuantizable(ValueError):
-    """The values cannot be written in the asked type (not finite, or beyond a float16 field)."""
+    """The values cannot be written in the asked type (not finite, beyond a float16 field, or beyond float32)."""
 
 
 def check_peak(peak: float, limited: bool) -> None:
+    """Refuse values of largest magnitude `peak` that are not finite, beyond float16 where the type has a float16
+    field (`limited`), or beyond float32 (float64 values, which the quantizers' float32 cast would make infinite)."""
     if not math.isfinite(peak):
         raise NotQuantizable("it holds NaN or infinite values")
-    if limited and peak > _F16_MAX:
-        raise NotQuantizable(f"it holds values up to {peak:g}, beyond float16's {_F16_MAX:g}")
+    top, name = (_F16_MAX, "float16") if limited else (_F32_MAX, "float32")
+    if peak > top:
+        raise NotQuantizable(f"it holds values up to {peak:g}, beyond {name}'s {top:g}")
 
 
 def row_bytes(qtype, columns: int) -> int:

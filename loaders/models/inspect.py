@@ -84,12 +84,13 @@ def model_kind(path: Path) -> str:
     """The describer's key: the kind of model at `path`, GGUF transformers apart."""
     if path.is_dir() and is_pipeline(path):
         return "pipeline"
-    if path.suffix == ".gguf":
+    suffix = path.suffix.lower()  # as the writers take it: upper.GGUF is a GGUF file
+    if suffix == ".gguf":
         from ..formats.gguf_file import open_gguf
 
         with open_gguf(path) as gguf:
             return "encoder" if gguf_kind(gguf.architecture) == "encoder" else "gguf-transformer"
-    if path.is_file() and path.suffix != ".safetensors":
+    if path.is_file() and suffix != ".safetensors":
         return "encoder"  # its layout table names every other format, and refuses pickles unopened
     has_weights = path.is_file() or any(path.glob("*.safetensors"))
     return (kind_from_names(_safetensors(path).infos) if has_weights else None) or "encoder"

@@ -1,7 +1,8 @@
 """`flux2dev compare` on pairs whose answer is known: a file and its copy (every tensor identical, cosine 1), a
 bf16 encoder and its fp8 conversion (every projection the exact cast), a GGUF conversion of a transformer, two
 tiny transformers of different seeds (every weight differs), and the VAE of a Klein pipeline and of a [dev] one
-(identical). The digest it reports for an encoder is the conditioning cache's fingerprint of its weights."""
+(identical). The digest it reports for an encoder is the conditioning cache's fingerprint of its weights. A figure
+with no value (an all-zero model's) is null in the JSON and "undefined" in the text."""
 
 from __future__ import annotations
 
@@ -122,6 +123,33 @@ def test_the_command_reports_identity_and_figures(comfy_host, pairs, tmp_path):
     rows = json.loads(done.stdout)["parity"]["rows"]
     assert [r["timestep"] for r in rows] == [0.9, 0.5, 0.1] \
         and all(r["cosine"] < 0.9 and r["rel_l2"] > 0.3 for r in rows)
+
+
+def _strict(constant: str):
+    raise ValueError(f"{constant} is not JSON")
+
+
+def test_an_all_zero_model_gets_null_figures_in_strict_json_and_undefined_ones_in_the_text(comfy_host, tiny_root,
+                                                                                           tmp_path, capsys):
+    """Its weights and outputs are all zeros: no relative distance from them, and no cosine to another's."""
+    from safetensors.torch import load_file, save_file
+
+    from comfyui_flux2dev.cli import main
+
+    zeros = tmp_path / "zeros.safetensors"
+    save_file({k: torch.zeros_like(v) for k, v in load_file(str(tiny_root / TRANSFORMER)).items()}, str(zeros))
+    assert main(["compare", str(zeros), str(tiny_root / TRANSFORMER), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out, parse_constant=_strict)
+    assert all(t["rel_l2"] is None and t["max_abs"] > 0 for t in report["identity"]["tensors"])
+    rows = report["parity"]["rows"]
+    assert all(r["cosine"] is None and r["rel_l2"] is None and r["max_abs"] > 0 for r in rows)
+    assert report["parity"]["worst"] == rows[0]
+    assert main(["compare", str(zeros), str(tiny_root / TRANSFORMER)]) == 0
+    *lines, note = capsys.readouterr().out.splitlines()
+    assert not [line for line in lines if " nan" in line or " inf" in line], lines
+    assert "  differ: double_blocks.0.img_mlp.2.weight (max abs 0.0361, rel L2 undefined)" in lines
+    assert any(line.startswith("  0.9 ") and line.split()[1:3] == ["undefined", "undefined"] for line in lines)
+    assert note.startswith("undefined: the figure has no value")
 
 
 def test_an_fp8_conditioning_is_near_its_sources_and_the_worst_prompt_is_named(comfy_host, pairs):

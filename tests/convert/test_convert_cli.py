@@ -73,24 +73,26 @@ sys.exit(status)
 """
 
 
-@pytest.mark.parametrize("how, room, error", [("read-only", 0, "Read-only file system"),
-                                              ("full", 1 << 20, "No space left on device")])
-def test_a_folder_that_cannot_take_the_file_gets_none_under_its_name(tiny_root, tmp_path, how, room, error):
+LONG_NAME = "e" * 238 + ".safetensors"  # 250 bytes: its temporary names are cut to fit
+
+
+@pytest.mark.parametrize("how, room, error, name", [("read-only", 0, "Read-only file system", LONG_NAME),
+                                                    ("full", 1 << 20, "No space left on device", "enc.safetensors")])
+def test_a_folder_that_cannot_take_the_file_gets_none_under_its_name(tiny_root, tmp_path, how, room, error, name):
     """Read-only: the temporary file cannot be made. Full: 1 MiB is left, the file needs 29, and the write fails
     midway; the partial file is removed and nothing shows under OUT's name."""
     folder = tmp_path / "out"
     folder.mkdir()
     (folder / "notes.txt").write_text("the user's notes")
     before = _snapshot(folder)
-    script = CONVERT_SCRIPT.format(source=str(tiny_root / ENCODER), out=str(folder / "enc.safetensors"),
-                                   folder=str(folder))
+    script = CONVERT_SCRIPT.format(source=str(tiny_root / ENCODER), out=str(folder / name), folder=str(folder))
     done = restricted(script, folder, how, dict(os.environ), room=room)
     assert done.returncode == 2, done.stderr[-3000:]
     message = [line for line in done.stderr.splitlines() if line.startswith("flux2dev convert encoder: ")]
     assert len(message) == 1 and error in message[0] \
         and "nothing was written under its name" in message[0], done.stderr[-3000:]
     listed = eval(done.stdout.strip().splitlines()[-1])
-    assert "enc.safetensors" not in listed and not [n for n in listed if n.endswith(".partial")], listed
+    assert name not in listed and not [n for n in listed if n.endswith(".partial")], listed
     assert _snapshot(folder) == before
 
 

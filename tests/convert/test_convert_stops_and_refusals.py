@@ -1,8 +1,8 @@
 """`flux2dev convert` and `compare` stopped midway or given what cannot work: Ctrl-C and SIGTERM end in one line
 and no partial file; a partial file a killed conversion left is removed by the next conversion into that name,
-and nothing else is; OUT naming the source is refused; a LoRA that is malformed, no safetensors file or shaped
-for another model, and a [dev] compared with a Klein, are refused from headers alone, before ComfyUI is
-imported."""
+and nothing else is, not even a finished one being published; OUT naming the source is refused; a LoRA that is
+malformed, no safetensors file or shaped for another model, and a [dev] compared with a Klein, are refused from
+headers alone, before ComfyUI is imported."""
 
 from __future__ import annotations
 
@@ -36,6 +36,21 @@ def paused(self, *args, **kwargs):
     print("writing", flush=True)
     time.sleep(60)
 tensor_files.TensorFile.write = paused
+sys.exit(main({argv!r}))
+"""
+
+# The command line, with the writer paused as it renames its finished file into place (a line on stdout says so)
+# until a line comes on stdin.
+PUBLISHING = """
+import os, sys
+from comfyui_flux2dev.cli import main
+replace = os.replace
+def paused(src, dst, **kwargs):
+    if str(src).endswith(".partial"):
+        print("publishing", flush=True)
+        sys.stdin.readline()
+    return replace(src, dst, **kwargs)
+os.replace = paused
 sys.exit(main({argv!r}))
 """
 
@@ -106,14 +121,41 @@ def test_the_next_conversion_removes_the_partial_file_a_killed_one_left_and_noth
                "out.gguf" + PARTIAL_END, ".out.gguf" + PARTIAL_END + ".txt"]
     for name in foreign:
         (tmp_path / name).write_bytes(b"not the pack's to remove")
+    victim = tmp_path / "victim.txt"  # and a link at a name of the pattern, to a file of the user's
+    victim.write_bytes(b"not the pack's to remove")
+    link = tmp_path / ".out.gguf.00112233aabbccdd.partial"
+    link.symlink_to(victim)
     live = tmp_path / (".out.gguf.fedcba9876543210.partial")
     live.write_bytes(b"a conversion in progress")
     with open(live, "rb") as held:
         fcntl.flock(held.fileno(), fcntl.LOCK_EX)
         done = run_flux2dev("convert", "transformer", tiny_root / TRANSFORMER, out, "--type", "Q8_0")
     assert done.returncode == 0, done.stderr
-    assert sorted(os.listdir(tmp_path)) == sorted(["out.gguf", live.name, *foreign])
-    assert all((tmp_path / name).read_bytes() == b"not the pack's to remove" for name in foreign)
+    assert sorted(os.listdir(tmp_path)) == sorted(["out.gguf", live.name, *foreign, victim.name, link.name])
+    assert all((tmp_path / name).read_bytes() == b"not the pack's to remove" for name in [*foreign, victim.name])
+    assert link.is_symlink()
+
+
+def test_a_finished_file_being_published_is_left_to_its_writer_by_another_conversion(tiny_root, tmp_path):
+    """The first conversion is paused as it renames its finished file into place; a second into the same name
+    runs meanwhile, sweeping stale partial files first. It leaves the first's (its writer still holds the lock),
+    both finish, and the name holds the first's file (it came last, with --force)."""
+    out = tmp_path / "out.gguf"
+    argv = ["convert", "transformer", str(tiny_root / TRANSFORMER), str(out), "--type", "Q8_0", "--force"]
+    first = _python(PUBLISHING.format(argv=argv), stdin=subprocess.PIPE)
+    try:
+        assert first.stdout.readline() == "publishing\n", first.communicate(timeout=60)[1][-3000:]
+        (partial,) = _partials(tmp_path)
+        finished = (tmp_path / partial).read_bytes()
+        second = run_flux2dev("convert", "transformer", tiny_root / TRANSFORMER, out, "--type", "Q4_0")
+        assert second.returncode == 0, second.stderr
+        assert _partials(tmp_path) == [partial], "the second conversion swept a file its writer is publishing"
+        _, stderr = first.communicate("\n", timeout=60)
+        assert first.returncode == 0, stderr[-3000:]
+    finally:
+        first.kill()
+        first.communicate()
+    assert out.read_bytes() == finished and os.listdir(tmp_path) == ["out.gguf"]
 
 
 def test_force_with_out_naming_the_source_is_refused_and_the_source_kept(encoder, tmp_path):

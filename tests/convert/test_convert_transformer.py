@@ -168,16 +168,24 @@ def test_every_layout_of_one_model_gives_the_same_bytes_and_so_does_a_second_run
     assert again.read_bytes() == open(converted[("fp8-weight_scale", "Q5_0")], "rb").read()
 
 
-def test_a_weight_that_is_not_finite_is_refused_naming_it(tiny_root, tmp_path):
+@pytest.mark.parametrize("value, dtype, qtype, said", [
+    (float("nan"), torch.bfloat16, "Q8_0", "Q8_0: it holds NaN or infinite values"),
+    # float64 values beyond float32 are told as they are, not as the infinities a float32 cast would make of them
+    (1e300, torch.float64, "Q8_0", "Q8_0: it holds values up to 1e+300, beyond float16's 65504"),
+    (-1e300, torch.float64, "Q4_K_M", "Q4_K: it holds values up to 1e+300, beyond float16's 65504"),
+    (1e300, torch.float64, "BF16", "BF16: it holds values up to 1e+300, beyond float32's 3.40282e+38"),
+], ids=["nan", "1e300-Q8_0", "1e300-Q4_K_M", "1e300-BF16"])
+def test_a_weight_that_does_not_fit_is_refused_naming_it(tiny_root, tmp_path, value, dtype, qtype, said):
     from safetensors.torch import load_file, save_file
 
     weights = load_file(str(tiny_root / SOURCES["bfl"][0]))
-    weights["single_blocks.1.linear2.weight"][3, 5] = float("nan")
-    save_file(weights, str(tmp_path / "nan.safetensors"))
-    with pytest.raises(CorruptFileError,
-                       match=r"single_blocks\.1\.linear2\.weight cannot be written as Q8_0: it holds NaN"):
-        convert_transformer(str(tmp_path / "nan.safetensors"), str(tmp_path / "out.gguf"), qtype="Q8_0")
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["nan.safetensors"]
+    weights["single_blocks.1.linear2.weight"] = weights["single_blocks.1.linear2.weight"].to(dtype)
+    weights["single_blocks.1.linear2.weight"][3, 5] = value
+    save_file(weights, str(tmp_path / "bad.safetensors"))
+    with pytest.raises(CorruptFileError) as refused:
+        convert_transformer(str(tmp_path / "bad.safetensors"), str(tmp_path / "out.gguf"), qtype=qtype)
+    assert f"single_blocks.1.linear2.weight cannot be written as {said}." in str(refused.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.safetensors"]
 
 
 # --- LoRAs, through the host's own LoRA loader ------------------------------------------------------------------

@@ -145,6 +145,35 @@ def test_a_link_at_the_name_is_replaced_never_written_through(tmp_path):
     assert not out.is_symlink() and out.read_bytes() == b"new" and victim.read_bytes() == b"the user's file"
 
 
+def test_a_long_legal_name_is_written_and_a_stale_partial_of_it_alone_is_swept(tmp_path):
+    """A 250-byte name (a file name holds 255): its temporary names are cut to fit, still starting with the name;
+    the next write into it sweeps one a killed writer left, never a link at such a name nor another name's."""
+    out = tmp_path / ("x" + "é" * 122 + ".gguf")  # the cut falls inside a two-byte character
+    assert len(os.fsencode(out.name)) == 250
+    with output_file(check_output(out, force=False, suffix=".gguf"), force=False) as f:
+        (partial,) = [name for name in os.listdir(tmp_path) if name != out.name]
+        f.write(b"first")
+    assert len(os.fsencode(partial)) <= 255 and partial.startswith(".x" + "é" * 100) and partial.endswith(".partial")
+    assert os.listdir(tmp_path) == [out.name] and out.read_bytes() == b"first"
+
+    stem = partial[1 : -len(".0123456789abcdef.partial")]  # the name, cut, and a digest of it
+
+    def named(random: str, stem: str = stem) -> Path:  # the partial's name with another random part
+        return tmp_path / f".{stem}.{random}.partial"
+
+    named("0123456789abcdef").write_bytes(b"left by a killed writer")
+    victim = tmp_path / "victim.txt"
+    victim.write_bytes(b"the user's file")
+    named("fedcba9876543210").symlink_to(victim)
+    other = named("0123456789abcdef", stem=stem[:-1] + ("1" if stem.endswith("0") else "0"))  # another digest
+    other.write_bytes(b"another name's")
+    with output_file(out, force=True) as f:
+        f.write(b"second")
+    assert sorted(os.listdir(tmp_path)) == sorted([out.name, victim.name, named("fedcba9876543210").name, other.name])
+    assert out.read_bytes() == b"second" and victim.read_bytes() == b"the user's file"
+    assert named("fedcba9876543210").is_symlink() and other.read_bytes() == b"another name's"
+
+
 @pytest.mark.parametrize("name, problem", [
     ("out.txt", "is a .gguf file"), ("missing/out.gguf", "does not exist"), ("folder.gguf", "is a folder"),
 ])
