@@ -3,8 +3,9 @@
 legacy types: float rows in, GGUF bytes [rows, row bytes] out.
 
 The quantizers are kquant_kernels.py, a line-by-line port of ggml's C: compiled by numba where it can run (loaded
-under a name of its own, as fused.py loads numba_kernels.py, so numba's cache finds it again whatever the pack's
-folder is called), else run as plain Python over numpy float32 scalars, which gives the same bytes far slower.
+under a name of its own, as fused.py loads numba_kernels.py, so the cached machine code is found again whatever the
+pack's folder is called), else run as plain Python over numpy float32 scalars, which gives the same bytes some
+thousand times slower.
 
 Values that are not finite, and values beyond float16's range, are refused as gguf_quant.py refuses them: far beyond
 it ggml's float32 sums overflow and it writes NaN scales or all-zero blocks, which load and then spoil every image.
@@ -46,10 +47,10 @@ def _compiled():
     try:
         from numba import njit
 
-        # compiled once per machine into __pycache__ beside the source; the GIL released while a kernel runs; a
-        # float division by zero gives C's infinity or NaN (the searches divide where C's never reach), not an error
+        # the GIL released while a kernel runs; a float division by zero gives C's infinity or NaN (the searches
+        # divide where C's never reach), not an error
         return load_by_digest(Path(kquant_kernels.__file__), KERNELS_MODULE,
-                              lambda module: module.compile_all(njit(nogil=True, cache=True, error_model="numpy")))
+                              lambda module: module.compile_all(njit(nogil=True, error_model="numpy")))
     except Exception as e:  # a missing numba, or one built for another numpy: the plain path gives the same bytes
         log.warning("The compiled K-quant quantizers need numba (%s: %s); the far slower plain Python path is used.",
                     type(e).__name__, e)
@@ -85,8 +86,8 @@ def _pool(threads: int) -> ThreadPoolExecutor:
 
 
 def _run(qtype: Q, blocks: np.ndarray, out: np.ndarray, threads: int) -> None:
-    """Every block quantized into out, on up to `threads` threads; the compiled kernel, or where it fails to load or
-    compile (logged once), the plain one."""
+    """Every block quantized into out, on up to `threads` threads; the compiled kernel, or where it fails to compile
+    (logged once), the plain one."""
     n = blocks.shape[0]
     step = max(1, -(-n // threads))
     kernel = _kernel(qtype)
@@ -97,8 +98,8 @@ def _run(qtype: Q, blocks: np.ndarray, out: np.ndarray, threads: int) -> None:
         if path(qtype) == "python":
             raise
         _FAILED.add(qtype)
-        log.warning("The compiled %s quantizer could not be loaded or compiled (%s: %s); the plain Python path is "
-                    "used for it.", qtype.name, type(e).__name__, e)
+        log.warning("The compiled %s quantizer could not be compiled (%s: %s); the plain Python path is used for "
+                    "it.", qtype.name, type(e).__name__, e)
         _kernel(qtype)(blocks, out)
 
 
