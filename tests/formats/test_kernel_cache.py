@@ -112,9 +112,9 @@ def _loaded(result: dict) -> bool:
 
 
 def _at_compiled_speed(result: dict, clean: dict) -> bool:
-    """Quantizing as fast as with a clean cache, as a ratio of the two best times (the plain port is some thousand
-    times slower; the machine's noise stays well under 3x)."""
-    return result["seconds"] < 3 * clean["seconds"]
+    """Quantizing at the speed of a clean cache's process, as a ratio of the two best times: the plain port is over
+    a thousand times slower, while a shared machine's speed swings up to 6x between processes (measured on 2 cores)."""
+    return result["seconds"] < 20 * clean["seconds"]
 
 
 _FORMATS = Path("loaders") / "formats"
