@@ -15,6 +15,7 @@ from typing import BinaryIO
 import torch
 
 from ..formats.gguf_quant import quantize
+from ..formats.kquants import check_pace
 from ..formats.quant_rows import UNLIMITED, check_peak, quantized_buffer, quantized_nbytes
 from ..formats.safetensors_file import DTYPES
 
@@ -112,7 +113,8 @@ def gguf_file(f: BinaryIO, metadata: list[tuple[str, object, object]],
               tensors: dict[str, tuple[object, tuple[int, ...], int]]) -> TensorFile:
     """A GGUF (version 3) file of `metadata` ([(key, GGUFValueType, value)], in order; an array's value is (element
     type, items)) and `tensors` ({name: (GGMLQuantizationType, torch shape, bytes)}, in the order given), each
-    tensor's data aligned to 32 bytes."""
+    tensor's data aligned to 32 bytes; refused first where the K types' quantizers cannot keep pace (check_pace)."""
+    check_pace((qtype, shape) for qtype, shape, _ in tensors.values())
     head = [b"GGUF", struct.pack("<IQQ", _GGUF_VERSION, len(tensors), len(metadata))]
     for key, vtype, value in metadata:
         head += [_gguf_string(key), struct.pack("<I", int(vtype)), _gguf_value(vtype, value)]

@@ -3,7 +3,7 @@ whether it ran, and where it could not (numba missing or unusable, a GPU tensor,
 its torch path, which gives the same bits.
 
 numba is imported on the first CPU dequantization or quantization, not with the pack. A kernel that cannot be
-loaded or compiled leaves its type to the torch path, with one log line, and never fails a load. Its
+compiled leaves its type to the torch path, with one log line, and never fails a load. Its
 conversions to fp16 and bfloat16 are checked once per process against torch's own cast on the values where
 conversions differ (halfway cases, subnormals, overflow, infinities): a machine where they disagree keeps the
 torch path for that dtype, with a warning. NaN payloads are not compared: torch's own CPU cast gives different
@@ -34,9 +34,10 @@ _VIEWS = {torch.float32: torch.float32, torch.float16: torch.uint16, torch.bfloa
 KERNELS_MODULE = "flux2dev_numba_kernels_"
 
 
-def load_by_digest(source: Path, prefix: str, prepare=None):
+def load_by_digest(source: Path, prefix: str, kernels):
     """The module at `source` (which imports nothing of the pack), in sys.modules under `prefix` and a digest of its
-    source, executed once per process; prepare(module) runs once after that.
+    source, executed once per process; kernels(module) returns the numba dispatchers whose machine code is kept on
+    disk (kernel_cache.py), compiling them first where the module leaves that to its loader.
 
     numba's cached machine code records the name of the module it was compiled in and imports that name again
     when a later process loads it, while ComfyUI names a custom node's modules by the folder's path and the
@@ -48,9 +49,10 @@ def load_by_digest(source: Path, prefix: str, prepare=None):
         module = importlib.util.module_from_spec(spec)
         sys.modules[name] = module
         try:
+            from .kernel_cache import keep_on_disk  # imports numba: on first use, not with the pack
+
             spec.loader.exec_module(module)
-            if prepare is not None:
-                prepare(module)
+            keep_on_disk(kernels(module), source, name)
         except BaseException:
             del sys.modules[name]
             raise
@@ -61,7 +63,8 @@ def load_by_digest(source: Path, prefix: str, prepare=None):
 def _kernels():
     """numba_kernels, or None (with the reason logged once) where numba cannot be imported."""
     try:
-        return load_by_digest(Path(__file__).with_name("numba_kernels.py"), KERNELS_MODULE)
+        return load_by_digest(Path(__file__).with_name("numba_kernels.py"), KERNELS_MODULE,
+                              lambda module: module.CACHED)
     except Exception as e:  # a missing numba, or one built for another numpy: any failure means the torch path
         log.warning("The one-pass CPU dequantizers need numba (%s: %s); the slower torch path is used.",
                     type(e).__name__, e)
@@ -131,22 +134,22 @@ def _by_rows(rows: int, run) -> None:
         future.result()
 
 
-# Kernels that failed to load from numba's cache or to compile in this process: their types take the torch path.
+# Kernels that failed to compile in this process: their types take the torch path.
 _FAILED: set[str] = set()
 
 
 def _ran(name: str, rows: int, run) -> bool:
-    """run(first, stop) over all rows (_by_rows) with the kernel `name`; False where that kernel cannot be loaded
-    or compiled here (logged once), so that the caller's torch path writes the whole output instead."""
+    """run(first, stop) over all rows (_by_rows) with the kernel `name`; False where that kernel cannot be compiled
+    here (logged once), so that the caller's torch path writes the whole output instead. (A cache entry that cannot be
+    read or written costs a compilation, not the kernel: kernel_cache.py.)"""
     if name in _FAILED:
         return False
     try:
         _by_rows(rows, run)
-    except Exception as e:  # a damaged or foreign cache entry, a failed compilation: the torch path gives the same bits
+    except Exception as e:  # a failed compilation: the torch path gives the same bits
         _FAILED.add(name)
-        log.warning("The one-pass CPU kernel for %s could not be loaded or compiled (%s: %s); the torch path is used "
-                    "for it. Removing the __pycache__ folder beside %s makes numba compile it again.",
-                    name, type(e).__name__, e, Path(__file__).with_name("numba_kernels.py"))
+        log.warning("The one-pass CPU kernel for %s could not be compiled (%s: %s); the torch path is used for it.",
+                    name, type(e).__name__, e)
         return False
     return True
 

@@ -485,8 +485,9 @@ _FUNCTIONS = ("_bits", "_from_bits", "_nearest_int", "_fp16", "_fp32", "_put_fp1
               *KERNELS.values())
 
 
-def compile_all(njit) -> None:
+def compile_all(njit) -> list:
     """Replaces every function of this module (a copy of it loaded for this) by njit(function): they call each
-    other through the module's names, so compiled code calls compiled code."""
+    other through the module's names, so compiled code calls compiled code. Returns the kernels (KERNELS')."""
     for name in _FUNCTIONS:
         globals()[name] = njit(globals()[name])
+    return [globals()[name] for name in KERNELS.values()]

@@ -3,8 +3,9 @@
 legacy types: float rows in, GGUF bytes [rows, row bytes] out.
 
 The quantizers are kquant_kernels.py, a line-by-line port of ggml's C: compiled by numba where it can run (loaded
-under a name of its own, as fused.py loads numba_kernels.py, so numba's cache finds it again whatever the pack's
-folder is called), else run as plain Python over numpy float32 scalars, which gives the same bytes far slower.
+under a name of its own, as fused.py loads numba_kernels.py, so the cached machine code is found again whatever the
+pack's folder is called), else run as plain Python over numpy float32 scalars, which gives the same bytes some
+thousand times slower: work it would take more than a minute on is refused, saying to install numba.
 
 Values that are not finite, and values beyond float16's range, are refused as gguf_quant.py refuses them: far beyond
 it ggml's float32 sums overflow and it writes NaN scales or all-zero blocks, which load and then spoil every image.
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -37,6 +39,9 @@ K_TYPES = tuple(SCALE_FIELDS)
 KERNELS_MODULE = "flux2dev_kquant_kernels_"
 # Rows are quantized a chunk at a time: converted to float32 (where they are not), checked, and spread over threads.
 CHUNK_VALUES = 1 << 18
+# The plain path's pace (30-40 ms a block measured), and the most time it may be given for one conversion or tensor
+PLAIN_SECONDS_PER_BLOCK = 0.035
+PLAIN_SECONDS = 60
 
 
 @functools.cache
@@ -46,10 +51,10 @@ def _compiled():
     try:
         from numba import njit
 
-        # compiled once per machine into __pycache__ beside the source; the GIL released while a kernel runs; a
-        # float division by zero gives C's infinity or NaN (the searches divide where C's never reach), not an error
+        # the GIL released while a kernel runs; a float division by zero gives C's infinity or NaN (the searches
+        # divide where C's never reach), not an error
         return load_by_digest(Path(kquant_kernels.__file__), KERNELS_MODULE,
-                              lambda module: module.compile_all(njit(nogil=True, cache=True, error_model="numpy")))
+                              lambda module: module.compile_all(njit(nogil=True, error_model="numpy")))
     except Exception as e:  # a missing numba, or one built for another numpy: the plain path gives the same bytes
         log.warning("The compiled K-quant quantizers need numba (%s: %s); the far slower plain Python path is used.",
                     type(e).__name__, e)
@@ -84,9 +89,29 @@ def _pool(threads: int) -> ThreadPoolExecutor:
     return ThreadPoolExecutor(threads, thread_name_prefix="flux2dev-kquant")
 
 
+# Longer times as a person reads them: (seconds in the unit, its name), the largest first
+_UNITS = ((86400, "days"), (3600, "hours"), (60, "minutes"), (1, "seconds"))
+
+
+def check_pace(tensors) -> None:
+    """Refuses, before anything is quantized, work that the plain path would take more than PLAIN_SECONDS on:
+    `tensors` are (GGUF type, shape) pairs, those of the K types counted where their compiled quantizer cannot run."""
+    slow = [(Q(qtype), math.prod(shape)) for qtype, shape in tensors if Q(qtype) in SCALE_FIELDS]
+    blocks = sum(values // GGML_QUANT_SIZES[qtype][0] for qtype, values in slow if path(qtype) == "python")
+    seconds = blocks * PLAIN_SECONDS_PER_BLOCK
+    if seconds <= PLAIN_SECONDS:
+        return
+    unit, name = next((unit, name) for unit, name in _UNITS if seconds >= unit)
+    why = "numba cannot be imported" if _compiled() is None else "numba failed to compile them"
+    raise UnsupportedFormatError(
+        f"The compiled K-quant quantizers cannot run here ({why}; the log says why), and their plain Python port "
+        f"would take about {seconds / unit:.0f} {name} for these {blocks} blocks. Install numba into the Python that "
+        "runs the pack (pip install numba) and run it again.")
+
+
 def _run(qtype: Q, blocks: np.ndarray, out: np.ndarray, threads: int) -> None:
-    """Every block quantized into out, on up to `threads` threads; the compiled kernel, or where it fails to load or
-    compile (logged once), the plain one."""
+    """Every block quantized into out, on up to `threads` threads; the compiled kernel, or where it fails to compile
+    (logged once), the plain one, where it keeps pace (check_pace)."""
     n = blocks.shape[0]
     step = max(1, -(-n // threads))
     kernel = _kernel(qtype)
@@ -97,8 +122,9 @@ def _run(qtype: Q, blocks: np.ndarray, out: np.ndarray, threads: int) -> None:
         if path(qtype) == "python":
             raise
         _FAILED.add(qtype)
-        log.warning("The compiled %s quantizer could not be loaded or compiled (%s: %s); the plain Python path is "
-                    "used for it.", qtype.name, type(e).__name__, e)
+        log.warning("The compiled %s quantizer could not be compiled (%s: %s); the plain Python path is used for "
+                    "it.", qtype.name, type(e).__name__, e)
+        check_pace([(qtype, blocks.shape)])
         _kernel(qtype)(blocks, out)
 
 
@@ -114,14 +140,15 @@ def quantize(values: torch.Tensor, qtype, *, out: torch.Tensor | None = None,
     """The GGUF bytes of `values` (a float tensor on the CPU, any float dtype, last dimension the rows) in the K type
     `qtype`: uint8 [rows, row bytes], written into `out` where given (contiguous, of that shape), on `threads` threads
     (half the cores where not given). Raises
-    NotQuantizable for values the type cannot hold (not finite, or beyond float16), and ValueError for rows that do
-    not hold whole blocks."""
+    NotQuantizable for values the type cannot hold (not finite, or beyond float16), ValueError for rows that do
+    not hold whole blocks, and UnsupportedFormatError for work the plain path cannot keep pace with (check_pace)."""
     qtype = Q(qtype)
     if qtype not in SCALE_FIELDS:
         raise UnsupportedFormatError(f"The K-quant quantizer writes {', '.join(q.name for q in K_TYPES)}, "
                                      f"not {qtype.name}.")
     block_size, type_size = GGML_QUANT_SIZES[qtype]
     rows, out = rows_and_out(values, qtype, out)
+    check_pace([(qtype, rows.shape)])
     columns = rows.shape[1]
     step = max(1, CHUNK_VALUES // columns)
     for start in range(0, rows.shape[0], step):

@@ -1,5 +1,5 @@
-"""One-pass kernels, compiled by numba on first use (no compiler needed on the user's machine) and cached beside
-this file. Dequantization: each packed byte is read once and each value written once, in the output dtype,
+"""One-pass kernels, compiled by numba on first use (no compiler needed on the user's machine) and cached on disk
+(kernel_cache.py). Dequantization: each packed byte is read once and each value written once, in the output dtype,
 straight into the destination; the torch path (gguf_dequant.py, quant.py) does the same float32 operations in
 several passes over memory: unpack, widen, scale, cast. GGUF quantization (the last GGUF section): each value read
 once, each block written once, where the torch path (gguf_quant.py) makes a pass per op.
@@ -8,7 +8,7 @@ Every kernel mirrors gguf's numpy reference (gguf.quants) operation by operation
 multiply-add: numba compiles without fast-math flags, so LLVM keeps each rounding), then converts to the
 output dtype with round-to-nearest-even, as torch's cast does. Outputs are passed as float32 arrays, as
 uint16 arrays (fp16 bits) or as int16 arrays (bfloat16 bits): the array type picks the conversion when the
-kernel is compiled. Only fused.py loads this module, under a name of its own (numba's cache records it), and only
+kernel is compiled. Only fused.py loads this module, under a name of its own (the cached code records it), and only
 when a CPU dequantization or quantization asks for it; so it imports nothing of the pack.
 
 The kernels trust their inputs: numba does not check indexes, so fused.py checks every size first.
@@ -27,9 +27,16 @@ from numba.extending import intrinsic, overload
 
 _U32 = np.uint32
 _F32 = np.float32
-# Compile once per machine, keep the machine code in __pycache__ beside this file (written by numba under
-# names of its own, through temporary files); release the GIL while a kernel runs.
-_JIT = {"nogil": True, "cache": True}
+# The kernels called from Python: fused.py keeps their machine code on disk (kernel_cache.py), compiled once per
+# machine.
+CACHED = []
+
+
+def _kernel(function):
+    """njit for a kernel called from Python, listed in CACHED; the GIL released while it runs."""
+    kernel = njit(nogil=True)(function)
+    CACHED.append(kernel)
+    return kernel
 
 
 def _hardware_fp16() -> bool:
@@ -123,7 +130,7 @@ def _put_typed(out, i, v):
     return put
 
 
-@njit(**_JIT)
+@_kernel
 def convert(values, out):
     """float32 values into `out` (one of the output array types): the conversion, checked once per process
     against torch's cast (fused.py)."""
@@ -152,7 +159,7 @@ def _i8(byte):
 # output's shape, while its indexes use literal offsets: 3-7x the speed of the same code with w literal.
 
 
-@njit(**_JIT)
+@_kernel
 def q8_0(blocks, out, halves):
     w = out.shape[1]
     for i in range(blocks.shape[0]):
@@ -162,7 +169,7 @@ def q8_0(blocks, out, halves):
             _put(o, k, _F32(_i8(b[2 + k])) * d)
 
 
-@njit(**_JIT)
+@_kernel
 def q4_0(blocks, out, halves):
     w = out.shape[1] // 2
     for i in range(blocks.shape[0]):
@@ -174,7 +181,7 @@ def q4_0(blocks, out, halves):
             _put(o, 16 + k, d * _F32((q >> 4) - 8))
 
 
-@njit(**_JIT)
+@_kernel
 def q4_1(blocks, out, halves):
     w = out.shape[1] // 2
     for i in range(blocks.shape[0]):
@@ -198,7 +205,7 @@ def _bit16(field, k):
     return np.int32((field >> _U32(k)) & _U32(1)) << 4
 
 
-@njit(**_JIT)
+@_kernel
 def q5_0(blocks, out, halves):
     w = out.shape[1] // 2
     for i in range(blocks.shape[0]):
@@ -210,7 +217,7 @@ def q5_0(blocks, out, halves):
             _put(o, 16 + k, d * _F32(((q >> 4) | _bit16(qh, 16 + k)) - 16))
 
 
-@njit(**_JIT)
+@_kernel
 def q5_1(blocks, out, halves):
     w = out.shape[1] // 2
     for i in range(blocks.shape[0]):
@@ -222,7 +229,7 @@ def q5_1(blocks, out, halves):
             _put(o, 16 + k, d * _F32((q >> 4) | _bit16(qh, 16 + k)) + m)
 
 
-@njit(**_JIT)
+@_kernel
 def q2_k(blocks, out, halves):
     w = out.shape[1] // 16
     for i in range(blocks.shape[0]):
@@ -249,7 +256,7 @@ def _q3_k_scale(b, s, d):
     return d * _F32(_i8(low | (high << 4)) - 32)
 
 
-@njit(**_JIT)
+@_kernel
 def q3_k(blocks, out, halves):
     w = out.shape[1] // 16
     for i in range(blocks.shape[0]):
@@ -282,7 +289,7 @@ def _k4_scales(b, j, d, dmin):
     return d * _F32(sc), dmin * _F32(mn)
 
 
-@njit(**_JIT)
+@_kernel
 def q4_k(blocks, out, halves):
     w = out.shape[1] // 8
     for i in range(blocks.shape[0]):
@@ -298,7 +305,7 @@ def q4_k(blocks, out, halves):
                 _put(o, g * 64 + 32 + k, d1 * _F32(q >> 4) - m1)
 
 
-@njit(**_JIT)
+@_kernel
 def q5_k(blocks, out, halves):
     w = out.shape[1] // 8
     for i in range(blocks.shape[0]):
@@ -315,7 +322,7 @@ def q5_k(blocks, out, halves):
                 _put(o, g * 64 + 32 + k, d1 * _F32((q >> 4) | ((qh & 2) << 3)) - m1)
 
 
-@njit(**_JIT)
+@_kernel
 def q6_k(blocks, out, halves):
     w = out.shape[1] // 16
     for i in range(blocks.shape[0]):
@@ -348,7 +355,7 @@ def _iq4(q):
     return _F32(_i8((word >> ((q & 7) * 8)) & 255))
 
 
-@njit(**_JIT)
+@_kernel
 def iq4_nl(blocks, out, halves):
     w = out.shape[1] // 2
     for i in range(blocks.shape[0]):
@@ -360,7 +367,7 @@ def iq4_nl(blocks, out, halves):
             _put(o, 16 + k, d * _iq4(q >> 4))
 
 
-@njit(**_JIT)
+@_kernel
 def iq4_xs(blocks, out, halves):
     w = out.shape[1] // 16
     for i in range(blocks.shape[0]):
@@ -579,7 +586,7 @@ def _inverse(d):
     return _F32(1.0) / d if d != _F32(0.0) else _F32(0.0)
 
 
-@njit(**_JIT)
+@_kernel
 def quantize_q8_0(x, o):
     for i in range(x.shape[0]):
         top = _block_peak(x, i)[0]
@@ -601,7 +608,7 @@ def _signed_kernel(half: int):
     closure's values as constants, so each kernel is compiled for its own type."""
     top, divisor = 2 * half - 1, _F32(-half)
 
-    @njit(**_JIT)
+    @_kernel
     def kernel(x, o):
         for i in range(x.shape[0]):
             peak, lane = _block_peak(x, i)
@@ -624,7 +631,7 @@ def _min_max_kernel(top: int):
     trunc((x - min) / d + 0.5); the codes laid out as _signed_kernel's, after d and m."""
     levels = _F32(top)
 
-    @njit(**_JIT)
+    @_kernel
     def kernel(x, o):
         for i in range(x.shape[0]):
             high, low = _block_range(x, i)
@@ -655,7 +662,7 @@ def _from_bf16(typingctx, h):
     return types.float32(types.int16), codegen
 
 
-@njit(**_JIT)
+@_kernel
 def widen_bf16(bits, out):
     """bfloat16 bits [n, m] (int16) -> float32 out [n, m], exactly; both C-contiguous, read as one run."""
     values, wide = bits.reshape(bits.size), out.reshape(out.size)
@@ -668,7 +675,7 @@ def _cast_kernel(bits_dtype, limit):
     bits (_put) in one pass over memory, True where the largest magnitude is at most `limit` (bits). One loop
     that LLVM vectorizes: the check is a reduction beside the casts, so a bad value is found only at the end
     (the torch path then refuses it)."""
-    @njit(**_JIT)
+    @_kernel
     def kernel(x, o):
         values, bits = x.reshape(x.size), o.reshape(o.size).view(bits_dtype)
         peak = _U32(0)
@@ -771,7 +778,7 @@ LOOP_QUANTIZE = {name: _with_loops(kernel) for name, kernel in QUANTIZE.items() 
 # --- scaled fp8 and NVFP4 ---------------------------------------------------------------------------------
 
 
-@njit(**_JIT)
+@_kernel
 def fp8(codes, scales, out, book):
     """out[r, c] = book[codes[r, c]] * scales[r] (scales of length 1: one for every row); book: fp8 byte ->
     float32."""
@@ -783,7 +790,7 @@ def fp8(codes, scales, out, book):
             _put(o, k, book[c[k]] * s)
 
 
-@njit(**_JIT)
+@_kernel
 def nvfp4(packed, tiled, tensor_scale, out, book, e2m1, first_row):
     """E2M1 value * (book[block scale] * tensor_scale[0]), the even element in the high nibble; the block
     scales in cuBLAS' 128x4 tiling (tiled: its bytes, [roundup(rows, 128) * roundup(blocks, 4)]), where

@@ -5,6 +5,7 @@ Every test runs on both paths: numba's compiled kernels and the plain Python tha
 
 from __future__ import annotations
 
+import io
 import sys
 
 import gguf
@@ -14,9 +15,11 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from comfyui_flux2dev.errors import UnsupportedFormatError
+from comfyui_flux2dev.loaders.convert.tensor_files import gguf_file
 from comfyui_flux2dev.loaders.formats import kquants
 from comfyui_flux2dev.loaders.formats.kquants import K_TYPES, quantize
-from comfyui_flux2dev.loaders.formats.quant_rows import NotQuantizable
+from comfyui_flux2dev.loaders.formats.quant_rows import NotQuantizable, quantized_nbytes
+from helpers import time_bound
 
 
 @pytest.fixture(params=["numba", "python"])
@@ -153,3 +156,22 @@ def test_other_types_and_partial_blocks_are_refused():
         quantize(torch.zeros(1, 256), Q.Q8_0)
     with pytest.raises(ValueError, match="whole Q6_K blocks"):
         quantize(torch.zeros(1, 384), Q.Q6_K)
+
+
+def test_work_the_plain_path_would_take_minutes_on_is_refused_at_once(quantizer_path):
+    """The plain port quantizes 30-40 ms a block: one FLUX.2 [dev] weight would take it 20 minutes, the model weeks.
+    Without numba a tensor or a conversion (its GGUF layout) like that is refused before any of it is quantized or
+    written, saying what to install; with numba it goes ahead."""
+    shape = (3072, 3072)
+    layout = {"w": (Q.Q4_K, shape, quantized_nbytes(Q.Q4_K, shape))}
+    if quantizer_path == "numba":
+        kquants.check_pace([(Q.Q4_K, shape)])
+        gguf_file(io.BytesIO(), [], layout)
+        return
+    with time_bound(5):
+        with pytest.raises(UnsupportedFormatError, match=r"about 22 minutes for these 36864 blocks.*pip install numba"):
+            quantize(torch.zeros(shape), Q.Q4_K)
+        written = io.BytesIO()
+        with pytest.raises(UnsupportedFormatError, match="numba cannot be imported"):
+            gguf_file(written, [], layout)
+    assert written.getvalue() == b""

@@ -1,0 +1,152 @@
+"""The pack's on-disk cache of its numba kernels' machine code (numba_kernels.py, kquant_kernels.py), in place of
+numba's own (cache=True). numba's trusts its files: an entry garbled, truncated or empty fails the kernel, one
+swapped with another kernel's crashes the process inside numba, and a full folder, or none writable, fails a kernel
+that had compiled. Here every entry is checked before numba sees it (its digest, then the kernel and signature it
+was written for), one that fails a check is a miss (the kernel is compiled again and the entry written afresh), and
+one that cannot be written is skipped: the kernel compiled in memory runs.
+
+The entries of one kernel source live in a folder of the pack's own, named by a digest of that source, numba's and
+Python's versions and the CPU, in the first of these that can be written: NUMBA_CACHE_DIR where set, the __pycache__
+beside the source, the user's cache folder. The pack writes nowhere else, and each entry under a fresh name first,
+renamed onto the entry's name once complete."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import pickle
+import sys
+import tempfile
+import uuid
+from pathlib import Path
+
+import numba
+from llvmlite import binding
+from numba.core import compiler, config
+from numba.core.caching import NullCache
+from numba.core.serialize import dumps
+from numba.misc.appdirs import AppDirs
+
+log = logging.getLogger(__name__)
+
+# What every entry starts with, followed by the SHA-256 of the rest: numba's pickle of (key, compiled code)
+_MAGIC = b"flux2dev numba kernel 1\n"
+
+
+def _bases(source: Path) -> tuple[str, ...]:
+    """Where the folder may go, in the order tried."""
+    return (*([config.CACHE_DIR] if config.CACHE_DIR else []), str(source.parent / "__pycache__"),
+            AppDirs(appname="numba", appauthor=False).user_cache_dir)
+
+
+@functools.cache
+def folder(source: Path, module_name: str) -> Path | None:
+    """The cache folder of the kernels in `source`, loaded as `module_name` (which holds a digest of the source), or
+    None (logged once) where no place for it can be written."""
+    stamp = "\n".join((module_name, numba.__version__, sys.version, binding.get_host_cpu_name(),
+                       binding.get_host_cpu_features().flatten()))
+    name = f"flux2dev-{source.stem}-{hashlib.sha256(stamp.encode()).hexdigest()[:16]}"
+    for base in _bases(source):
+        try:
+            path = Path(base) / name
+            path.mkdir(parents=True, exist_ok=True)
+            tempfile.TemporaryFile(dir=path).close()
+            return path
+        except OSError:
+            continue
+    log.warning("No folder can be written for the compiled kernels of %s (tried %s); they are compiled again in "
+                "every process, which takes seconds to a minute.", source.name, ", ".join(_bases(source)))
+    return None
+
+
+def keep_on_disk(kernels, source: Path, module_name: str) -> None:
+    """Each numba dispatcher in `kernels` (compiled from `source`, loaded as `module_name`) loads its machine code
+    from this cache and saves it there."""
+    where = folder(source, module_name)
+    for kernel in kernels:
+        kernel._cache = KernelCache(kernel.py_func, where)
+
+
+class KernelCache(NullCache):
+    """One kernel's entries, one file per signature (numba's cache interface: the dispatcher calls load_overload
+    before compiling, save_overload after; the rest does nothing, as in NullCache)."""
+
+    def __init__(self, py_func, where: Path | None):
+        self._py_func, self._folder = py_func, where
+        closure = tuple(cell.cell_contents for cell in py_func.__closure__ or ())
+        self._code = (py_func.__qualname__, hashlib.sha256(py_func.__code__.co_code).hexdigest(),
+                      hashlib.sha256(dumps(closure) if closure else b"").hexdigest())
+
+    @property
+    def cache_path(self):
+        return str(self._folder)
+
+    def _key(self, sig, codegen) -> tuple:
+        return (*self._code, repr(sig), codegen.magic_tuple())
+
+    def _path(self, key: tuple) -> Path:
+        digest = hashlib.sha256(repr(key).encode()).hexdigest()[:32]
+        return self._folder / f"{self._py_func.__name__}-{digest}.nbk"
+
+    def load_overload(self, sig, target_context):
+        """The compiled code of `sig`, or None where there is no entry or it fails a check (then it is rewritten)."""
+        if self._folder is None:
+            return None
+        target_context.refresh()
+        key = self._key(sig, target_context.codegen())
+        path = self._path(key)
+        try:
+            data = path.read_bytes()
+        except OSError:
+            return None
+        body = data[len(_MAGIC) + 32 :]
+        try:
+            if not data.startswith(_MAGIC) or data[len(_MAGIC) : len(_MAGIC) + 32] != hashlib.sha256(body).digest():
+                raise ValueError("damaged")
+            stored_key, payload = pickle.loads(body)
+            if stored_key != key:
+                raise ValueError(f"written for {stored_key[0]} {stored_key[3]}")
+            return compiler.CompileResult._rebuild(target_context, *payload)
+        except Exception as e:  # whatever the entry holds, the kernel compiles again
+            log.info("The compiled kernel entry %s cannot be used (%s: %s); the kernel is compiled again.",
+                     path, type(e).__name__, e)
+            return None
+
+    def save_overload(self, sig, cres):
+        """Writes the entry of `sig` under a fresh name, then renames it onto the entry's; where that fails (a full
+        or read-only folder), the kernel compiled in memory runs all the same."""
+        if self._folder is None or cres.library.has_dynamic_globals or any(not x.can_cache for x in cres.lifted):
+            return
+        key = self._key(sig, cres.codegen)
+        body = dumps((key, cres._reduce()))
+        path = self._path(key)
+        fresh = path.with_name(f"{path.name}.{uuid.uuid4().hex[:16]}.tmp")
+        try:
+            f = open(fresh, "xb")
+        except OSError as e:
+            _unsaved(self._folder, e)
+            return
+        try:
+            with f:
+                f.write(_MAGIC + hashlib.sha256(body).digest() + body)
+            os.replace(fresh, path)
+        except BaseException as e:
+            fresh.unlink(missing_ok=True)  # the pack's own file, created above
+            if not isinstance(e, OSError):
+                raise
+            _unsaved(self._folder, e)
+
+
+
+# Folders that a kernel could not be saved in (logged once each)
+_UNSAVED: set[Path] = set()
+
+
+def _unsaved(where: Path, error: OSError) -> None:
+    if where in _UNSAVED:
+        return
+    _UNSAVED.add(where)
+    log.warning("Compiled kernels could not be saved in %s (%s); they are compiled again in the next process, which "
+                "takes seconds to a minute.", where, error.strerror or error)
