@@ -23,8 +23,9 @@ import os
 
 import torch
 
-from ...errors import UnsupportedFormatError
+from ...errors import CorruptFileError, UnsupportedFormatError
 from ..formats import progress, quant
+from ..formats.quant_rows import NotQuantizable, check_peak
 from ..models.encoder import plan_encoder, planned_weights, read_weight, resolve_plan_tokenizer
 from ..models.encoder_identify import LAYER_SHAPES
 from .output import check_not_source, check_output, output_file
@@ -69,6 +70,15 @@ def _write_fp8(file, name: str, dense: torch.Tensor, scale: torch.Tensor) -> Non
         file.write(name, fp8_cast(rows[start : start + step], scale), at=start * rows.shape[1])
 
 
+def _check_values(host: str, values: torch.Tensor, dtype: str) -> None:
+    """Refuse a weight no float32 holds (NaN, infinities, float64 values beyond float32's range), naming it."""
+    try:
+        check_peak(values.abs().max().item() if values.numel() else 0.0, limited=False)
+    except NotQuantizable as e:
+        raise CorruptFileError(f"The encoder's {host} cannot be written as {dtype}: {e}. A weight like that is "
+                               "damaged; check the source.") from None
+
+
 def convert_encoder(src: str, out: str, *, dtype: str = "bf16", force: bool = False) -> dict:
     """Write the encoder at `src` to `out` (a .safetensors file) in ComfyUI's single-file layout; returns what
     was written. Nothing is written when the source is refused or `out` is taken (unless `force`)."""
@@ -99,8 +109,11 @@ def convert_encoder(src: str, out: str, *, dtype: str = "bf16", force: bool = Fa
         for host in progress.tracked(weights):
             weight, companions = quant.split_entries(read_weight(plan, host), host)
             shape = layout[host][1]
+            if not companions:  # a plain weight, float64 among them, checked as stored: a cast would hide its values
+                _check_values(host, weight, dtype)
             if layout[host][0] == FP8:
                 dense = quant.dequantize(weight, companions, torch.float32, shape)
+                _check_values(host, dense, dtype)
                 scale = fp8_scale(dense)
                 _write_fp8(file, host, dense, scale)
                 file.write(host[: -len("weight")] + SCALE, scale)

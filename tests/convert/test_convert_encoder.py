@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from comfyui_flux2dev.devtools.tiny import encoders as tiny
+from comfyui_flux2dev.errors import CorruptFileError
 from comfyui_flux2dev.loaders.convert.encoder import FP8_PARTS, convert_encoder
 from helpers import TESTS
 
@@ -176,3 +177,24 @@ def test_the_conditioning_is_the_dense_weights_cast_bit_for_bit(comfy_host, tiny
     cast = load_clip(_reference_file(tiny_root, converted, name, dtype, tmp_path / "reference.safetensors"))
     for prompt in PROMPTS:
         assert torch.equal(_cond(mine, prompt), _cond(cast, prompt)), prompt
+
+
+@pytest.mark.parametrize("value, dtype, said", [
+    (float("nan"), torch.bfloat16, "bf16: it holds NaN or infinite values"),
+    (1e300, torch.float64, "bf16: it holds values up to 1e+300, beyond float32's 3.40282e+38"),
+    (-1e300, torch.float64, "fp8: it holds values up to 1e+300, beyond float32's 3.40282e+38"),
+], ids=["nan-bf16", "1e300-bf16", "1e300-fp8"])
+def test_a_weight_no_float32_holds_is_refused_naming_it(tiny_root, tmp_path, value, dtype, said):
+    """NaN, and float64 values a cast to bfloat16 or fp8 would make infinite, are refused as what they are."""
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(str(tiny_root / "text_encoders" / "mistral_3_small_flux2_bf16.safetensors"))
+    key = next(k for k in weights if k.endswith("layers.3.self_attn.q_proj.weight"))
+    weights[key] = weights[key].to(dtype)
+    weights[key][2, 7] = value
+    save_file(weights, str(tmp_path / "bad.safetensors"))
+    with pytest.raises(CorruptFileError) as refused:
+        convert_encoder(str(tmp_path / "bad.safetensors"), str(tmp_path / "out.safetensors"),
+                        dtype=said.split(":")[0])
+    assert f"q_proj.weight cannot be written as {said}." in str(refused.value)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bad.safetensors"]
