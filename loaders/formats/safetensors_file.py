@@ -33,6 +33,11 @@ DTYPES = {
 }
 
 
+# torch dtype (as str() spells it) -> safetensors dtype name: the table read the other way
+SAFETENSORS_DTYPES = {f"torch.{torch_name}": name for name, (_, _, torch_name) in DTYPES.items()}
+FLOATS = frozenset(name for name in DTYPES if name.startswith(("F", "BF")))  # safetensors names its floats F*, BF*
+
+
 def torch_dtype(dtype: str):
     """The torch dtype of a safetensors dtype name, or None for one the pack does not read."""
     import torch
@@ -199,11 +204,7 @@ class SafetensorsFiles:
                 self._where[name] = path
 
     def read(self, name: str) -> torch.Tensor:
-        info, path = self.infos[name], self._where[name]
-        if info.dtype not in DTYPES:
-            raise UnsupportedFormatError(
-                f"{path}: tensor {name} is stored as {info.dtype}, a type the pack does not read."
-            )
+        info = self._readable(name)
         import torch
 
         out = torch.empty(info.nbytes, dtype=torch.uint8)
@@ -212,9 +213,18 @@ class SafetensorsFiles:
 
     def read_bytes(self, name: str) -> bytes:
         """A tensor's stored bytes, without torch (for the few values read before it is imported)."""
-        out = bytearray(self.infos[name].nbytes)
+        out = bytearray(self._readable(name).nbytes)
         self._read_into(name, out)
         return bytes(out)
+
+    def _readable(self, name: str) -> TensorInfo:
+        """The entry of tensor `name`, refused where its type is none the pack reads."""
+        info = self.infos[name]
+        if info.dtype not in DTYPES:
+            raise UnsupportedFormatError(
+                f"{self._where[name]}: tensor {name} is stored as {info.dtype}, a type the pack does not read."
+            )
+        return info
 
     def _read_into(self, name: str, buffer) -> None:
         info, path = self.infos[name], self._where[name]
