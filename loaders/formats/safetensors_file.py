@@ -16,7 +16,7 @@ from .validate import JSON_LIMITS, describe, open_regular, parse_json, reading
 if TYPE_CHECKING:  # for the annotations only: torch is imported where tensors are read
     import torch
 
-# Each safetensors dtype: its plain name (packed formats are told apart by loaders/quant.py), its size in bytes
+# Each safetensors dtype: its plain name (packed formats are told apart by packing.py), its size in bytes
 # and its torch dtype's name. torch is imported only to read tensors, so headers are checked without it.
 DTYPES = {
     "BF16": ("bf16", 2, "bfloat16"),
@@ -54,7 +54,7 @@ class TensorInfo:
 
     @property
     def plain(self) -> str:
-        """The dtype's plain name ("bf16", "uint8"); see loaders/quant.py for what a packed weight is."""
+        """The dtype's plain name ("bf16", "uint8"); see packing.py for what a packed weight is."""
         return DTYPES[self.dtype][0] if self.dtype in DTYPES else self.dtype.lower()
 
     @property

@@ -6,7 +6,7 @@ Reading happens in two steps. `plan_encoder` looks only at headers: it finds the
 (encoder_identify.py), and decides what to read. FLUX.2 uses layers 0..29 (variants.layers_kept) and the
 embeddings only, so layers 30+, the final norm, lm_head, the vision tower and the projector are skipped by
 name and never read. `load_encoder` then reads exactly the planned tensors. Quantized weights stay packed (see
-quant.py); the host dequantizes them per layer at run time.
+packing.py); the host dequantizes them per layer at run time.
 
 Prompt upsampling writes text with the same checkpoint, and needs all of its layers, the final norm and lm_head:
 `plan_language_model` plans that reading (READINGS), and refuses a checkpoint that lacks them before anything
