@@ -180,9 +180,12 @@ def _convert_encoder(args) -> None:
         raise InputError(f"--{other} does not apply to a {suffix or 'extensionless'} OUT: a .safetensors encoder takes "
                          "--dtype bf16|fp8, a .gguf one --type (Q8_0, Q4_K_M ...).")
     _check_output(args, ".gguf" if suffix == ".gguf" else ".safetensors")
+    if suffix == ".gguf" and args.type is None:
+        raise InputError("a .gguf encoder needs --type (Q8_0, Q6_K, Q5_K_M, Q4_K_M, ... BF16 or F16).")
+    from .loaders.models.encoder import plan_encoder
+
+    plan_encoder(args.path)  # the source refused from its headers, before torch is imported (planned again)
     if suffix == ".gguf":
-        if args.type is None:
-            raise InputError("a .gguf encoder needs --type (Q8_0, Q6_K, Q5_K_M, Q4_K_M, ... BF16 or F16).")
         from .loaders.convert.encoder_gguf import convert_encoder_gguf
 
         with _progress("writing the encoder, weights"):
@@ -217,10 +220,10 @@ class _Lora(argparse.Action):
 
 
 def _convert_transformer(args) -> None:
-    from .loaders.models.transformer_layout import identify_transformer
+    from .loaders.models.transformer import plan_transformer
 
     _check_output(args, ".gguf")
-    identify_transformer(args.path)  # an unknown geometry, FLUX.1 or a GGUF source refused from the headers
+    plan_transformer(args.path)  # the source refused from its headers, before torch is imported (planned again)
     bake = None
     if args.loras:  # each LoRA is checked against the transformer's headers here, before torch is imported
         from .loaders.convert.lora import check_loras

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from ..errors import HostError, MissingWeightsError, UnknownModelError
-from ..loaders.formats import quant
+from ..loaders.formats import packing
 from ..loaders.models.gguf_transformer import load_gguf_transformer
 from ..loaders.models.transformer import LoadedTransformer, check_conditioning_width, load_transformer
 from . import compat, ensure_comfy
@@ -75,7 +75,7 @@ def flux2_classes():
 
 def _check_keys(model, keys: set[str]) -> None:
     expected = compat.expected_unet_keys(model.diffusion_model)
-    given = {k for k in keys if not quant.is_companion(k)}
+    given = {k for k in keys if not packing.is_companion(k)}
     missing, extra = sorted(expected - given), sorted(given - expected)
     if missing:
         raise MissingWeightsError(
@@ -131,7 +131,7 @@ def build_model(
     manual_cast = comfy.model_management.unet_manual_cast(dtype, load_device, supported)
     compat.call_with_known(model_config.set_inference_dtype, dtype=dtype, manual_cast_dtype=manual_cast,
                            device=load_device)
-    packed = any(quant.is_companion(k) for k in sd)
+    packed = any(packing.is_companion(k) for k in sd)
     model_config.custom_operations = packed_operations(dequant_dtype, patch_dtype) if packed else None
 
     model = model_config.get_model(sd, "", device=device)

@@ -3,7 +3,7 @@ its scale, NVFP4, GGUF blocks) and are dequantized per layer, on the device of t
 forward. Encoder (CLIP) and transformer (MODEL) loads share these layers.
 
 A state dict hands a packed weight over as "<layer>.weight" (the stored tensor) plus its companions
-("<layer>.weight_scale", ".weight_scale_2", ".weight_gguf_type": loaders.quant.COMPANIONS); every packed
+("<layer>.weight_scale", ".weight_scale_2", ".weight_gguf_type": loaders.packing.COMPANIONS); every packed
 weight goes through the one dequantizer, loaders.quant.dequantize. On the CPU a forward dequantizes into
 the thread's scratch buffer (forward_weight), not a new tensor.
 
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..loaders.formats import quant
+from ..loaders.formats import packing, quant
 from . import compat, ensure_comfy
 
 
@@ -94,7 +94,7 @@ class PackedLayer:
 
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
-        companions = {c: state_dict[prefix + c] for c in quant.COMPANIONS if prefix + c in state_dict}
+        companions = {c: state_dict[prefix + c] for c in packing.COMPANIONS if prefix + c in state_dict}
         for name, placeholder in list(self._parameters.items()):
             if placeholder is None:
                 continue
@@ -113,7 +113,7 @@ class PackedLayer:
             tensor = tensor.to(device=placeholder.device, dtype=None if packed else placeholder.dtype)
             setattr(self, name, torch.nn.Parameter(tensor, requires_grad=False))
         for c, tensor in companions.items():
-            if c == quant.GGUF_TYPE:
+            if c == packing.GGUF_TYPE:
                 # A number, not weight memory, read here once: as a buffer the host would move it with the weights
                 # (to the GPU), and every forward would then wait for the GPU to read it back.
                 setattr(self, c, int(tensor))
@@ -169,7 +169,7 @@ class PackedConv(PackedLayer):
 class PackedEmbedding(PackedLayer):
     def forward_comfy_cast_weights(self, input, out_dtype=None):
         dtype = out_dtype or self.settings.dequant_dtype or torch.float32
-        if quant.GGUF_TYPE in self.companions and not self.weight_patches():
+        if packing.GGUF_TYPE in self.companions and not self.weight_patches():
             # GGUF rows are whole blocks: gather the packed rows first, dequantize only those
             rows = _to_device(self.weight[input.reshape(-1).to(self.weight.device)], input.device)
             values = self._dequantized(rows, (rows.shape[0], self.embedding_dim), input.device, dtype)

@@ -26,7 +26,7 @@ import torch
 
 from ...errors import WrongModelError
 from ..cache.store import ContentDigest, tensors_digest
-from ..formats import progress, quant
+from ..formats import packing, progress, quant
 from ..formats.gguf_quant import WRITE_TYPES, quantize
 from ..formats.quant_rows import fits
 from ..models.inspect import check_comparable
@@ -78,7 +78,7 @@ def _gguf_transformer(path: str) -> Weights:
     sd = loaded.state_dict
     shapes = {}
     for key, t in sd.items():
-        if not quant.is_companion(key):
+        if not packing.is_companion(key):
             shapes[key] = _logical_shape(t, quant.split_entries(_entries(sd, key), key)[1])
     return Weights(path, "transformer", {"layout": "gguf", "variant": loaded.variant.key, "formats": loaded.formats},
                    shapes, lambda key: _entries(sd, key))
@@ -99,15 +99,15 @@ def _entries(sd: dict, key: str) -> dict[str, torch.Tensor]:
     layer = key[: -len("weight")] if key.endswith(".weight") else None
     out = {key: sd[key]}
     if layer is not None:
-        out.update({layer + c: sd[layer + c] for c in quant.COMPANIONS if layer + c in sd})
+        out.update({layer + c: sd[layer + c] for c in packing.COMPANIONS if layer + c in sd})
     return out
 
 
 def _logical_shape(stored: torch.Tensor, companions: dict) -> tuple[int, ...]:
-    if quant.GGUF_TYPE in companions:
+    if packing.GGUF_TYPE in companions:
         from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-        block, size = GGML_QUANT_SIZES[GGMLQuantizationType(int(companions[quant.GGUF_TYPE]))]
+        block, size = GGML_QUANT_SIZES[GGMLQuantizationType(int(companions[packing.GGUF_TYPE]))]
         return (*stored.shape[:-1], stored.shape[-1] // size * block)
     return tuple(stored.shape)
 
@@ -152,10 +152,10 @@ def is_cast(dense: torch.Tensor, entries: dict, name: str) -> bool:
         scale = companions["weight_scale"].to(torch.float32)
         cast = fp8_cast(dense, scale.reshape(-1, 1) if scale.numel() > 1 else scale.reshape(()), weight.dtype)
         return torch.equal(cast.view(torch.uint8), weight.view(torch.uint8))
-    if quant.GGUF_TYPE in companions:
+    if packing.GGUF_TYPE in companions:
         from gguf import GGMLQuantizationType
 
-        qtype = GGMLQuantizationType(int(companions[quant.GGUF_TYPE]))
+        qtype = GGMLQuantizationType(int(companions[packing.GGUF_TYPE]))
         if qtype not in WRITE_TYPES or not fits(qtype, tuple(dense.shape)) or not torch.isfinite(dense).all():
             return False
         return torch.equal(quantize(dense, qtype).reshape(-1), weight.reshape(-1))

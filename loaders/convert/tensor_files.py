@@ -17,10 +17,8 @@ import torch
 from ..formats.gguf_quant import quantize
 from ..formats.kquants import check_pace
 from ..formats.quant_rows import UNLIMITED, check_peak, quantized_buffer, quantized_nbytes
-from ..formats.safetensors_file import DTYPES
+from ..formats.safetensors_file import SAFETENSORS_DTYPES
 
-# torch dtype -> safetensors dtype name, from the reader's own table
-SAFETENSORS_DTYPES = {f"torch.{torch_name}": name for name, (_, _, torch_name) in DTYPES.items()}
 GGUF_ALIGNMENT = 32  # gguf-py's and llama.cpp's default
 _GGUF_VERSION = 3
 

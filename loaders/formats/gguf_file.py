@@ -91,23 +91,26 @@ class GGUFFile:
         self.metadata = metadata
         self.tensors = tensors
         self._mmap = mapped
-        import torch
-
-        # Through numpy, whose buffer export keeps the map from being closed under a live view.
-        self._base = torch.from_numpy(np.frombuffer(mapped, dtype=np.uint8))
+        self._closed = False
+        self._base = None  # the map as a torch tensor, made on the first tensor read (torch is imported there)
 
     @property
     def architecture(self) -> str | None:
         return self.metadata.get("general.architecture")
 
     def _bytes(self, offset: int, nbytes: int) -> torch.Tensor:
-        if self._base is None:
+        if self._closed:
             raise ValueError(f"{self.path} is closed.")
+        if self._base is None:
+            import torch
+
+            # Through numpy, whose buffer export keeps the map from being closed under a live view.
+            self._base = torch.from_numpy(np.frombuffer(self._mmap, dtype=np.uint8))
         return self._base[offset : offset + nbytes]
 
     def close(self) -> None:
         """Drop this object's hold on the map; views handed out earlier keep it alive until they go."""
-        self._base = None
+        self._closed, self._base = True, None
         try:
             self._mmap.close()
         except BufferError:

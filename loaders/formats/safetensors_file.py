@@ -16,7 +16,7 @@ from .validate import JSON_LIMITS, describe, open_regular, parse_json, reading
 if TYPE_CHECKING:  # for the annotations only: torch is imported where tensors are read
     import torch
 
-# Each safetensors dtype: its plain name (packed formats are told apart by loaders/quant.py), its size in bytes
+# Each safetensors dtype: its plain name (packed formats are told apart by packing.py), its size in bytes
 # and its torch dtype's name. torch is imported only to read tensors, so headers are checked without it.
 DTYPES = {
     "BF16": ("bf16", 2, "bfloat16"),
@@ -31,6 +31,11 @@ DTYPES = {
     "I64": ("int64", 8, "int64"),
     "BOOL": ("bool", 1, "bool"),
 }
+
+
+# torch dtype (as str() spells it) -> safetensors dtype name: the table read the other way
+SAFETENSORS_DTYPES = {f"torch.{torch_name}": name for name, (_, _, torch_name) in DTYPES.items()}
+FLOATS = frozenset(name for name in DTYPES if name.startswith(("F", "BF")))  # safetensors names its floats F*, BF*
 
 
 def torch_dtype(dtype: str):
@@ -49,7 +54,7 @@ class TensorInfo:
 
     @property
     def plain(self) -> str:
-        """The dtype's plain name ("bf16", "uint8"); see loaders/quant.py for what a packed weight is."""
+        """The dtype's plain name ("bf16", "uint8"); see packing.py for what a packed weight is."""
         return DTYPES[self.dtype][0] if self.dtype in DTYPES else self.dtype.lower()
 
     @property
@@ -199,11 +204,7 @@ class SafetensorsFiles:
                 self._where[name] = path
 
     def read(self, name: str) -> torch.Tensor:
-        info, path = self.infos[name], self._where[name]
-        if info.dtype not in DTYPES:
-            raise UnsupportedFormatError(
-                f"{path}: tensor {name} is stored as {info.dtype}, a type the pack does not read."
-            )
+        info = self._readable(name)
         import torch
 
         out = torch.empty(info.nbytes, dtype=torch.uint8)
@@ -212,9 +213,18 @@ class SafetensorsFiles:
 
     def read_bytes(self, name: str) -> bytes:
         """A tensor's stored bytes, without torch (for the few values read before it is imported)."""
-        out = bytearray(self.infos[name].nbytes)
+        out = bytearray(self._readable(name).nbytes)
         self._read_into(name, out)
         return bytes(out)
+
+    def _readable(self, name: str) -> TensorInfo:
+        """The entry of tensor `name`, refused where its type is none the pack reads."""
+        info = self.infos[name]
+        if info.dtype not in DTYPES:
+            raise UnsupportedFormatError(
+                f"{self._where[name]}: tensor {name} is stored as {info.dtype}, a type the pack does not read."
+            )
+        return info
 
     def _read_into(self, name: str, buffer) -> None:
         info, path = self.infos[name], self._where[name]

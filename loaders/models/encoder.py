@@ -6,7 +6,7 @@ Reading happens in two steps. `plan_encoder` looks only at headers: it finds the
 (encoder_identify.py), and decides what to read. FLUX.2 uses layers 0..29 (variants.layers_kept) and the
 embeddings only, so layers 30+, the final norm, lm_head, the vision tower and the projector are skipped by
 name and never read. `load_encoder` then reads exactly the planned tensors. Quantized weights stay packed (see
-quant.py); the host dequantizes them per layer at run time.
+packing.py); the host dequantizes them per layer at run time.
 
 Prompt upsampling writes text with the same checkpoint, and needs all of its layers, the final norm and lm_head:
 `plan_language_model` plans that reading (READINGS), and refuses a checkpoint that lacks them before anything
@@ -18,8 +18,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from ...errors import (
     CorruptFileError,
@@ -29,13 +28,16 @@ from ...errors import (
     UnknownModelError,
     WrongModelError,
 )
-from ..formats import progress, quant
+from ..formats import packing, progress
 from ..formats.files import MODEL_FOLDER_MARKERS
 from ..formats.validate import JSON_LIMITS
 from . import variants
 from .encoder_identify import EMBED, FINAL_NORM, LAYER_SHAPES, LM_HEAD, host_name, identify
 from .encoder_layouts import GGUF_METADATA, Source, find_layout, tokenizer_folders
 from .variants import MistralEncoderGeometry
+
+if TYPE_CHECKING:  # for the annotations only: torch is imported where a tensor is made
+    import torch
 
 EMBEDDED_TEKKEN = "tekken_model"  # ComfyUI single files and gguf-org files carry tekken.json as a tensor
 FULL_MODEL_SOURCES = (
@@ -208,7 +210,7 @@ def _check_complete(path, geometry, kept, mapping, shapes, source, reading: Read
             continue
         if shapes[stored] != shape:
             wrong.append(f"{stored} {list(shapes[stored])} (expected {list(shape)})")
-        packed = quant.packed_format(source.entries[stored][0])
+        packed = packing.packed_format(source.entries[stored][0])
         for suffix in packed.stored_companions if packed else ():
             companion = host[: -len("weight")] + suffix
             if companion not in mapping:
@@ -232,14 +234,14 @@ def undo_rotary_permute(weight: torch.Tensor, heads: int) -> torch.Tensor:
 
 def planned_weights(plan: EncoderPlan) -> list[str]:
     """The host names of the planned weights (their packing companions come with them)."""
-    return [host for host in plan.mapping if not quant.is_companion(host)]
+    return [host for host in plan.mapping if not packing.is_companion(host)]
 
 
 def read_weight(plan: EncoderPlan, host: str) -> dict[str, torch.Tensor]:
     """One planned weight in the host's names, with the companions of its packing, its rows in HF order."""
     entries = plan.source.state_entries(host, plan.mapping[host])
     layer = host[: -len("weight")]
-    for companion in quant.COMPANIONS:
+    for companion in packing.COMPANIONS:
         if layer + companion in plan.mapping:
             entries.update(plan.source.state_entries(layer + companion, plan.mapping[layer + companion]))
     module = host.split(".")[3] + "." + host.split(".")[4] if host.startswith("model.layers.") else ""

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ...errors import UnknownModelError, WrongModelError
-from ..formats import quant
+from ..formats import packing
 from . import variants
 from .encoder_layouts import HF_SCHEME, KeyScheme
 from .kinds import kind_from_names, other_checkpoint
@@ -29,8 +29,8 @@ LAYER_SHAPES: dict[str, Callable[[MistralEncoderGeometry], tuple[int, ...]]] = {
     "input_layernorm": lambda g: (g.width,),
     "post_attention_layernorm": lambda g: (g.width,),
 }
-# Stored tensor suffix -> the host's (quant.SPELLINGS for packed companions); None: read past.
-SUFFIXES = {"weight": "weight", **quant.SPELLINGS}
+# Stored tensor suffix -> the host's (packing.SPELLINGS for packed companions); None: read past.
+SUFFIXES = {"weight": "weight", **packing.SPELLINGS}
 # Names other than the model's some files carry; what the pack says when such a file is picked here.
 OTHER_KINDS = {
     "transformer": "This is a FLUX.2 diffusion transformer, not a text encoder. Load it with "

@@ -16,8 +16,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cached_property
-
-import torch
+from typing import TYPE_CHECKING
 
 from ...errors import (
     CorruptFileError,
@@ -26,7 +25,7 @@ from ...errors import (
     UnsupportedFormatError,
     WrongModelError,
 )
-from ..formats import quant
+from ..formats import packing
 from ..formats.files import (
     CONFIG,
     ENCODER_CONFIG,
@@ -43,6 +42,9 @@ from ..formats.safetensors_file import SafetensorsFiles
 from .kinds import GGUF_ARCHITECTURES, gguf_architectures, gguf_kind
 from .node_titles import title
 from .variants import MistralEncoderGeometry
+
+if TYPE_CHECKING:  # for the annotations only: torch is imported where a tensor is made
+    import torch
 
 HF_WEIGHTS = "model.safetensors"  # transformers' weights file (or its index's stem)
 HUB_MARKERS = (HF_WEIGHTS + ".index.json", "tokenizer.json")  # files a hub download has and a BFL folder lacks
@@ -150,12 +152,12 @@ class Source:
 
 
 def _logical(label: str, shape: tuple[int, ...]) -> tuple[int, ...]:
-    packed = quant.packed_format(label)
+    packed = packing.packed_format(label)
     return packed.logical_shape(shape) if packed else shape
 
 
 def _files_source(files: SafetensorsFiles, settings: dict) -> Source:
-    labels = quant.labels(files)
+    labels = packing.labels(files)
     entries = {k: (labels[k], _logical(labels[k], v.shape)) for k, v in files.infos.items()}
     return Source(entries, files.read, lambda k: files.infos[k].nbytes, settings, tuple(files.paths))
 
@@ -197,15 +199,21 @@ def _single_source(ck: Checkpoint) -> Source:
 
 def _gguf_source(ck: Checkpoint) -> Source:
     gguf = ck.gguf
-    entries = {name: (quant.gguf_label(t.qtype), tuple(t.shape)) for name, t in gguf.tensors.items()}
+    entries = {name: (packing.gguf_label(t.qtype), tuple(t.shape)) for name, t in gguf.tensors.items()}
+
+    def entries_of(host: str, name: str) -> dict[str, torch.Tensor]:
+        from ..formats.quant import from_gguf  # torch, imported where a tensor is made
+
+        return from_gguf(host, gguf.tensors[name])
+
     return Source(
         entries,
-        lambda name: quant.from_gguf(name, gguf.tensors[name])[name],
+        lambda name: entries_of(name, name)[name],
         lambda name: gguf.tensors[name].nbytes,
         gguf.metadata,
         (ck.path,),
         gguf.architecture,
-        entries_of=lambda host, name: quant.from_gguf(host, gguf.tensors[name]),
+        entries_of=entries_of,
     )
 
 

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 
 from ..formats import progress
 from ..formats.gguf_file import open_gguf
-from ..formats.quant import from_gguf, gguf_label
+from ..formats.packing import gguf_label
+from ..formats.quant import from_gguf
 from .transformer import LoadedTransformer
 from .transformer_layout import BFL, identify_gguf_transformer
 

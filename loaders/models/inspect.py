@@ -23,9 +23,9 @@ def _safetensors(path: Path) -> SafetensorsFiles:
 
 
 def _header_figures(files: SafetensorsFiles) -> dict:
-    from ..formats import quant
+    from ..formats import packing
 
-    formats = Counter(quant.labels(files).values())
+    formats = Counter(packing.labels(files).values())
     nbytes = sum(info.nbytes for info in files.infos.values())
     return {"reads": len(files.infos), "skips": 0, "formats": dict(formats), "memory_bytes": nbytes}
 
@@ -40,12 +40,12 @@ def _transformer(path: Path) -> dict:
 
 
 def _gguf_transformer(path: Path) -> dict:
-    from ..formats import quant
+    from ..formats import packing
     from .gguf_transformer import load_gguf_transformer
 
     loaded = load_gguf_transformer(path)  # views of the mapped file: nothing is dequantized
     g = loaded.geometry
-    weights = {k: t for k, t in loaded.state_dict.items() if not quant.is_companion(k)}
+    weights = {k: t for k, t in loaded.state_dict.items() if not packing.is_companion(k)}
     return {"kind": "transformer", "layout": "gguf", "variant": loaded.variant.key,
             "layers": g.double_blocks + g.single_blocks, "reads": len(weights), "skips": 0,
             "formats": loaded.formats, "memory_bytes": sum(t.numel() * t.element_size() for t in weights.values())}

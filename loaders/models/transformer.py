@@ -11,16 +11,15 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from ...errors import (
     UnknownModelError,
     UnsupportedFormatError,
     VariantMismatchError,
 )
-from ..formats import progress, quant
-from ..formats.safetensors_file import DTYPES, SafetensorsFiles, torch_dtype
+from ..formats import packing, progress
+from ..formats.safetensors_file import DTYPES, SafetensorsFiles
 from .transformer_layout import (
     DIFFUSERS,
     KeyLayout,
@@ -33,9 +32,12 @@ from .transformer_layout import (
 )
 from .variants import Flux2Variant, known_variants, variant_for_conditioning
 
+if TYPE_CHECKING:  # for the annotations only: torch is imported where a tensor is made
+    import torch
+
 FP8_MARKERS = ("scaled_fp8",)  # whole-file flags some fp8 writers add; they carry no weights
-# The packed formats (loaders/quant.py) the pack reads in a BFL transformer file.
-READ_FORMATS = (quant.FP8_SCALED,)
+# The packed formats (loaders/formats/packing.py) the pack reads in a BFL transformer file.
+READ_FORMATS = (packing.FP8_SCALED,)
 FLOAT_DTYPES = ("BF16", "F16", "F32")  # the safetensors dtypes of a plain (unpacked) transformer
 # What the errors say the pack reads, from the two tables above.
 READS = (f"{', '.join(DTYPES[d][0] for d in FLOAT_DTYPES)} and {', '.join(f.label for f in READ_FORMATS)} FLUX.2 "
@@ -57,6 +59,8 @@ def _diffusers_readers(shapes: Mapping[str, tuple[int, ...]], read: Callable[[st
 
     def reader(bfl_key: str, names: list[str], swap_halves: bool) -> Callable[[], dict]:
         def read_one() -> dict[str, torch.Tensor]:
+            import torch
+
             tensor = torch.cat([read(s) for s in names]) if len(names) > 1 else read(names[0])
             if swap_halves:
                 first, second = tensor.chunk(2)
@@ -87,10 +91,10 @@ def diffusers_to_bfl(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.
 def _bfl_readers(files: SafetensorsFiles) -> dict[str, tuple[tuple[int, ...], Callable[[], dict]]]:
     """BFL key -> (its shape, a reader of it) for a BFL file, every check made on the headers first: a packed
     format the pack does not read, a packed weight without its scale, an integer weight. A reader gives the
-    tensor as stored, packed ones with their companions under the host's suffixes (loaders/quant.py)."""
+    tensor as stored, packed ones with their companions under the host's suffixes (loaders/formats/packing.py)."""
     packed = {}
-    for name, label in quant.labels(files).items():
-        found = quant.packed_format(label)
+    for name, label in packing.labels(files).items():
+        found = packing.packed_format(label)
         if found is not None and name not in FP8_MARKERS:
             packed[name] = found
     other = sorted({f"{f.label} ({name})" for name, f in packed.items() if f not in READ_FORMATS})
@@ -104,9 +108,9 @@ def _bfl_readers(files: SafetensorsFiles) -> dict[str, tuple[tuple[int, ...], Ca
         if name in FP8_MARKERS:
             continue
         layer, _, suffix = name.rpartition(".")
-        if suffix in quant.SPELLINGS:
-            if quant.SPELLINGS[suffix] is not None:
-                companions.setdefault(layer, {})[quant.SPELLINGS[suffix]] = name
+        if suffix in packing.SPELLINGS:
+            if packing.SPELLINGS[suffix] is not None:
+                companions.setdefault(layer, {})[packing.SPELLINGS[suffix]] = name
             continue
         tensors.append(name)
     for f in READ_FORMATS:
@@ -118,16 +122,19 @@ def _bfl_readers(files: SafetensorsFiles) -> dict[str, tuple[tuple[int, ...], Ca
                 f"{len(lacking)} {f.label} weight(s) have no scale beside them (e.g. {lacking[0]}); the pack reads "
                 f"them with {spellings} only, since unscaled weights from an unknown writer may be off by a factor."
             )
-    stored = {name: torch_dtype(files.infos[name].dtype)
+    stored = {name: files.infos[name].dtype
               for name in [*tensors, *(n for c in companions.values() for n in c.values())]}
-    odd = [name for name, dtype in stored.items() if dtype is not None and not dtype.is_floating_point]
+    odd = [name for name, dtype in stored.items() if packing.is_integer(dtype)]
     if odd:
         raise UnsupportedFormatError(
-            f"The transformer holds integer tensors (e.g. {odd[0]}, {stored[odd[0]]}); the pack reads {READS}."
+            f"The transformer holds integer tensors (e.g. {odd[0]}, torch.{DTYPES[stored[odd[0]]][2]}); the pack "
+            f"reads {READS}."
         )
 
     def reader(name: str) -> Callable[[], dict]:
         def read_one() -> dict[str, torch.Tensor]:
+            import torch
+
             layer = name.rpartition(".")[0]
             out = {name: files.read(name)}
             if name.endswith(".weight"):

@@ -19,7 +19,7 @@ import torch
 
 from ...errors import InputError, MissingWeightsError, UnsupportedFormatError
 from ...tokenizers.chat import ImageGrid
-from ..formats import quant
+from ..formats import packing
 from ..formats.files import PIXTRAL_CONFIG, VISION_CONFIG
 from ..formats.validate import checked
 from .encoder import EncoderPlan
@@ -74,7 +74,7 @@ def plan_vision(plan: EncoderPlan) -> VisionPlan:
             "[dev] diffusers pipeline, which carry the vision tower."
         )
     for name, label in ((s, plan.source.entries[s][0]) for s in stored.values()):
-        if quant.packed_format(label) is not None:
+        if packing.packed_format(label) is not None:
             raise UnsupportedFormatError(
                 f"{os.path.basename(plan.path)} stores its vision tower quantized ({name}: {label}); the pack reads a "
                 "vision tower in bf16, fp16 or fp32 only. Use a checkpoint whose vision tower is not quantized."

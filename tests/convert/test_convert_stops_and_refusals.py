@@ -261,6 +261,65 @@ def test_output_and_argument_refusals_are_one_line_before_torch_is_imported(tiny
     assert sorted(os.listdir(tmp_path)) == ["folder.gguf", "same.gguf", "taken.gguf"]
 
 
+def _header_refusals(tiny_root, folder: Path) -> dict[str, tuple[list[str], str]]:
+    """Sources whose headers alone refuse them, for each converter -> (the command line, what the refusal says)."""
+    from safetensors.torch import load_file, save_file
+
+    def changed(start: str, name: str, change) -> str:
+        tensors = load_file(str(tiny_root / start))
+        change(tensors)
+        save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / name))
+        return str(folder / name)
+
+    def zeros(key: str, dtype: torch.dtype = torch.bfloat16, shape: tuple[int, ...] | None = None):
+        return lambda t: t.__setitem__(key, torch.zeros(shape or t[key].shape, dtype=dtype))
+
+    def first_layers(count: int):
+        return lambda t: [t.pop(k) for k in list(t) if k.startswith("model.layers.") and int(k.split(".")[2]) >= count]
+
+    up, norm = "model.layers.0.mlp.up_proj.weight", "model.layers.0.input_layernorm.weight"
+    qkv, scale = "double_blocks.0.img_attn.qkv.weight", "double_blocks.0.img_attn.norm.query_norm.scale"
+    linear2 = "single_blocks.0.linear2.weight"
+    encoder = ["convert", "encoder"]
+    transformer = ["convert", "transformer"]
+    to_st, to_gguf = str(folder / "out.safetensors"), [str(folder / "out.gguf"), "--type", "Q8_0"]
+    return {
+        "an encoder's int8 weight": ([*encoder, changed(ENCODER, "int8.safetensors", zeros(up, torch.int8)), to_st],
+                                     f"{up} is stored as I8 with no comfy_quant tensor"),
+        "an encoder's bool norm": ([*encoder, changed(ENCODER, "bool.safetensors", zeros(norm, torch.bool)), to_st],
+                                   f"{norm} is stored as BOOL with no comfy_quant tensor"),
+        "a 20-layer encoder": ([*encoder, changed(ENCODER, "20.safetensors", first_layers(20)), *to_gguf],
+                               "matches no FLUX.2 [dev] encoder: found vocab 131072, width 64, q rows 256, k rows "
+                               "128, MLP 128, 20 layers"),
+        "a Klein encoder": ([*encoder, str(tiny_root / "diffusers/flux2-klein-4b-tiny-pipeline/text_encoder"), to_st],
+                            "text encoder of FLUX.2 Klein 4B (tiny test model) (hidden size 32, attention q_norm "
+                            "present), not the Mistral-Small 24B encoder"),
+        "a GGUF transformer as the encoder": ([*encoder, str(tiny_root / "unet/flux2-dev-tiny-Q8_0.gguf"), *to_gguf],
+                                              "is a FLUX transformer GGUF, not a text encoder"),
+        "a transformer's int8 weight": ([*transformer, changed(TRANSFORMER, "t-int8.safetensors",
+                                                               zeros(qkv, torch.int8)), *to_gguf],
+                                        f"{qkv} is stored as I8 with no comfy_quant tensor"),
+        "a transformer's bool norm": ([*transformer, changed(TRANSFORMER, "t-bool.safetensors",
+                                                             zeros(scale, torch.bool)), *to_gguf],
+                                      f"holds integer tensors (e.g. {scale}, torch.bool)"),
+        "a transformer's wrong shape": ([*transformer, changed(TRANSFORMER, "t-shape.safetensors",
+                                                               zeros(linear2, shape=(250, 1024))), *to_gguf],
+                                        f"{linear2} [250, 1024] (expected [256, 1024])"),
+    }
+
+
+def test_header_refusals_are_one_line_before_torch_is_imported(tiny_root, tmp_path):
+    for name, (argv, said) in _header_refusals(tiny_root, tmp_path).items():
+        process = _python(COMFY_IMPORTED.format(argv=argv))
+        stdout, stderr = process.communicate(timeout=120)
+        assert process.returncode == 2, (name, stderr)
+        lines = stderr.splitlines()
+        assert len(lines) == 1 and lines[0].startswith(f"flux2dev {' '.join(argv[:2])}: "), (name, stderr)
+        assert said in lines[0], (name, stderr)
+        assert stdout.splitlines()[-1:] == ["False False []"], (name, stdout)
+    assert not [n for n in os.listdir(tmp_path) if n.startswith(("out.", ".out."))]
+
+
 def test_compare_of_dev_and_klein_or_of_two_kinds_is_refused_before_torch_is_imported(tiny_root):
     argv = ["compare", str(tiny_root / TRANSFORMER), str(tiny_root / KLEIN)]
     stdout, stderr = _python(COMFY_IMPORTED.format(argv=argv)).communicate(timeout=120)

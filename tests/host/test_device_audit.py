@@ -17,7 +17,7 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 
 from comfyui_flux2dev.devtools.tiny.gguf_blocks import random_blocks
-from comfyui_flux2dev.loaders.formats import quant
+from comfyui_flux2dev.loaders.formats import packing, quant
 from comfyui_flux2dev.loaders.formats.gguf_dequant import FLOAT_TYPES
 from helpers import GGUF_FLOAT_TYPES, GGUF_QUANTIZED_TYPES
 
@@ -34,7 +34,7 @@ def _gguf(name: str) -> tuple[dict, tuple[int, ...]]:
         raw = values.view(torch.uint8)
     else:
         raw = torch.from_numpy(random_blocks(qtype, SHAPE, np.random.default_rng(0)))
-    return {"weight": raw, quant.GGUF_TYPE: torch.tensor(int(qtype))}, SHAPE
+    return {"weight": raw, packing.GGUF_TYPE: torch.tensor(int(qtype))}, SHAPE
 
 
 def _fp8(dtype: torch.dtype, per_channel: bool):
@@ -80,7 +80,7 @@ def _forget_what_was_made() -> None:
 
 def _to(entries: dict, device) -> dict:
     """The stored weight and scales on `device`; the GGUF type stays where the loaders make it (a CPU number)."""
-    return {k: v if k == quant.GGUF_TYPE else v.to(device) for k, v in entries.items()}
+    return {k: v if k == packing.GGUF_TYPE else v.to(device) for k, v in entries.items()}
 
 
 @pytest.mark.parametrize("name", WEIGHTS)
@@ -137,7 +137,7 @@ def _layers(name: str):
         block = GGML_QUANT_SIZES[Q[name.removeprefix("gguf-")]][0]
         conv = ops.Conv2d(cols // block, rows, (1, block))  # a [out, in, 1, block] weight: whole blocks per row
         conv.load_state_dict({"weight": entries["weight"].view(rows, cols // block, 1, -1), "bias": torch.randn(rows),
-                              quant.GGUF_TYPE: entries[quant.GGUF_TYPE]})
+                              packing.GGUF_TYPE: entries[packing.GGUF_TYPE]})
         made["conv"] = conv
         made["embedding"] = ops.Embedding(rows, cols)
         made["embedding"].load_state_dict(entries)
@@ -187,8 +187,8 @@ def test_a_gguf_layer_keeps_its_type_as_a_number_wherever_it_moves(comfy_host):
     at every forward."""
     layer = _layers("gguf-Q4_K")["linear"]
     layer.to(META)
-    assert isinstance(getattr(layer, quant.GGUF_TYPE), int)
-    assert quant.GGUF_TYPE not in dict(layer.named_buffers())
+    assert isinstance(getattr(layer, packing.GGUF_TYPE), int)
+    assert packing.GGUF_TYPE not in dict(layer.named_buffers())
 
 
 # --- the language model that writes text (prompt upsampling) ------------------------------------------------------

@@ -231,12 +231,12 @@ INTERLEAVED = {"native": 0.0, "mistral3-q4_k.gguf": 1e-3, "llama-q8_0.gguf": 2e-
 
 @pytest.mark.parametrize("name", sorted(INTERLEAVED))
 def test_native_and_gguf_rows_are_unpermuted(encoders, name):
-    from comfyui_flux2dev.loaders.formats import quant
+    from comfyui_flux2dev.loaders.formats import packing, quant
 
     loaded = enc.load_encoder(os.path.join(encoders, name)).state_dict
     for k in ("model.layers.3.self_attn.q_proj.weight", "model.layers.3.self_attn.k_proj.weight"):
         stem = k[: -len("weight")]
-        companions = {c: loaded[stem + c] for c in quant.COMPANIONS if stem + c in loaded}
+        companions = {c: loaded[stem + c] for c in packing.COMPANIONS if stem + c in loaded}
         want = tiny.base_model()[k].float()
         got = quant.dequantize(loaded[k], companions, torch.float32, want.shape)
         assert (got - want).abs().max() <= INTERLEAVED[name] * want.abs().max(), k
