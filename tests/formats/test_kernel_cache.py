@@ -176,6 +176,25 @@ def test_damaged_entries_are_compiled_again_and_rewritten(tmp_path, compiled, da
     assert all(f.read_bytes() != damaged[f] and _sound(f) for f in entries), "the damaged entries were not rewritten"
 
 
+def test_a_link_at_each_entry_and_a_foreign_file_beside_them_come_through_unharmed(tmp_path, compiled):
+    """A link planted at each entry's name (to a user's file) and a file of the user's in the cache folder: the
+    kernels compile again, each entry is written afresh in its link's place, and neither the linked file nor the
+    other one is touched."""
+    pack = _copy_of_the_pack(tmp_path / "custom_nodes" / "ComfyUI-Flux2Dev", compiled[0])
+    entries = [f for f in _entries(pack) if f.suffix == ".nbk"]
+    users = tmp_path / "a user's file"
+    users.write_bytes(b"a user's file")
+    for f in entries:
+        f.unlink()
+        f.symlink_to(users)
+    foreign = entries[0].parent / "notes.txt"
+    foreign.write_bytes(b"not the pack's")
+    result = _run(str(pack), pack, tmp_path / "user-cache")
+    assert _compiled(result), result
+    assert users.read_bytes() == b"a user's file" and foreign.read_bytes() == b"not the pack's"
+    assert entries and all(not f.is_symlink() and _sound(f) for f in entries)
+
+
 def test_a_full_cache_folder_costs_a_compilation_not_the_kernels(tmp_path, compiled):
     """No room left where the cache goes: the kernels compile, run at the clean cache's speed, and nothing is left
     of the entries that could not be written."""
