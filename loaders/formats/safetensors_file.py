@@ -4,6 +4,7 @@ identify a checkpoint and decide what to read before touching any tensor data.""
 from __future__ import annotations
 
 import math
+import mmap
 import os
 import struct
 from collections import Counter
@@ -182,15 +183,17 @@ def read_metadata(path: str, *, follow_links: bool = True) -> dict[str, str]:
 
 
 class SafetensorsFiles:
-    """One or more shards read as one checkpoint. A tensor is read on request, exactly its own bytes, into
-    memory of its own: nothing else of the file is read (no read-ahead) or kept mapped, so what a load costs
-    in reads and memory is what it keeps."""
+    """One or more shards read as one checkpoint. A tensor is read on request, exactly its own bytes: `read`
+    into memory of its own (nothing else of the file is read or kept), `view` as a view of the mapped file,
+    which is how model weights are held: their pages are the page cache's, read as the model runs and given
+    back under memory pressure, so a model costs the process no memory of its own whatever the file's size."""
 
     def __init__(self, paths: list[str]):
         self.paths = [str(p) for p in paths]
         self.infos: dict[str, TensorInfo] = {}
         self.metadata: dict[str, str] = {}
         self._where: dict[str, str] = {}
+        self._maps: dict[str, torch.Tensor] = {}  # path -> its whole map as uint8, made on the first view
         for path in paths:
             infos, metadata = read_header(path)
             self.metadata.update(metadata)
@@ -210,6 +213,29 @@ class SafetensorsFiles:
         out = torch.empty(info.nbytes, dtype=torch.uint8)
         self._read_into(name, out.numpy())
         return out.view(torch_dtype(info.dtype)).reshape(info.shape)
+
+    def view(self, name: str) -> torch.Tensor:
+        """Tensor `name` as a view of its mapped file, copy-on-write: nothing written to it reaches the file.
+        The map stays while any view of it lives."""
+        info = self._readable(name)
+        if info.start % DTYPES[info.dtype][1]:  # torch views need aligned elements; every real writer aligns
+            return self.read(name)
+        base = self._mapped(self._where[name])
+        if base.numel() < info.end:
+            raise CorruptFileError(f"{self._where[name]} ended inside tensor {name}: it was cut or replaced after "
+                                   "its header was read. Download it again.")
+        return base[info.start:info.end].view(torch_dtype(info.dtype)).reshape(info.shape)
+
+    def _mapped(self, path: str) -> torch.Tensor:
+        if path not in self._maps:
+            import numpy as np
+            import torch
+
+            with reading(path, "safetensors file"), open(path, "rb") as f:
+                # copy-on-write: torch wants a writable buffer; numpy's export keeps the map open under live views
+                mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+            self._maps[path] = torch.from_numpy(np.frombuffer(mapped, dtype=np.uint8))
+        return self._maps[path]
 
     def read_bytes(self, name: str) -> bytes:
         """A tensor's stored bytes, without torch (for the few values read before it is imported)."""
