@@ -24,7 +24,7 @@ import torch
 from ...loaders.models.variants import MISTRAL_SMALL, MistralEncoderGeometry, layers_kept
 from ...tokenizers.prompt import PADDING_MODES
 from .encode_scenarios import _PROMPTS, encoder_tensors, write_encoder
-from .meters import machine, sampled_child
+from .meters import evict, machine, sampled_child
 
 BF16 = "bf16"
 CONVERSIONS = {"fp8": ("fp8.safetensors", ["--dtype", "fp8"]), "Q4_K_M": ("Q4_K_M.gguf", ["--type", "Q4_K_M"])}
@@ -125,26 +125,21 @@ def _written_bf16(folder: str, g: MistralEncoderGeometry, layers: int) -> str:
     return path
 
 
-def prepare(folder: str, g: MistralEncoderGeometry, layers: int, formats, anon_limit: int) -> tuple[dict, dict]:
-    """({format: path}, {format: the conversion's figures}) of the encoder files in `folder`: those missing are
-    written (bf16) or converted from the bf16 one, the conversions measured; earlier figures are kept in
-    conversions.json."""
-    paths = {BF16: _written_bf16(folder, g, layers)}
+def _made(folder: str, source: str, fmt: str, anon_limit: int) -> str:
+    """The `fmt` file in `folder`, converted from the bf16 one when missing (the conversion measured, its figures
+    kept in conversions.json)."""
+    path = os.path.join(folder, _name(fmt))
+    if fmt == BF16 or os.path.isfile(path):
+        return source if fmt == BF16 else path
     record = os.path.join(folder, "conversions.json")
     made = json.load(open(record)) if os.path.isfile(record) else {}
-    for fmt in formats:
-        if fmt == BF16:
-            continue
-        paths[fmt] = os.path.join(folder, _name(fmt))
-        if not os.path.isfile(paths[fmt]):
-            made[fmt] = _step("convert", paths[BF16], paths[fmt], CONVERSIONS[fmt][1], what=f"convert to {fmt}",
-                              anon_limit=anon_limit)
-            if os.path.isfile(paths[fmt]):
-                made[fmt]["file_bytes"] = os.path.getsize(paths[fmt])
-            with open(record + ".partial", "w") as f:
-                json.dump(made, f)
-            os.replace(record + ".partial", record)  # the bench's own record in its own folder
-    return paths, made
+    made[fmt] = _step("convert", source, path, CONVERSIONS[fmt][1], what=f"convert to {fmt}", anon_limit=anon_limit)
+    if os.path.isfile(path):
+        made[fmt]["file_bytes"] = os.path.getsize(path)
+    with open(record + ".partial", "w") as f:
+        json.dump(made, f)
+    os.replace(record + ".partial", record)  # the bench's own record in its own folder
+    return path
 
 
 # --- the run ----------------------------------------------------------------------------------------------------
@@ -158,21 +153,26 @@ def bench_real_encoder(folder: str, g: MistralEncoderGeometry = MISTRAL_SMALL, f
     os.makedirs(folder, exist_ok=True)
     layers = layers_kept(g)
     anon_limit = _memory_available() - _MARGIN
-    paths, conversions = prepare(folder, g, layers, formats, anon_limit)
-    rows = []
-    for fmt, path in paths.items():
+    source = _written_bf16(folder, g, layers)
+    rows, files = [], {}
+    for fmt in formats:  # each made just before its rows: a machine may lack the disk for all at once
+        path = _made(folder, source, fmt, anon_limit)
+        files[fmt] = os.path.getsize(path)
         for padding in paddings:
+            evict([path])  # every loader starts from the disk
             rows.append({"loader": "pack", "format": fmt, "padding": padding,
                          **_step("pack_encode", path, padding, what=f"pack, {fmt}", anon_limit=anon_limit)})
         if peers:
             loader, function = ("ComfyUI-GGUF", "peer_encode") if path.endswith(".gguf") else ("host", "host_encode")
+            evict([path])
             rows.append({"loader": loader, "format": fmt, "padding": _HOST_PADDING,
                          **_step(function, path, what=f"{loader}, {fmt}", anon_limit=anon_limit)})
+    record = os.path.join(folder, "conversions.json")
     return {
         "machine": {**machine(), "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")},
         "geometry": {"width": g.width, "layers": layers, "vocab": g.vocab, "mlp": g.mlp},
-        "files": {fmt: os.path.getsize(p) for fmt, p in paths.items()},
-        "conversions": conversions,
+        "files": files,
+        "conversions": json.load(open(record)) if os.path.isfile(record) else {},
         "rows": rows,
     }
 
