@@ -193,7 +193,6 @@ class SafetensorsFiles:
         self.infos: dict[str, TensorInfo] = {}
         self.metadata: dict[str, str] = {}
         self._where: dict[str, str] = {}
-        self._maps: dict[str, torch.Tensor] = {}  # path -> its whole map as uint8, made on the first view
         for path in paths:
             infos, metadata = read_header(path)
             self.metadata.update(metadata)
@@ -215,27 +214,25 @@ class SafetensorsFiles:
         return out.view(torch_dtype(info.dtype)).reshape(info.shape)
 
     def view(self, name: str) -> torch.Tensor:
-        """Tensor `name` as a view of its mapped file, copy-on-write: nothing written to it reaches the file.
-        The map stays while any view of it lives."""
+        """Tensor `name` as a view of its bytes mapped from the file, copy-on-write: nothing written to it reaches
+        the file. Each tensor is mapped on its own, and the map goes with its last view: one map of a whole file
+        larger than the machine's memory is refused by the kernel's commit check (Linux and Windows alike)."""
         info = self._readable(name)
-        if info.start % DTYPES[info.dtype][1]:  # torch views need aligned elements; every real writer aligns
+        if info.start % DTYPES[info.dtype][1] or not info.nbytes:  # torch views need aligned elements
             return self.read(name)
-        base = self._mapped(self._where[name])
-        if base.numel() < info.end:
-            raise CorruptFileError(f"{self._where[name]} ended inside tensor {name}: it was cut or replaced after "
-                                   "its header was read. Download it again.")
-        return base[info.start:info.end].view(torch_dtype(info.dtype)).reshape(info.shape)
+        import numpy as np
+        import torch
 
-    def _mapped(self, path: str) -> torch.Tensor:
-        if path not in self._maps:
-            import numpy as np
-            import torch
-
-            with reading(path, "safetensors file"), open(path, "rb") as f:
-                # copy-on-write: torch wants a writable buffer; numpy's export keeps the map open under live views
-                mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
-            self._maps[path] = torch.from_numpy(np.frombuffer(mapped, dtype=np.uint8))
-        return self._maps[path]
+        path = self._where[name]
+        start = info.start - info.start % mmap.ALLOCATIONGRANULARITY  # a map starts on the system's boundary
+        with reading(path, "safetensors file"), open(path, "rb") as f:
+            if os.fstat(f.fileno()).st_size < info.end:
+                raise CorruptFileError(f"{path} ended inside tensor {name}: it was cut or replaced after its header "
+                                       "was read. Download it again.")
+            # copy-on-write: torch wants a writable buffer; numpy's export keeps the map open under live views
+            mapped = mmap.mmap(f.fileno(), info.end - start, access=mmap.ACCESS_COPY, offset=start)
+        data = torch.from_numpy(np.frombuffer(mapped, dtype=np.uint8))[info.start - start :]
+        return data.view(torch_dtype(info.dtype)).reshape(info.shape)
 
     def read_bytes(self, name: str) -> bytes:
         """A tensor's stored bytes, without torch (for the few values read before it is imported)."""
