@@ -49,19 +49,19 @@ def cuda_param(value):
 def numba_unavailable():
     """numba made impossible to import, as on a machine without it, so the torch paths run; afterwards the
     one-pass kernels load again."""
-    from comfyui_flux2dev.loaders.formats import fused
+    from comfyui_flux2dev.loaders.formats import compiled
 
     with pytest.MonkeyPatch.context() as m:
         m.setitem(sys.modules, "numba", None)
-        for name in [name for name in sys.modules if name.startswith(fused.KERNELS_MODULE)]:
+        for name in [name for name in sys.modules if name.startswith(compiled.KERNELS_MODULE)]:
             m.delitem(sys.modules, name)
-        fused._kernels.cache_clear()
-        fused._converts.cache_clear()
+        compiled._kernels.cache_clear()
+        compiled._converts.cache_clear()
         try:
             yield
         finally:
-            fused._kernels.cache_clear()
-            fused._converts.cache_clear()
+            compiled._kernels.cache_clear()
+            compiled._converts.cache_clear()
 
 
 # --- child processes ----------------------------------------------------------------------------------------

@@ -3,7 +3,7 @@
 legacy types: float rows in, GGUF bytes [rows, row bytes] out.
 
 The quantizers are kquant_kernels.py, a line-by-line port of ggml's C: compiled by numba where it can run (loaded
-under a name of its own, as fused.py loads numba_kernels.py, so the cached machine code is found again whatever the
+under a name of its own, as compiled.py loads numba_kernels.py, so the cached machine code is found again whatever the
 pack's folder is called), else run as plain Python over numpy float32 scalars, which gives the same bytes some
 thousand times slower: work it would take more than a minute on is refused, saying to install numba.
 
@@ -26,9 +26,9 @@ from gguf import GGMLQuantizationType as Q
 
 from ...errors import UnsupportedFormatError
 from . import kquant_kernels
-from .dequant_steps import dequant_threads
-from .fused import load_by_digest
+from .compiled import load_by_digest
 from .quant_rows import NotQuantizable, check_peak, rows_and_out
+from .steps import dequant_threads
 
 log = logging.getLogger(__name__)
 

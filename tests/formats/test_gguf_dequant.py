@@ -13,7 +13,7 @@ from gguf import GGMLQuantizationType as Q
 
 from comfyui_flux2dev.devtools.tiny.gguf_blocks import random_blocks
 from comfyui_flux2dev.errors import CorruptFileError, UnsupportedFormatError
-from comfyui_flux2dev.loaders.formats import dequant_steps, gguf_dequant
+from comfyui_flux2dev.loaders.formats import gguf_dequant, steps
 from comfyui_flux2dev.loaders.formats.gguf_dequant import TORCH_TYPES, dequantize
 from helpers import GGUF_FLOAT_TYPES, GGUF_QUANTIZED_TYPES
 
@@ -74,7 +74,7 @@ def test_exact_against_gguf_numpy(qtype, shape, device):
 def test_chunk_boundaries(qtype, monkeypatch, device):
     """Tensors spanning many chunks, the last one partial, give the same values as one pass."""
     block_size = gguf.GGML_QUANT_SIZES[qtype][0]
-    monkeypatch.setitem(dequant_steps.CHUNK_VALUES, device.type, 3 * block_size)
+    monkeypatch.setitem(steps.CHUNK_VALUES, device.type, 3 * block_size)
     shape = (10, 2 * 256)
     raw = _quantized(qtype, shape, seed=7)
     got = dequantize(torch.from_numpy(raw).to(device), qtype, shape, dtype=torch.float32)

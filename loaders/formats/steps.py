@@ -1,4 +1,4 @@
-"""How the dequantizers (gguf_dequant, quant) step through a weight: chunks of rows whose float32 values are
+"""How the dequantizers (gguf_dequant, packed_dequant) step through a weight: chunks of rows whose float32 values are
 computed in a cache-sized scratch and cast into the output, on a bounded number of CPU threads.
 
 Threads: every torch op on the CPU is one parallel step over the intra-op threads, and a step ends when

@@ -24,7 +24,7 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from .dequant_steps import dequant_threads
+from .steps import dequant_threads
 
 log = logging.getLogger(__name__)
 
@@ -239,7 +239,7 @@ def fp8(codes: torch.Tensor, fp8_dtype: torch.dtype, scale: torch.Tensor, out: t
 
 def nvfp4(packed: torch.Tensor, tiled_scales: torch.Tensor, tensor_scale: torch.Tensor, e2m1: tuple,
           out: torch.Tensor) -> bool:
-    """NVFP4 into `out` (quant.dequantize_nvfp4 has checked the sizes); False: not run."""
+    """NVFP4 into `out` (packed_dequant.dequantize_nvfp4 has checked the sizes); False: not run."""
     if not _runs(packed.device, out.dtype):
         return False
     tiled = tiled_scales.contiguous().view(torch.uint8).reshape(-1).numpy()
