@@ -47,20 +47,20 @@ def cuda_param(value):
 
 @contextlib.contextmanager
 def numba_unavailable():
-    """numba made impossible to import, as on a machine without it, so the torch paths run; afterwards the
-    one-pass kernels load again."""
+    """numba made impossible to import, as on a machine without it, so the reference paths run (torch, the K
+    quantizers' plain Python); afterwards the compiled kernels load again."""
     from comfyui_flux2dev.loaders.formats import compiled
 
     with pytest.MonkeyPatch.context() as m:
         m.setitem(sys.modules, "numba", None)
-        for name in [name for name in sys.modules if name.startswith(compiled.KERNELS_MODULE)]:
+        for name in [name for name in sys.modules if name.startswith(compiled.MODULE_PREFIX)]:
             m.delitem(sys.modules, name)
-        compiled._kernels.cache_clear()
+        compiled.kernel_module.cache_clear()
         compiled._converts.cache_clear()
         try:
             yield
         finally:
-            compiled._kernels.cache_clear()
+            compiled.kernel_module.cache_clear()
             compiled._converts.cache_clear()
 
 

@@ -58,10 +58,10 @@ while len(seconds) < 50 and sum(seconds) < 0.25:  # the best of many runs (one, 
     kquants.quantize(torch.from_numpy(values), Q.Q6_K, threads=1)
     seconds.append(time.perf_counter() - start)
 
-used = {"Q8_0": compiled._kernels().GGUF["Q8_0"], "Q6_K": kquants._compiled().q6_k}
+used = {"Q8_0": compiled._kernels().GGUF["Q8_0"], "Q6_K": compiled.kernel_module("kquant_kernels").q6_k}
 folders = {kernel.stats.cache_path for kernel in used.values()}
-print(json.dumps({"failed": sorted(compiled._FAILED) + sorted(q.name for q in kquants._FAILED),
-                  "paths": [compiled.path("cpu", torch.float32), kquants.path(Q.Q6_K)],
+print(json.dumps({"failed": sorted(compiled._FAILED),
+                  "paths": [compiled.path("cpu", torch.float32), compiled.kquant_path("Q6_K")],
                   "cache": {k: [sum(v.stats.cache_hits.values()), sum(v.stats.cache_misses.values())]
                             for k, v in used.items()},
                   "files": sorted(f for d in folders if os.path.isdir(d) for f in os.listdir(d)),

@@ -6,7 +6,6 @@ Every test runs on both paths: numba's compiled kernels and the plain Python tha
 from __future__ import annotations
 
 import io
-import sys
 
 import gguf
 import numpy as np
@@ -16,10 +15,10 @@ from gguf import GGMLQuantizationType as Q
 
 from comfyui_flux2dev.errors import UnsupportedFormatError
 from comfyui_flux2dev.loaders.convert.tensor_files import gguf_file
-from comfyui_flux2dev.loaders.formats import kquants
+from comfyui_flux2dev.loaders.formats import compiled, kquants
 from comfyui_flux2dev.loaders.formats.kquants import K_TYPES, quantize
 from comfyui_flux2dev.loaders.formats.quant_rows import NotQuantizable, quantized_nbytes
-from helpers import time_bound
+from helpers import numba_unavailable, time_bound
 
 
 @pytest.fixture(params=["numba", "python"])
@@ -27,15 +26,8 @@ def quantizer_path(request):
     if request.param == "numba":
         yield request.param
         return
-    with pytest.MonkeyPatch.context() as m:  # numba impossible to import, as on a machine without it
-        m.setitem(sys.modules, "numba", None)
-        for name in [name for name in sys.modules if name.startswith(kquants.KERNELS_MODULE)]:
-            m.delitem(sys.modules, name)
-        kquants._compiled.cache_clear()
-        try:
-            yield request.param
-        finally:
-            kquants._compiled.cache_clear()
+    with numba_unavailable():
+        yield request.param
 
 
 def _blocks(*rows) -> np.ndarray:
@@ -101,7 +93,7 @@ def test_bytes_equal_ggml(ggml, quantizer_path, qtype):
         bad = np.flatnonzero((got != want).any(axis=1))
         first = bad[0] if bad.size else None
         assert bad.size == 0, f"{name}: {bad.size} rows differ, first {first}: {got[first][:24]} != {want[first][:24]}"
-    assert kquants.path(qtype) == quantizer_path
+    assert compiled.kquant_path(qtype.name) == quantizer_path
 
 
 @pytest.mark.parametrize("qtype", K_TYPES, ids=lambda q: q.name)
