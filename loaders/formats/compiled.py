@@ -27,7 +27,7 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from .steps import dequant_threads
+from .steps import cpu_threads
 
 log = logging.getLogger(__name__)
 
@@ -141,7 +141,7 @@ def _runs(device: torch.device, dtype: torch.dtype) -> bool:
 
 @functools.cache
 def _pool(threads: int) -> ThreadPoolExecutor:
-    """The kernels' pool of `threads` threads: in practice one pool, as every caller runs on dequant_threads() threads
+    """The kernels' pool of `threads` threads: in practice one pool, as every caller runs on cpu_threads() threads
     or on its own thread alone."""
     return ThreadPoolExecutor(threads, thread_name_prefix="flux2dev-kernels")
 
@@ -173,7 +173,7 @@ def _ran(name: str, rows: int, run, threads: int | None = None) -> bool:
     if name in _FAILED:
         return False
     try:
-        _by_rows(rows, run, threads or dequant_threads())
+        _by_rows(rows, run, threads or cpu_threads())
     except Exception as e:  # a failed compilation: the reference path gives the same bits
         _FAILED.add(name)
         log.warning("The compiled CPU kernel for %s could not be compiled (%s: %s); its reference path is used.",

@@ -25,15 +25,14 @@ from .quant_rows import (
     check_peak,
     rows_and_out,
 )
-from .steps import few_threads
+from .steps import CHUNK_VALUES, few_threads
 
-# Rows are quantized a chunk at a time in float32 scratch buffers made once per call and reused by every chunk:
-# each op writes into a buffer that is already there, so no op pays for fresh memory (a new 4 MiB tensor per op
+# Rows are quantized a chunk at a time (steps.CHUNK_VALUES) in scratch buffers made once per call and reused by every
+# chunk: each op writes into a buffer that is already there, so no op pays for fresh memory (a new 4 MiB tensor per op
 # costs more in page faults than the arithmetic), and chunks stay cache-resident. Every step is chosen for the
 # fewest passes over a chunk: the blocks' maximum and minimum serve the checks and every scale, truncation is a
 # cast to an integer type (float to int8 and int16 are vectorised; float to uint8 is not, so codes go through
 # int8), and Q8_0's rounding is an identity of integers (below).
-CHUNK_VALUES = 1 << 18
 
 
 class _Scratch:
@@ -227,7 +226,7 @@ def quantize(values: torch.Tensor, qtype, *, out: torch.Tensor | None = None) ->
     if rows.is_contiguous() and compiled.gguf_quantize(qtype.name, rows.view(-1, block_size), out.view(-1, type_size)):
         return out
     kernel = _KERNELS[qtype]
-    step = max(1, CHUNK_VALUES // columns)
+    step = max(1, CHUNK_VALUES["cpu"] // columns)
     scratch = _Scratch(min(step, rows.shape[0]) * columns, block_size)
     with few_threads(torch.device("cpu")):
         for start in range(0, rows.shape[0], step):

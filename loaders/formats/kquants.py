@@ -22,12 +22,11 @@ from gguf import GGMLQuantizationType as Q
 from ...errors import UnsupportedFormatError
 from . import compiled, kquant_kernels
 from .quant_rows import NotQuantizable, check_peak, rows_and_out
+from .steps import CHUNK_VALUES
 
 # Type -> the byte offsets of its fp16 scale fields in a block (d, and dmin where it has one)
 SCALE_FIELDS = {Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
 K_TYPES = tuple(SCALE_FIELDS)
-# Rows are quantized a chunk at a time: converted to float32 (where they are not), checked, and spread over threads.
-CHUNK_VALUES = 1 << 18
 # The plain path's pace (30-40 ms a block measured), and the most time it may be given for one conversion or tensor
 PLAIN_SECONDS_PER_BLOCK = 0.035
 PLAIN_SECONDS = 60
@@ -83,7 +82,7 @@ def quantize(values: torch.Tensor, qtype, *, out: torch.Tensor | None = None,
     rows, out = rows_and_out(values, qtype, out)
     check_pace([(qtype, rows.shape)])
     columns = rows.shape[1]
-    step = max(1, CHUNK_VALUES // columns)
+    step = max(1, CHUNK_VALUES["cpu"] // columns)  # a chunk converted to float32, checked, then spread over threads
     for start in range(0, rows.shape[0], step):
         chunk = rows[start : start + step].to(torch.float32).contiguous()
         check_peak(max(chunk.amax().item(), -chunk.amin().item()), limited=True)

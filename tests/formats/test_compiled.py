@@ -209,9 +209,9 @@ def test_several_threads_give_the_same_bits(monkeypatch):
                 packed_dequant.dequantize_fp8(weight, scale, torch.bfloat16),
                 packed_dequant.dequantize_nvfp4(packed, tiled, torch.tensor(0.5), torch.float32))
 
-    monkeypatch.setattr(compiled, "dequant_threads", lambda: 1)
+    monkeypatch.setattr(compiled, "cpu_threads", lambda: 1)
     one = everything()
-    monkeypatch.setattr(compiled, "dequant_threads", lambda: 3)
+    monkeypatch.setattr(compiled, "cpu_threads", lambda: 3)
     for got, want in zip(everything(), one):
         _same(got, want)
 

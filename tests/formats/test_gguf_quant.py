@@ -12,7 +12,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from comfyui_flux2dev.errors import UnsupportedFormatError
-from comfyui_flux2dev.loaders.formats import compiled, gguf_quant, quant_rows
+from comfyui_flux2dev.loaders.formats import compiled, quant_rows, steps
 from comfyui_flux2dev.loaders.formats.gguf_quant import LEGACY_TYPES, WRITE_TYPES, quantize
 from comfyui_flux2dev.loaders.formats.quant_rows import NotQuantizable
 from helpers import numba_unavailable
@@ -102,13 +102,14 @@ def quantization_cases(qtype):
     edges = compiled._edge_values()
     edges = edges[np.isfinite(edges) & (np.abs(edges) <= 65504)]
     yield "conversion-edges", np.resize(edges, (-(-edges.size // 32), 32))
-    yield "many-chunks", rng.standard_normal((gguf_quant.CHUNK_VALUES // 512 * 3 + 7, 512)).astype(np.float32)
+    yield "many-chunks", rng.standard_normal((steps.CHUNK_VALUES["cpu"] // 512 * 3 + 7, 512)).astype(np.float32)
 
 
 @pytest.mark.parametrize("qtype", LEGACY_TYPES, ids=lambda q: q.name)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_bytes_equal_the_reference(qtype, dtype):
+def test_bytes_equal_the_reference(qtype, dtype, monkeypatch):
     """float32 values, and the same values rounded to bfloat16 (what most sources hold), read as they are."""
+    monkeypatch.setitem(steps.CHUNK_VALUES, "cpu", 1 << 18)  # many-chunks: three chunks and a part, in a test's time
     for name, values in quantization_cases(qtype):
         if dtype == torch.bfloat16:  # 65504 rounds up to 65536: the largest bfloat16 float16 holds is 65280
             values = np.clip(values, -65280, 65280)
@@ -191,7 +192,7 @@ def test_runs_of_blocks_on_several_threads_and_a_bad_value_in_the_last_block(qty
     a run at a time: the same bytes as gguf-py across runs, and a value that does not fit found in the last block."""
     values = torch.randn(37, 32 * 300, generator=torch.Generator().manual_seed(3)).to(dtype)
     want = gguf.quants.quantize(values.float().numpy(), qtype).view(np.uint8).reshape(37, -1)
-    monkeypatch.setattr(compiled, "dequant_threads", lambda: 3)
+    monkeypatch.setattr(compiled, "cpu_threads", lambda: 3)
     assert np.array_equal(quantize(values, qtype).numpy(), want)
     values[-1, -1] = float("inf")
     with pytest.raises(NotQuantizable, match="NaN or infinite"):

@@ -15,7 +15,7 @@ from gguf import GGMLQuantizationType as Q
 
 from comfyui_flux2dev.errors import UnsupportedFormatError
 from comfyui_flux2dev.loaders.convert.tensor_files import gguf_file
-from comfyui_flux2dev.loaders.formats import compiled, kquants
+from comfyui_flux2dev.loaders.formats import compiled, kquants, steps
 from comfyui_flux2dev.loaders.formats.kquants import K_TYPES, quantize
 from comfyui_flux2dev.loaders.formats.quant_rows import NotQuantizable, quantized_nbytes
 from helpers import numba_unavailable, time_bound
@@ -102,6 +102,16 @@ def test_bfloat16_values_are_quantized_as_their_float32_values(ggml, qtype):
     out = torch.full((3, 2 * gguf.GGML_QUANT_SIZES[qtype][1]), 7, dtype=torch.uint8)
     assert quantize(values, qtype, out=out) is out
     assert np.array_equal(out.numpy(), ggml(qtype, values.float().numpy()))
+
+
+@pytest.mark.parametrize("qtype", K_TYPES, ids=lambda q: q.name)
+def test_chunks_and_threads_change_no_byte(qtype, monkeypatch):
+    """Rows are quantized a chunk at a time (steps.CHUNK_VALUES), each chunk in runs of blocks on several threads:
+    chunks of three rows on three threads, and every row in one chunk on one thread, give the same bytes."""
+    values = torch.randn(7, 512, generator=torch.Generator().manual_seed(6)).bfloat16()
+    whole = quantize(values, qtype, threads=1)
+    monkeypatch.setitem(steps.CHUNK_VALUES, "cpu", 3 * 512)
+    assert torch.equal(quantize(values, qtype, threads=3), whole)
 
 
 @pytest.mark.parametrize("qtype", K_TYPES, ids=lambda q: q.name)
