@@ -105,7 +105,7 @@ def _peer_reads(peer, qtype) -> bool:
 
 def _weights(shape, rng) -> list[tuple[str, object, torch.Tensor, dict]]:
     """(format, GGUF type or None, stored weight, companions) of every format the pack dequantizes, on the CPU."""
-    from ..loaders.formats.gguf_dequant import QUANTIZED_TYPES
+    from ..loaders.formats.gguf_types import QUANTIZED_TYPES
     from .bench.scenarios import _float_case, _gguf_case
 
     out = []

@@ -24,8 +24,8 @@ PACK = TESTS.parent  # the pack's own folder (the repository)
 DATA = TESTS / "data"
 
 # The GGUF types the pack dequantizes itself, as docs/dequantization.md lists them. The kernel and format tests take
-# their types from here, not from the kernel table, so that a kernel dropped from the table fails a test instead of
-# silently leaving the tests.
+# their types from here, not from the table of types (gguf_types.TYPES), so that a row dropped from the table fails
+# a test instead of silently leaving the tests.
 GGUF_FLOAT_TYPES = ("F32", "F16", "BF16")
 GGUF_QUANTIZED_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL",
                         "IQ4_XS")

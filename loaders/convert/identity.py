@@ -27,7 +27,8 @@ import torch
 from ...errors import WrongModelError
 from ..cache.store import ContentDigest, tensors_digest
 from ..formats import packed_dequant, packing, progress
-from ..formats.gguf_quant import WRITE_TYPES, quantize
+from ..formats.gguf_quant import quantize
+from ..formats.gguf_types import WRITE_TYPES
 from ..formats.quant_rows import fits
 from ..models.inspect import check_comparable
 

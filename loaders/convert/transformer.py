@@ -36,7 +36,7 @@ from gguf import GGMLQuantizationType as Q
 
 from ...errors import CorruptFileError, UnsupportedFormatError
 from ..formats import packed_dequant, progress
-from ..formats.kquants import K_TYPES
+from ..formats.gguf_types import K_TYPES
 from ..formats.quant_rows import NotQuantizable, fits, quantized_nbytes
 from ..models.transformer import TransformerPlan, plan_transformer
 from . import K_PRESETS, WRITTEN_TYPES

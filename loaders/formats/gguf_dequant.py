@@ -21,7 +21,8 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 
 from ...errors import CorruptFileError, UnsupportedFormatError
-from . import compiled
+from . import compiled, gguf_types
+from .gguf_types import BY_TYPE, READ_TYPES
 from .steps import few_threads, fill_by_rows, output
 
 log = logging.getLogger(__name__)
@@ -305,14 +306,12 @@ _KERNELS = {
     Q.IQ4_XS: (_iq4_xs_scales, _iq4_xs_codes, _times_dl8, _IQ4_VALUES),
 }
 # Types stored as plain floats: a view and a cast.
-FLOAT_TYPES = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}  # stored as plain floats
-QUANTIZED_TYPES = tuple(_KERNELS)
-TORCH_TYPES = (*FLOAT_TYPES, *QUANTIZED_TYPES)
+FLOAT_TYPES = {qtype: getattr(torch, BY_TYPE[qtype].float_dtype) for qtype in gguf_types.FLOAT_TYPES}
 
 
 def read_types() -> str:
     """The GGUF types the pack dequantizes itself, as the errors list them."""
-    return ", ".join(q.name for q in TORCH_TYPES)
+    return ", ".join(q.name for q in READ_TYPES)
 
 _warned: set[Q] = set()
 

@@ -19,7 +19,7 @@ from gguf import GGMLQuantizationType as Q
 
 from ...errors import UnsupportedFormatError
 from . import compiled
-from .kquants import K_TYPES
+from .gguf_types import K_TYPES, WRITE_TYPES
 from .kquants import quantize as quantize_k
 from .quant_rows import (
     check_peak,
@@ -202,10 +202,6 @@ _KERNELS = {
     Q.Q4_1: _q4_1,
     Q.Q4_0: _q4_0,
 }
-LEGACY_TYPES = tuple(_KERNELS)  # gguf-py's quantizer is their reference
-WRITE_TYPES = (*LEGACY_TYPES, *K_TYPES)  # the K types are kquants.py's
-
-
 def write_types() -> str:
     return ", ".join(q.name for q in WRITE_TYPES)
 

@@ -21,12 +21,10 @@ from gguf import GGMLQuantizationType as Q
 
 from ...errors import UnsupportedFormatError
 from . import compiled, kquant_kernels
+from .gguf_types import BY_TYPE, K_TYPES
 from .quant_rows import NotQuantizable, check_peak, rows_and_out
 from .steps import CHUNK_VALUES
 
-# Type -> the byte offsets of its fp16 scale fields in a block (d, and dmin where it has one)
-SCALE_FIELDS = {Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
-K_TYPES = tuple(SCALE_FIELDS)
 # The plain path's pace (30-40 ms a block measured), and the most time it may be given for one conversion or tensor
 PLAIN_SECONDS_PER_BLOCK = 0.035
 PLAIN_SECONDS = 60
@@ -45,7 +43,7 @@ _UNITS = ((86400, "days"), (3600, "hours"), (60, "minutes"), (1, "seconds"))
 def check_pace(tensors) -> None:
     """Refuses, before anything is quantized, work that the plain path would take more than PLAIN_SECONDS on:
     `tensors` are (GGUF type, shape) pairs, those of the K types counted where their compiled quantizer cannot run."""
-    slow = [(Q(qtype), math.prod(shape)) for qtype, shape in tensors if Q(qtype) in SCALE_FIELDS]
+    slow = [(Q(qtype), math.prod(shape)) for qtype, shape in tensors if Q(qtype) in K_TYPES]
     blocks = sum(values // GGML_QUANT_SIZES[qtype][0] for qtype, values in slow
                  if compiled.kquant_path(qtype.name) == "python")
     seconds = blocks * PLAIN_SECONDS_PER_BLOCK
@@ -62,7 +60,7 @@ def check_pace(tensors) -> None:
 
 def _check_scales(qtype: Q, out: np.ndarray) -> None:
     """Refuses blocks whose fp16 scale fields are infinite or NaN (exponent bits all set)."""
-    for at in SCALE_FIELDS[qtype]:
+    for at in BY_TYPE[qtype].scale_fields:
         if ((out[:, at + 1] & 0x7C) == 0x7C).any():
             raise NotQuantizable(f"its {qtype.name} scales are beyond float16's range (values too large)")
 
@@ -75,7 +73,7 @@ def quantize(values: torch.Tensor, qtype, *, out: torch.Tensor | None = None,
     NotQuantizable for values the type cannot hold (not finite, or beyond float16), ValueError for rows that do
     not hold whole blocks, and UnsupportedFormatError for work the plain path cannot keep pace with (check_pace)."""
     qtype = Q(qtype)
-    if qtype not in SCALE_FIELDS:
+    if qtype not in K_TYPES:
         raise UnsupportedFormatError(f"The K-quant quantizer writes {', '.join(q.name for q in K_TYPES)}, "
                                      f"not {qtype.name}.")
     block_size, type_size = GGML_QUANT_SIZES[qtype]

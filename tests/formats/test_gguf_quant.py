@@ -13,7 +13,8 @@ from gguf import GGMLQuantizationType as Q
 
 from comfyui_flux2dev.errors import UnsupportedFormatError
 from comfyui_flux2dev.loaders.formats import compiled, quant_rows, steps
-from comfyui_flux2dev.loaders.formats.gguf_quant import LEGACY_TYPES, WRITE_TYPES, quantize
+from comfyui_flux2dev.loaders.formats.gguf_quant import quantize
+from comfyui_flux2dev.loaders.formats.gguf_types import LEGACY_TYPES, WRITE_TYPES
 from comfyui_flux2dev.loaders.formats.quant_rows import NotQuantizable
 from helpers import numba_unavailable
 

@@ -16,7 +16,8 @@ from gguf import GGMLQuantizationType as Q
 from comfyui_flux2dev.errors import UnsupportedFormatError
 from comfyui_flux2dev.loaders.convert.tensor_files import gguf_file
 from comfyui_flux2dev.loaders.formats import compiled, kquants, steps
-from comfyui_flux2dev.loaders.formats.kquants import K_TYPES, quantize
+from comfyui_flux2dev.loaders.formats.gguf_types import BY_TYPE, K_TYPES
+from comfyui_flux2dev.loaders.formats.kquants import quantize
 from comfyui_flux2dev.loaders.formats.quant_rows import NotQuantizable, quantized_nbytes
 from helpers import numba_unavailable, time_bound
 
@@ -145,7 +146,7 @@ def test_values_beyond_float16_are_refused(qtype):
 @pytest.mark.parametrize("qtype", K_TYPES, ids=lambda q: q.name)
 @pytest.mark.parametrize("field", [0x7C00, 0xFE00], ids=["inf", "nan"])
 def test_blocks_with_scales_float16_cannot_hold_are_refused(qtype, field):
-    for at in kquants.SCALE_FIELDS[qtype]:
+    for at in BY_TYPE[qtype].scale_fields:
         blocks = np.zeros((3, gguf.GGML_QUANT_SIZES[qtype][1]), np.uint8)
         kquants._check_scales(qtype, blocks)
         blocks[2, at : at + 2] = np.array([field], "<u2").view(np.uint8)
