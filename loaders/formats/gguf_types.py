@@ -1,4 +1,5 @@
-"""The GGUF types the pack reads and writes, one row each (TYPES); every list of types is derived from it.
+"""The GGUF types the pack reads and writes, one row each (TYPES); every list of types is derived from it. Their
+blocks' sizes are gguf's (GGML_QUANT_SIZES).
 
 A row names its type's kernels, which live beside their reference, each table of them keyed by the type:
 - read, every type: gguf_dequant.py (a view and a cast for plain floats, else its torch steps in _KERNELS, on every
@@ -14,7 +15,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 
 
@@ -26,14 +26,6 @@ class GGUFType:
     one_pass_read: bool = False
     writer: str | None = None  # whose quantizer its bytes equal: "gguf-py" (gguf_quant.py) or "ggml" (kquants.py)
     one_pass_write: bool = False
-
-    @property
-    def block_values(self) -> int:
-        return GGML_QUANT_SIZES[self.qtype][0]
-
-    @property
-    def block_bytes(self) -> int:
-        return GGML_QUANT_SIZES[self.qtype][1]
 
 
 # In the order the docs and the errors list them

@@ -29,9 +29,10 @@ def test_every_kernel_table_holds_the_kernels_the_rows_name():
 @pytest.mark.parametrize("row", [row for row in TYPES if not row.float_dtype], ids=lambda row: row.qtype.name)
 def test_the_scale_fields_are_where_gguf_py_reads_the_scales(row):
     """Random blocks with every scale field 0 decode to zeros, and with them 1.0 to values not all zero."""
-    blocks = np.random.default_rng(int(row.qtype)).integers(0, 256, (64, row.block_bytes), dtype=np.uint8)
+    block_size, type_size = gguf.GGML_QUANT_SIZES[row.qtype]
+    blocks = np.random.default_rng(int(row.qtype)).integers(0, 256, (64, type_size), dtype=np.uint8)
     for scale, nonzero in ((0.0, False), (1.0, True)):
         for at in row.scale_fields:
             blocks[:, at : at + 2] = np.full((len(blocks), 1), scale, np.float16).view(np.uint8)
         values = gguf.quants.dequantize(blocks, row.qtype)
-        assert values.shape == (64, row.block_values) and bool(values.any()) == nonzero
+        assert values.shape == (64, block_size) and bool(values.any()) == nonzero
