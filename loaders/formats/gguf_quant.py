@@ -202,6 +202,8 @@ _KERNELS = {
     Q.Q4_1: _q4_1,
     Q.Q4_0: _q4_0,
 }
+
+
 def write_types() -> str:
     return ", ".join(q.name for q in WRITE_TYPES)
 
