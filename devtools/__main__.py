@@ -45,6 +45,12 @@ def _tiny(args) -> None:
 def _bench(args) -> None:
     import json
 
+    if args.real:
+        from .bench.real_size import bench_real_encoder, format_real
+
+        result = bench_real_encoder(args.real)
+        print(json.dumps(result) if args.json else format_real(result))
+        return
     from . import bench
 
     results = bench.run_all(quick=args.quick)
@@ -72,7 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
                        "numpy and ComfyUI-GGUF, as the machine is and beside a memory-bound process; under load), GGUF "
                        "header, tokenizer, load, conditioning cache, refusal and long-prompt figures, GGUF "
                        "quantization, a conversion's memory, and prompt upsampling beside transformers' generate")
-    p.add_argument("--quick", action="store_true", help="small sizes, for CI")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--quick", action="store_true", help="small sizes, for CI")
+    where.add_argument("--real", metavar="DIR", help="the text encoder at FLUX.2 [dev]'s real size beside the host's "
+                       "and ComfyUI-GGUF's loaders, its files written once into DIR (about 70 GB; takes hours)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=_bench)
 

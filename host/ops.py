@@ -170,11 +170,13 @@ class PackedConv(PackedLayer):
 class PackedEmbedding(PackedLayer):
     def forward_comfy_cast_weights(self, input, out_dtype=None):
         dtype = out_dtype or self.settings.dequant_dtype or torch.float32
-        if packing.GGUF_TYPE in self.companions and not self.weight_patches():
-            # GGUF rows are whole blocks: gather the packed rows first, dequantize only those
+        if (not self.companions or packing.GGUF_TYPE in self.companions) and not self.weight_patches():
+            # Float rows and GGUF rows (whole blocks) stand alone: the prompt's rows are gathered first and only
+            # they are cast or dequantized, not the 131072-row table (2.7 GB in float32 for Mistral-Small).
             rows = _to_device(self.weight[input.reshape(-1).to(self.weight.device)], input.device)
-            values = self._dequantized(rows, (rows.shape[0], self.embedding_dim), input.device, dtype)
-            return values.to(dtype).reshape(*input.shape, self.embedding_dim)
+            if self.companions:
+                rows = self._dequantized(rows, (rows.shape[0], self.embedding_dim), input.device, dtype)
+            return rows.to(dtype).reshape(*input.shape, self.embedding_dim)
         weight, _ = self.weight_bias(input.device, dtype)
         return torch.nn.functional.embedding(
             input, weight, self.padding_idx, self.max_norm, self.norm_type, self.scale_grad_by_freq, self.sparse

@@ -119,12 +119,14 @@ def encoder(tiny_root, tmp_path) -> Path:
 
 @pytest.fixture
 def reads(monkeypatch) -> list[str]:
-    """The tensors read from safetensors files while the test runs."""
+    """The tensors read from safetensors files while the test runs, into memory or as views of the mapped file."""
     from comfyui_flux2dev.loaders.formats.safetensors_file import SafetensorsFiles
 
     read = []
-    original = SafetensorsFiles.read
-    monkeypatch.setattr(SafetensorsFiles, "read", lambda self, name: read.append(name) or original(self, name))
+    for method in ("read", "view"):
+        original = getattr(SafetensorsFiles, method)
+        monkeypatch.setattr(SafetensorsFiles, method,
+                            lambda self, name, original=original: read.append(name) or original(self, name))
     return read
 
 

@@ -33,34 +33,67 @@ def _dim(g: MistralEncoderGeometry, name: str) -> int:
     return {"heads": g.heads * g.head_dim, "kv_heads": g.kv_heads * g.head_dim}.get(name) or getattr(g, name)
 
 
-def write_encoder(path: str, g: MistralEncoderGeometry, layers: int, fmt: str, whole: bool = False) -> None:
-    """A random encoder in ComfyUI's single-file form (model.* keys, tekken_model): bf16, or fp8 linear
-    weights with a per-tensor weight_scale; whole: with the final norm and lm_head (bf16), which writing text reads."""
-    from safetensors.torch import save_file
-
-    from ..tiny.encoders import tekken_data
-
-    gen = torch.Generator().manual_seed(0)
-    out = {"model.embed_tokens.weight": (0.5 * torch.randn(g.vocab, g.width, generator=gen)).to(torch.bfloat16)}
+def encoder_tensors(g: MistralEncoderGeometry, layers: int, fmt: str, whole: bool = False) -> dict:
+    """{name: (dtype, shape, std)} of a random encoder in ComfyUI's single-file form (model.* keys): bf16, or fp8
+    linear weights with a per-tensor weight_scale (std None: not random; norms are ones, the scale is written
+    with its weight); whole: with the final norm and lm_head (bf16), which writing text reads."""
+    fp8 = fmt == "fp8"
+    out = {"model.embed_tokens.weight": (torch.bfloat16, (g.vocab, g.width), 0.5)}
     for i in range(layers):
         prefix = f"model.layers.{i}."
         for part, (rows, cols) in _PARTS.items():
             shape = (_dim(g, rows), _dim(g, cols))
-            w = torch.randn(shape, generator=gen) / shape[1] ** 0.5
-            if fmt == "fp8":
-                scale = w.abs().amax() / torch.finfo(torch.float8_e4m3fn).max
-                out[prefix + part + ".weight"] = (w / scale).to(torch.float8_e4m3fn)
-                out[prefix + part + ".weight_scale"] = scale.reshape(()).float()
-            else:
-                out[prefix + part + ".weight"] = w.to(torch.bfloat16)
-            del w
+            out[prefix + part + ".weight"] = (torch.float8_e4m3fn if fp8 else torch.bfloat16, shape, shape[1] ** -0.5)
+            if fp8:
+                out[prefix + part + ".weight_scale"] = (torch.float32, (), None)
         for norm in ("input_layernorm", "post_attention_layernorm"):
-            out[prefix + norm + ".weight"] = torch.ones(g.width, dtype=torch.bfloat16)
+            out[prefix + norm + ".weight"] = (torch.bfloat16, (g.width,), None)
     if whole:
-        out["model.norm.weight"] = torch.ones(g.width, dtype=torch.bfloat16)
-        out["lm_head.weight"] = (torch.randn(g.vocab, g.width, generator=gen) / g.width ** 0.5).to(torch.bfloat16)
-    out["tekken_model"] = torch.frombuffer(bytearray(tekken_data()), dtype=torch.uint8)
-    save_file(out, path)
+        out["model.norm.weight"] = (torch.bfloat16, (g.width,), None)
+        out["lm_head.weight"] = (torch.bfloat16, (g.vocab, g.width), g.width ** -0.5)
+    return out
+
+
+_ROWS_VALUES = 1 << 24  # values written at a time: a real-size file costs a small one's memory
+_FP8_RANGE = 4.5  # fp8 scales cover +-4.5 standard deviations; the few values beyond are clipped
+
+
+def write_encoder(path: str, g: MistralEncoderGeometry, layers: int, fmt: str, whole: bool = False) -> None:
+    """A random encoder (encoder_tensors) with the embedded tekken.json, written in a stream under a fresh name
+    and linked into place (never over a file that is there). The values are windows at random places of one
+    pool of normal values: drawing 17 billion of them would take minutes, and no figure measured depends on
+    values repeating 16 million apart."""
+    from ...loaders.convert.tensor_files import safetensors_file
+    from ..tiny.encoders import tekken_data
+
+    tensors = encoder_tensors(g, layers, fmt, whole)
+    tekken = torch.frombuffer(bytearray(tekken_data()), dtype=torch.uint8)
+    gen = torch.Generator().manual_seed(0)
+    pool = torch.randn(_ROWS_VALUES, generator=gen).repeat(2)
+    fp8_max = torch.finfo(torch.float8_e4m3fn).max
+    partial = path + ".partial"
+    with open(partial, "wb") as f:
+        out = safetensors_file(f, {**{n: (d, s) for n, (d, s, _) in tensors.items()},
+                                   "tekken_model": (torch.uint8, tuple(tekken.shape))})
+        for name, (dtype, shape, std) in tensors.items():
+            if std is None:
+                if not name.endswith("_scale"):
+                    out.write(name, torch.ones(shape, dtype=dtype))
+                continue
+            scale = _FP8_RANGE * std / fp8_max if dtype == torch.float8_e4m3fn else None
+            step = max(1, _ROWS_VALUES // shape[1])
+            for start in range(0, shape[0], step):
+                rows = min(step, shape[0] - start)
+                at = int(torch.randint(_ROWS_VALUES, (), generator=gen))
+                w = std * pool[at : at + rows * shape[1]].view(rows, shape[1])
+                w = w.to(dtype) if scale is None else (w / scale).clamp(-fp8_max, fp8_max).to(dtype)
+                out.write(name, w, at=start * shape[1] * dtype.itemsize)
+            if scale is not None:
+                out.write(name + "_scale", torch.tensor(scale, dtype=torch.float32))
+        out.write("tekken_model", tekken)
+        out.finish()
+    os.link(partial, path)
+    os.remove(partial)
 
 
 def _figures(m: Measured) -> dict:

@@ -12,6 +12,7 @@ import os
 import platform
 import subprocess
 import sys
+import tempfile
 import time
 
 import torch
@@ -109,18 +110,64 @@ class Measured:
         self.peak_rss_bytes = _proc_kib("VmHWM") * 1024 - self.base_rss
 
 
+def _status_bytes(pid: int) -> tuple[int, int] | None:
+    """(RssAnon, RssFile) of process `pid` in bytes: its own memory and the file pages it maps; None once gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            fields = dict(line.split(":", 1) for line in f if line.startswith(("RssAnon", "RssFile")))
+    except (OSError, ValueError):
+        return None
+    if len(fields) < 2:
+        return None
+    return int(fields["RssAnon"].split()[0]) * 1024, int(fields["RssFile"].split()[0]) * 1024
+
+
+_SAMPLE_S = 0.02
+
+
+def sampled_child(code: str, *, what: str, anon_limit: int | None = None) -> dict:
+    """Run `code` in a fresh interpreter that knows the test models, sampling its memory every 20 ms:
+    {"seconds", "peak_anon_bytes", "peak_mapped_bytes"} and "result" (the JSON its last line printed), or
+    "failed" (its error's last line), or "over_limit" (it was stopped when its own memory passed `anon_limit`,
+    before the machine would run out). `what` names the row in a failure."""
+    from ..tiny.geometry import test_models_env
+
+    peak_anon = peak_mapped = 0
+    over = False
+    # files, not pipes: a child that logs more than a pipe holds would wait for a reader that is sampling
+    with tempfile.TemporaryFile("w+") as out_file, tempfile.TemporaryFile("w+") as err_file:
+        start = time.perf_counter()
+        child = subprocess.Popen([sys.executable, "-P", "-c", code], env={**os.environ, **test_models_env()},
+                                 stdout=out_file, stderr=err_file, text=True)
+        while child.poll() is None:
+            sizes = _status_bytes(child.pid)
+            if sizes:
+                peak_anon, peak_mapped = max(peak_anon, sizes[0]), max(peak_mapped, sizes[1])
+                if anon_limit is not None and sizes[0] > anon_limit:
+                    child.kill()
+                    over = True
+            time.sleep(_SAMPLE_S)
+        out_file.seek(0)
+        err_file.seek(0)
+        out, err = out_file.read(), err_file.read()
+    figures = {"seconds": time.perf_counter() - start, "peak_anon_bytes": peak_anon, "peak_mapped_bytes": peak_mapped}
+    if over:
+        return {**figures, "over_limit": anon_limit}
+    if child.returncode:
+        lines = err.strip().splitlines() or [f"exit status {child.returncode}"]
+        return {**figures, "failed": lines[-1][:400], "stderr": err[-4000:], "what": what}
+    return {**figures, "result": json.loads(out.strip().splitlines()[-1])}
+
+
 def in_child(module: str, function: str, *args, what: str) -> dict:
     """What `function(*args)` of a bench module returns (JSON), run in a fresh process that knows the test models:
     its memory and page faults are its own. `what` names the row in a failure."""
-    from ..tiny.geometry import test_models_env
-
     code = (f"import json; from comfyui_flux2dev.devtools.bench import {module} as s; "
             f"print(json.dumps(s.{function}(*{args!r})))")
-    done = subprocess.run([sys.executable, "-P", "-c", code], env={**os.environ, **test_models_env()},
-                          capture_output=True, text=True)
-    if done.returncode:
-        raise RuntimeError(f"bench child ({what}) failed:\n{done.stderr[-4000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    done = sampled_child(code, what=what)
+    if "failed" in done:
+        raise RuntimeError(f"bench child ({what}) failed:\n{done['stderr']}")
+    return done["result"]
 
 
 def machine() -> dict:

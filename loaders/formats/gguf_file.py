@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ...errors import CorruptFileError, UnsupportedFormatError
-from .validate import Field, check_field, open_regular
+from .validate import Field, check_field, open_regular, reading
 
 if TYPE_CHECKING:  # for the annotations only: torch and gguf are imported where they are used
     import torch
@@ -84,15 +84,16 @@ class GGUFTensor:
 
 
 class GGUFFile:
-    """One parsed GGUF file. The map stays open while this object or any tensor view is alive."""
+    """One parsed GGUF file, kept open: each tensor read is a map of its own bytes of this very file (not of
+    whatever is at its name later), which stays while any view of it lives."""
 
-    def __init__(self, path: str, mapped: mmap.mmap, metadata: dict, tensors: dict[str, GGUFTensor]):
+    def __init__(self, path: str, mapped: mmap.mmap, file, metadata: dict, tensors: dict[str, GGUFTensor]):
         self.path = path
         self.metadata = metadata
         self.tensors = tensors
-        self._mmap = mapped
+        self._mmap = mapped  # read-only, for the header: parsed values may be views of it
+        self._file = file
         self._closed = False
-        self._base = None  # the map as a torch tensor, made on the first tensor read (torch is imported there)
 
     @property
     def architecture(self) -> str | None:
@@ -101,20 +102,26 @@ class GGUFFile:
     def _bytes(self, offset: int, nbytes: int) -> torch.Tensor:
         if self._closed:
             raise ValueError(f"{self.path} is closed.")
-        if self._base is None:
-            import torch
+        import torch
 
-            # Through numpy, whose buffer export keeps the map from being closed under a live view.
-            self._base = torch.from_numpy(np.frombuffer(self._mmap, dtype=np.uint8))
-        return self._base[offset : offset + nbytes]
+        if not nbytes:
+            return torch.empty(0, dtype=torch.uint8)
+        start = offset - offset % mmap.ALLOCATIONGRANULARITY  # a map starts on the system's boundary
+        # Copy-on-write, as torch wants a writable buffer and nothing written may reach the file; one map per
+        # tensor, as the kernel's commit check refuses a writable map of a whole file larger than the memory.
+        with reading(self.path, "GGUF file"):
+            mapped = mmap.mmap(self._file.fileno(), offset + nbytes - start, access=mmap.ACCESS_COPY, offset=start)
+        # Through numpy, whose buffer export keeps the map open under a live view.
+        return torch.from_numpy(np.frombuffer(mapped, dtype=np.uint8))[offset - start :]
 
     def close(self) -> None:
-        """Drop this object's hold on the map; views handed out earlier keep it alive until they go."""
-        self._closed, self._base = True, None
+        """Drop this object's hold on the file; tensor views handed out earlier keep their own maps."""
+        self._closed = True
+        self._file.close()
         try:
             self._mmap.close()
         except BufferError:
-            pass  # tensor views still export the buffer; the map closes when the last one is freed
+            pass  # metadata arrays still view the header's map; it closes when the last one is freed
 
     def __enter__(self) -> GGUFFile:
         return self
@@ -314,18 +321,20 @@ def open_gguf(path: str | os.PathLike, architectures: frozenset[str] = frozenset
     with open_regular(path, "GGUF file") as (f, size):
         if size < _START_BYTES:
             raise CorruptFileError(f"{path} is too short to be a GGUF file ({size} bytes).")
-        try:  # copy-on-write: torch wants a writable buffer, and nothing written through it reaches the file
-            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        try:  # read-only: a map that only reads costs no commit, whatever the file's size
+            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         except OSError as e:
             raise CorruptFileError(f"{path}: the GGUF file cannot be mapped ({e.strerror}).") from None
+        kept = os.fdopen(os.dup(f.fileno()), "rb", buffering=0)  # the tensors are mapped from this file
     try:
         metadata, tensors = _parse(path, mapped)
         check_metadata(path, metadata, architectures)
     except BaseException:
+        kept.close()
         mapped.close()
         raise
     _parse_count += 1
-    gfile = GGUFFile(path, mapped, metadata, {})
+    gfile = GGUFFile(path, mapped, kept, metadata, {})
     gfile.tensors.update(
         (name, GGUFTensor(name, qtype, shape, offset, nbytes, gfile))
         for name, (qtype, shape, offset, nbytes) in tensors.items()

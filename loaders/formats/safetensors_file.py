@@ -4,6 +4,7 @@ identify a checkpoint and decide what to read before touching any tensor data.""
 from __future__ import annotations
 
 import math
+import mmap
 import os
 import struct
 from collections import Counter
@@ -182,9 +183,10 @@ def read_metadata(path: str, *, follow_links: bool = True) -> dict[str, str]:
 
 
 class SafetensorsFiles:
-    """One or more shards read as one checkpoint. A tensor is read on request, exactly its own bytes, into
-    memory of its own: nothing else of the file is read (no read-ahead) or kept mapped, so what a load costs
-    in reads and memory is what it keeps."""
+    """One or more shards read as one checkpoint. A tensor is read on request, exactly its own bytes: `read`
+    into memory of its own (nothing else of the file is read or kept), `view` as a view of the mapped file,
+    which is how model weights are held: their pages are the page cache's, read as the model runs and given
+    back under memory pressure, so a model costs the process no memory of its own whatever the file's size."""
 
     def __init__(self, paths: list[str]):
         self.paths = [str(p) for p in paths]
@@ -210,6 +212,27 @@ class SafetensorsFiles:
         out = torch.empty(info.nbytes, dtype=torch.uint8)
         self._read_into(name, out.numpy())
         return out.view(torch_dtype(info.dtype)).reshape(info.shape)
+
+    def view(self, name: str) -> torch.Tensor:
+        """Tensor `name` as a view of its bytes mapped from the file, copy-on-write: nothing written to it reaches
+        the file. Each tensor is mapped on its own, and the map goes with its last view: one map of a whole file
+        larger than the machine's memory is refused by the kernel's commit check (Linux and Windows alike)."""
+        info = self._readable(name)
+        if info.start % DTYPES[info.dtype][1] or not info.nbytes:  # torch views need aligned elements
+            return self.read(name)
+        import numpy as np
+        import torch
+
+        path = self._where[name]
+        start = info.start - info.start % mmap.ALLOCATIONGRANULARITY  # a map starts on the system's boundary
+        with reading(path, "safetensors file"), open(path, "rb") as f:
+            if os.fstat(f.fileno()).st_size < info.end:
+                raise CorruptFileError(f"{path} ended inside tensor {name}: it was cut or replaced after its header "
+                                       "was read. Download it again.")
+            # copy-on-write: torch wants a writable buffer; numpy's export keeps the map open under live views
+            mapped = mmap.mmap(f.fileno(), info.end - start, access=mmap.ACCESS_COPY, offset=start)
+        data = torch.from_numpy(np.frombuffer(mapped, dtype=np.uint8))[info.start - start :]
+        return data.view(torch_dtype(info.dtype)).reshape(info.shape)
 
     def read_bytes(self, name: str) -> bytes:
         """A tensor's stored bytes, without torch (for the few values read before it is imported)."""

@@ -159,7 +159,7 @@ def _logical(label: str, shape: tuple[int, ...]) -> tuple[int, ...]:
 def _files_source(files: SafetensorsFiles, settings: dict) -> Source:
     labels = packing.labels(files)
     entries = {k: (labels[k], _logical(labels[k], v.shape)) for k, v in files.infos.items()}
-    return Source(entries, files.read, lambda k: files.infos[k].nbytes, settings, tuple(files.paths))
+    return Source(entries, files.view, lambda k: files.infos[k].nbytes, settings, tuple(files.paths))
 
 
 def _safetensors_source(paths: list[str], settings: dict) -> Source:

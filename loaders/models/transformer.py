@@ -136,10 +136,10 @@ def _bfl_readers(files: SafetensorsFiles) -> dict[str, tuple[tuple[int, ...], Ca
             import torch
 
             layer = name.rpartition(".")[0]
-            out = {name: files.read(name)}
+            out = {name: files.view(name)}
             if name.endswith(".weight"):
                 for host, stored_name in companions.get(layer, {}).items():
-                    out[f"{layer}.{host}"] = files.read(stored_name).to(torch.float32)
+                    out[f"{layer}.{host}"] = files.view(stored_name).to(torch.float32)
             return out
 
         return read_one
@@ -172,7 +172,7 @@ def plan_transformer(path: str | Path) -> TransformerPlan:
                 f"{', '.join(DTYPES[d][0] for d in FLOAT_DTYPES)}, and "
                 f"{', '.join(f.label for f in READ_FORMATS)} as a BFL single file."
             )
-        tensors = _diffusers_readers(shapes, files.read, geometry)
+        tensors = _diffusers_readers(shapes, files.view, geometry)
     else:
         tensors = _bfl_readers(files)
     check_tensor_shapes({key: shape for key, (shape, _) in tensors.items()}, geometry, variant)

@@ -1,7 +1,8 @@
 """The lazy encoder through the real host: the CLIP is built from headers and the tokenizer, the weights are
 read on the first prompt the cache does not hold, never when every prompt is cached, and freed after each
-encode with keep_loaded off. Reads are counted by the kernel (/proc/self/io rchar: every byte read() returned,
-page cache included), memory by /proc/self/status."""
+encode with keep_loaded off. Reads are the bytes read() returned, counted by the kernel (/proc/self/io rchar, page
+cache included), plus the bytes of the weights the pack maps (SafetensorsFiles.view: pages of a map are read as
+the model touches them, which no kernel counter tells apart); memory by /proc/self/status."""
 
 from __future__ import annotations
 
@@ -20,8 +21,24 @@ def _proc(path: str, field: str) -> int:
         return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
 
 
+_mapped = [0]  # bytes of the tensors SafetensorsFiles.view handed out in this process
+
+
+@pytest.fixture(autouse=True)
+def count_mapped(monkeypatch):
+    from comfyui_flux2dev.loaders.formats.safetensors_file import SafetensorsFiles
+
+    view = SafetensorsFiles.view
+
+    def counted(self, name):
+        _mapped[0] += self.infos[name].nbytes
+        return view(self, name)
+
+    monkeypatch.setattr(SafetensorsFiles, "view", counted)
+
+
 def _read_bytes() -> int:
-    return _proc("/proc/self/io", "rchar")
+    return _proc("/proc/self/io", "rchar") + _mapped[0]
 
 
 def _rss() -> int:

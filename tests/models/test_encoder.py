@@ -200,8 +200,8 @@ def test_only_layers_0_to_29_and_embeddings_are_read(encoders, monkeypatch):
     from comfyui_flux2dev.loaders.formats.safetensors_file import SafetensorsFiles
 
     read = []
-    original = SafetensorsFiles.read
-    monkeypatch.setattr(SafetensorsFiles, "read", lambda self, name: read.append(name) or original(self, name))
+    original = SafetensorsFiles.view
+    monkeypatch.setattr(SafetensorsFiles, "view", lambda self, name: read.append(name) or original(self, name))
     loaded = enc.load_encoder(os.path.join(encoders, "hf-mistral3"))
     assert loaded.layers_in_file == 40 and loaded.layout == "hf-mistral3"
     layers = {int(k.split(".")[3]) for k in read if ".layers." in k}

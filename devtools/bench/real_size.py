@@ -1,0 +1,208 @@
+"""`flux2dev bench --real DIR`: FLUX.2 [dev]'s text encoder at its real size, beside the host's own CLIPLoader
+and ComfyUI-GGUF's CLIPLoaderGGUF on the same files. Each step runs in a process of its own, which is sampled for
+its wall time, its peak anonymous memory (its own: what the machine must have free) and its peak mapped memory
+(file pages: the kernel reads them as they are touched and takes them back under pressure).
+
+The files are written once into DIR and reused by later runs: the 30 layers of Mistral-Small 24B that FLUX.2
+reads, with random weights of realistic scale, in ComfyUI's single-file form as bf16 (34.7 GB, written in a stream
+after checking the disk space), then its fp8 and Q4_K_M GGUF by `flux2dev convert`, measured as they are made.
+Rows: each file encoded by the pack in both padding modes (the reference's 512 tokens and the host's), by the
+host's CLIPLoader (type flux2; safetensors files) and by ComfyUI-GGUF (the GGUF). A loader whose own memory would
+outgrow the machine is stopped first and its row says so. CI runs none of it: tests/devtools/test_real_size.py
+runs the same code on the benchmark encoder (the real width, 3 layers)."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import shutil
+
+import torch
+
+from ...loaders.models.variants import MISTRAL_SMALL, MistralEncoderGeometry, layers_kept
+from ...tokenizers.prompt import PADDING_MODES
+from .encode_scenarios import _PROMPTS, encoder_tensors, write_encoder
+from .meters import evict, machine, sampled_child
+
+BF16 = "bf16"
+CONVERSIONS = {"fp8": ("fp8.safetensors", ["--dtype", "fp8"]), "Q4_K_M": ("Q4_K_M.gguf", ["--type", "Q4_K_M"])}
+_MARGIN = 1 << 30  # the disk space and memory left over, beyond what a step needs
+_HOST_PADDING = "comfy"  # the host's CLIPLoader and ComfyUI-GGUF pad as the host does
+
+
+def _name(fmt: str) -> str:
+    return f"flux2-dev-encoder-{BF16}.safetensors" if fmt == BF16 else f"flux2-dev-encoder-{CONVERSIONS[fmt][0]}"
+
+
+def _anon_bytes() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
+
+
+def _memory_available() -> int:
+    with open("/proc/meminfo") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("MemAvailable:"))
+
+
+def _digest(cond: torch.Tensor) -> str:
+    return hashlib.sha256(cond.float().contiguous().numpy().tobytes()).hexdigest()[:16]
+
+
+def _encoded(clip, started_anon: int) -> dict:
+    import time
+
+    start = time.perf_counter()
+    cond = clip.encode_from_tokens(clip.tokenize(_PROMPTS[0]), return_dict=True)["cond"]
+    return {"encode_s": time.perf_counter() - start, "anon_before_bytes": started_anon,
+            "tokens": int(cond.shape[1]), "digest": _digest(cond)}
+
+
+# --- the steps, each run in a process of its own ----------------------------------------------------------------
+
+
+def pack_encode(path: str, padding: str) -> dict:
+    """The pack's CLIP, as its encoder node makes it (headers and tokenizer read), then one prompt encoded."""
+    from ...host.clip import lazy_clip
+
+    clip = lazy_clip(path, padding=padding)
+    return _encoded(clip, _anon_bytes())
+
+
+def host_encode(path: str) -> dict:
+    """The host's own CLIPLoader (type flux2) on the file."""
+    from ...host import ensure_comfy
+
+    ensure_comfy()
+    import comfy.sd
+
+    started = _anon_bytes()
+    clip = comfy.sd.load_clip(ckpt_paths=[path], clip_type=comfy.sd.CLIPType.FLUX2)
+    return _encoded(clip, started)
+
+
+def peer_encode(path: str) -> dict:
+    """ComfyUI-GGUF's CLIPLoaderGGUF (type flux2) on the file."""
+    from ...host import ensure_comfy
+    from .peers import comfyui_gguf_nodes
+
+    ensure_comfy()
+    import comfy.sd
+
+    loader = comfyui_gguf_nodes().CLIPLoaderGGUF()
+    started = _anon_bytes()
+    clip = loader.load_patcher([path], comfy.sd.CLIPType.FLUX2, loader.load_data([path]))
+    return _encoded(clip, started)
+
+
+def convert(src: str, out: str, options: list[str]) -> dict:
+    from ...cli import main
+
+    if main(["convert", "encoder", src, out, *options]):
+        raise SystemExit(f"convert encoder {src} {out} failed")
+    return {}
+
+
+def _step(function: str, *args, what: str, anon_limit: int) -> dict:
+    code = (f"import json; from comfyui_flux2dev.devtools.bench import real_size as r; "
+            f"print(json.dumps(r.{function}(*{args!r})))")
+    return sampled_child(code, what=what, anon_limit=anon_limit)
+
+
+# --- the files ------------------------------------------------------------------------------------------------
+
+
+def _written_bf16(folder: str, g: MistralEncoderGeometry, layers: int) -> str:
+    path = os.path.join(folder, _name(BF16))
+    size = sum(d.itemsize * math.prod(s) for d, s, _ in encoder_tensors(g, layers, BF16).values())
+    if os.path.isfile(path) and os.path.getsize(path) >= size:
+        return path
+    free = shutil.disk_usage(folder).free
+    if free < size + _MARGIN:
+        raise RuntimeError(f"{folder} has {free / 1e9:.1f} GB free; the bf16 encoder takes {size / 1e9:.1f} GB.")
+    write_encoder(path, g, layers, BF16)
+    return path
+
+
+def _made(folder: str, source: str, fmt: str, anon_limit: int) -> str:
+    """The `fmt` file in `folder`, converted from the bf16 one when missing (the conversion measured, its figures
+    kept in conversions.json)."""
+    path = os.path.join(folder, _name(fmt))
+    if fmt == BF16 or os.path.isfile(path):
+        return source if fmt == BF16 else path
+    record = os.path.join(folder, "conversions.json")
+    made = json.load(open(record)) if os.path.isfile(record) else {}
+    made[fmt] = _step("convert", source, path, CONVERSIONS[fmt][1], what=f"convert to {fmt}", anon_limit=anon_limit)
+    if os.path.isfile(path):
+        made[fmt]["file_bytes"] = os.path.getsize(path)
+    with open(record + ".partial", "w") as f:
+        json.dump(made, f)
+    os.replace(record + ".partial", record)  # the bench's own record in its own folder
+    return path
+
+
+# --- the run ----------------------------------------------------------------------------------------------------
+
+
+def bench_real_encoder(folder: str, g: MistralEncoderGeometry = MISTRAL_SMALL, formats=(BF16, *CONVERSIONS),
+                       paddings=PADDING_MODES, peers: bool = True) -> dict:
+    """{"machine", "geometry", "files", "conversions", "rows"}: a row per loader, file and padding mode, with
+    seconds, peak_anon_bytes and peak_mapped_bytes of its process, and "result" (the encode's seconds, the
+    process's own memory before it, the tokens and a digest of the conditioning), "failed" or "over_limit"."""
+    os.makedirs(folder, exist_ok=True)
+    layers = layers_kept(g)
+    anon_limit = _memory_available() - _MARGIN
+    source = _written_bf16(folder, g, layers)
+    rows, files = [], {}
+    for fmt in formats:  # each made just before its rows: a machine may lack the disk for all at once
+        path = _made(folder, source, fmt, anon_limit)
+        files[fmt] = os.path.getsize(path)
+        for padding in paddings:
+            evict([path])  # every loader starts from the disk
+            rows.append({"loader": "pack", "format": fmt, "padding": padding,
+                         **_step("pack_encode", path, padding, what=f"pack, {fmt}", anon_limit=anon_limit)})
+        if peers:
+            loader, function = ("ComfyUI-GGUF", "peer_encode") if path.endswith(".gguf") else ("host", "host_encode")
+            evict([path])
+            rows.append({"loader": loader, "format": fmt, "padding": _HOST_PADDING,
+                         **_step(function, path, what=f"{loader}, {fmt}", anon_limit=anon_limit)})
+    record = os.path.join(folder, "conversions.json")
+    return {
+        "machine": {**machine(), "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")},
+        "geometry": {"width": g.width, "layers": layers, "vocab": g.vocab, "mlp": g.mlp},
+        "files": files,
+        "conversions": json.load(open(record)) if os.path.isfile(record) else {},
+        "rows": rows,
+    }
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.2f}"
+
+
+def _outcome(row: dict) -> str:
+    if "over_limit" in row:
+        return f"stopped: its own memory passed {_gb(row['over_limit'])} GB"
+    if "failed" in row:
+        return f"fails: {row['failed']}"
+    r = row["result"]
+    return f"{r['tokens']} tokens, encode {r['encode_s']:.1f} s, conditioning {r['digest']}"
+
+
+def format_real(result: dict) -> str:
+    """The run as a Markdown table (docs/benchmarks.md keeps one)."""
+    m = result["machine"]
+    lines = [f"Real size, {m['date']}: {m['cpu_count']} cores, {_gb(m['memory_bytes'])} GB of RAM, torch "
+             f"{m['torch_version']}; the encoder's {result['geometry']['layers']} layers "
+             f"({result['geometry']['width']} wide).", "",
+             "| step | file GB | wall s | peak own (anon) GB | peak mapped GB | outcome |", "|---|---|---|---|---|---|"]
+    for fmt, row in result["conversions"].items():
+        lines.append(f"| convert bf16 -> {fmt} | {_gb(row.get('file_bytes', 0))} | {row['seconds']:.0f} | "
+                     f"{_gb(row['peak_anon_bytes'])} | {_gb(row['peak_mapped_bytes'])} | "
+                     f"{'written' if 'result' in row else _outcome(row)} |")
+    for row in result["rows"]:
+        lines.append(f"| {row['loader']} encode, {row['format']}, {row['padding']} padding | "
+                     f"{_gb(result['files'][row['format']])} | {row['seconds']:.0f} | {_gb(row['peak_anon_bytes'])} | "
+                     f"{_gb(row['peak_mapped_bytes'])} | {_outcome(row)} |")
+    return "\n".join(lines)

@@ -1,0 +1,46 @@
+"""Safetensors weights stay mapped from their file: the host CLIP's weights are views of the file's pages, not
+copies, and the conditioning is bit for bit what the same weights read into memory of their own give (how the
+pack read them before)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from comfyui_flux2dev.loaders.formats.safetensors_file import SafetensorsFiles
+
+ENCODERS = ("mistral_3_small_flux2_bf16", "mistral_3_small_flux2_fp8", "mistral_3_small_flux2_fp4_mixed")
+PROMPTS = ("a red fox in the snow", "drei Katzen, 1999 [IMG]")
+
+
+def _weights(clip) -> list[torch.Tensor]:
+    from comfyui_flux2dev.host.ops import PackedLayer
+
+    return [p for m in clip.cond_stage_model.modules() if isinstance(m, PackedLayer)
+            for p in m.parameters(recurse=False)]
+
+
+def _in_file_maps(tensor: torch.Tensor, path: str) -> bool:
+    """Whether the tensor's bytes lie in a map of `path` (Linux's /proc/self/maps)."""
+    with open("/proc/self/maps") as f:
+        spans = [line.split()[0].split("-") for line in f if line.rstrip().endswith(path)]
+    return any(int(a, 16) <= tensor.data_ptr() < int(b, 16) for a, b in spans)
+
+
+def _encoded(path: str) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    from comfyui_flux2dev.host.clip import load_clip
+
+    clip = load_clip(path)
+    return [clip.encode_from_tokens(clip.tokenize(p)) for p in PROMPTS], _weights(clip)
+
+
+@pytest.mark.parametrize("name", ENCODERS)
+def test_mapped_weights_encode_the_same_bits_as_weights_read_into_memory(comfy_host, tiny_root, name, monkeypatch):
+    path = str(tiny_root / "text_encoders" / f"{name}.safetensors")
+    mapped, weights = _encoded(path)
+    assert weights and all(_in_file_maps(w, path) for w in weights), "every weight a view of the file's pages"
+    monkeypatch.setattr(SafetensorsFiles, "view", SafetensorsFiles.read)
+    read, weights = _encoded(path)
+    assert not any(_in_file_maps(w, path) for w in weights)
+    for a, b in zip(mapped, read):
+        assert torch.equal(a, b)
