@@ -70,6 +70,14 @@ def pack_encode(path: str, padding: str) -> dict:
     return _encoded(clip, _anon_bytes())
 
 
+def _flux2_clip_type():
+    """What the host's CLIPLoader (and ComfyUI-GGUF's) make of type "flux2": releases before 0.33 have no FLUX2
+    member and take the default, under which they find the Mistral encoder by its weights."""
+    import comfy.sd
+
+    return getattr(comfy.sd.CLIPType, "FLUX2", comfy.sd.CLIPType.STABLE_DIFFUSION)
+
+
 def host_encode(path: str) -> dict:
     """The host's own CLIPLoader (type flux2) on the file."""
     from ...host import ensure_comfy
@@ -78,7 +86,7 @@ def host_encode(path: str) -> dict:
     import comfy.sd
 
     started = _anon_bytes()
-    clip = comfy.sd.load_clip(ckpt_paths=[path], clip_type=comfy.sd.CLIPType.FLUX2)
+    clip = comfy.sd.load_clip(ckpt_paths=[path], clip_type=_flux2_clip_type())
     return _encoded(clip, started)
 
 
@@ -88,11 +96,9 @@ def peer_encode(path: str) -> dict:
     from .peers import comfyui_gguf_nodes
 
     ensure_comfy()
-    import comfy.sd
-
     loader = comfyui_gguf_nodes().CLIPLoaderGGUF()
     started = _anon_bytes()
-    clip = loader.load_patcher([path], comfy.sd.CLIPType.FLUX2, loader.load_data([path]))
+    clip = loader.load_patcher([path], _flux2_clip_type(), loader.load_data([path]))
     return _encoded(clip, started)
 
 
