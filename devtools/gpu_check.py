@@ -105,7 +105,7 @@ def _peer_reads(peer, qtype) -> bool:
 
 def _weights(shape, rng) -> list[tuple[str, object, torch.Tensor, dict]]:
     """(format, GGUF type or None, stored weight, companions) of every format the pack dequantizes, on the CPU."""
-    from ..loaders.formats.gguf_dequant import QUANTIZED_TYPES
+    from ..loaders.formats.gguf_types import QUANTIZED_TYPES
     from .bench.scenarios import _float_case, _gguf_case
 
     out = []
@@ -128,11 +128,11 @@ def _exact(fmt: str, qtype, device: torch.device, rng) -> bool:
     import gguf
     from comfy_kitchen.backends.eager.quantization import dequantize_nvfp4
 
-    from ..loaders.formats import quant
+    from ..loaders.formats import packed_dequant
 
     shape = (EXACT_VALUES // 512, 512)
     ((_, _, stored, companions),) = [w for w in _weights(shape, rng) if w[0] == fmt]
-    got = quant.dequantize(stored.to(device), _on(companions, device), torch.float32, shape).cpu()
+    got = packed_dequant.dequantize(stored.to(device), _on(companions, device), torch.float32, shape).cpu()
     if qtype is not None:
         want = torch.from_numpy(gguf.quants.dequantize(stored.numpy(), qtype).reshape(shape))
     elif fmt == "nvfp4":
@@ -146,7 +146,7 @@ def _exact(fmt: str, qtype, device: torch.device, rng) -> bool:
 def bench_dequant(device: torch.device, quick: bool, peer) -> dict:
     """Per format: GB/s of bf16 output for the pack (into a reused tensor, as a forward's weight) and for
     ComfyUI-GGUF on the same bytes, the device's copy of the same output size, and exactness."""
-    from ..loaders.formats import quant
+    from ..loaders.formats import packed_dequant
 
     n, repeats = DEQUANT_VALUES[quick], REPEATS[quick]
     shape = (n // 4096, 4096)
@@ -158,7 +158,7 @@ def bench_dequant(device: torch.device, quick: bool, peer) -> dict:
     for fmt, qtype, stored, companions in _weights(shape, rng):
         stored, companions = stored.to(device), _on(companions, device)
         # The lambdas run in this iteration, before the `del` at its end, which ruff takes for an undefined name.
-        pack_s = _seconds(lambda: quant.dequantize(stored, companions, DTYPE, shape, out=out),  # noqa: F821
+        pack_s = _seconds(lambda: packed_dequant.dequantize(stored, companions, DTYPE, shape, out=out),  # noqa: F821
                           device, repeats)
         peer_s = None
         if _peer_reads(peer, qtype):

@@ -4,8 +4,8 @@ forward. Encoder (CLIP) and transformer (MODEL) loads share these layers.
 
 A state dict hands a packed weight over as "<layer>.weight" (the stored tensor) plus its companions
 ("<layer>.weight_scale", ".weight_scale_2", ".weight_gguf_type": loaders.packing.COMPANIONS); every packed
-weight goes through the one dequantizer, loaders.quant.dequantize. On the CPU a forward dequantizes into
-the thread's scratch buffer (forward_weight), not a new tensor.
+weight goes through the one dequantizer, loaders.formats.packed_dequant.dequantize. On the CPU a forward
+dequantizes into the thread's scratch buffer (forward_weight), not a new tensor.
 
 - packed_operations(...) -> a comfy.ops-style class for custom_operations, fresh per load so one load's
   settings never reach another;
@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..loaders.formats import packing, quant
+from ..loaders.formats import packed_dequant, packing
 from . import compat, ensure_comfy
 
 
@@ -67,7 +67,8 @@ def forward_weight(stored: torch.Tensor, companions: dict, dtype: torch.dtype, s
     no reference. With autograd on, a matmul could keep it for the backward pass: a new tensor then."""
     shape = tuple(int(s) for s in shape)
     reuse = stored.device.type == "cpu" and not torch.is_grad_enabled()
-    return quant.dequantize(stored, companions, dtype, shape, out=_scratch_buffer(shape, dtype) if reuse else None)
+    out = _scratch_buffer(shape, dtype) if reuse else None
+    return packed_dequant.dequantize(stored, companions, dtype, shape, out=out)
 
 
 class PackedLayer:
@@ -104,7 +105,7 @@ class PackedLayer:
                 continue
             tensor = state_dict[key]
             packed = companions if name == "weight" else {}
-            needs = quant.stored_shape(placeholder.shape, tensor.dtype, packed)
+            needs = packed_dequant.stored_shape(placeholder.shape, tensor.dtype, packed)
             if tuple(tensor.shape) != needs:
                 error_msgs.append(f"size mismatch for {key}: the file holds {list(tensor.shape)}, "
                                   f"the model needs {list(needs)}")
@@ -128,7 +129,7 @@ class PackedLayer:
 
     def _dequantized(self, stored: torch.Tensor, shape, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         """A new tensor of the weight's values (the host keeps it, or a forward returns it)."""
-        return quant.dequantize(stored, self._companions(device), self.settings.dequant_dtype or dtype, shape)
+        return packed_dequant.dequantize(stored, self._companions(device), self.settings.dequant_dtype or dtype, shape)
 
     def _patched(self, value: torch.Tensor, functions: list, dtype: torch.dtype) -> torch.Tensor:
         if functions:

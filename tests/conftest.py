@@ -209,7 +209,7 @@ QUICK = (
     "tests/formats/test_gguf_dequant.py",
     "tests/formats/test_gguf_quant.py",
     "tests/formats/test_safetensors_file.py",
-    "tests/formats/test_fused_dequant.py",
+    "tests/formats/test_compiled.py",
     "tests/tokenizer/test_tokenizers.py",
     "tests/tokenizer/test_chat.py",
     "tests/models/test_encoder.py",

@@ -24,8 +24,8 @@ PACK = TESTS.parent  # the pack's own folder (the repository)
 DATA = TESTS / "data"
 
 # The GGUF types the pack dequantizes itself, as docs/dequantization.md lists them. The kernel and format tests take
-# their types from here, not from the kernel table, so that a kernel dropped from the table fails a test instead of
-# silently leaving the tests.
+# their types from here, not from the table of types (gguf_types.TYPES), so that a row dropped from the table fails
+# a test instead of silently leaving the tests.
 GGUF_FLOAT_TYPES = ("F32", "F16", "BF16")
 GGUF_QUANTIZED_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL",
                         "IQ4_XS")
@@ -47,21 +47,21 @@ def cuda_param(value):
 
 @contextlib.contextmanager
 def numba_unavailable():
-    """numba made impossible to import, as on a machine without it, so the torch paths run; afterwards the
-    one-pass kernels load again."""
-    from comfyui_flux2dev.loaders.formats import fused
+    """numba made impossible to import, as on a machine without it, so the reference paths run (torch, the K
+    quantizers' plain Python); afterwards the compiled kernels load again."""
+    from comfyui_flux2dev.loaders.formats import compiled
 
     with pytest.MonkeyPatch.context() as m:
         m.setitem(sys.modules, "numba", None)
-        for name in [name for name in sys.modules if name.startswith(fused.KERNELS_MODULE)]:
+        for name in [name for name in sys.modules if name.startswith(compiled.MODULE_PREFIX)]:
             m.delitem(sys.modules, name)
-        fused._kernels.cache_clear()
-        fused._converts.cache_clear()
+        compiled.kernel_module.cache_clear()
+        compiled._converts.cache_clear()
         try:
             yield
         finally:
-            fused._kernels.cache_clear()
-            fused._converts.cache_clear()
+            compiled.kernel_module.cache_clear()
+            compiled._converts.cache_clear()
 
 
 # --- child processes ----------------------------------------------------------------------------------------

@@ -38,8 +38,9 @@ def bench_quantize(quick: bool) -> list[dict]:
     ceiling: a plain copy of the weights into a reused tensor on the quantizer's threads, measured just before it."""
     import gguf
 
-    from ...loaders.formats.dequant_steps import few_threads
-    from ...loaders.formats.gguf_quant import LEGACY_TYPES, quantize
+    from ...loaders.formats.gguf_quant import quantize
+    from ...loaders.formats.gguf_types import LEGACY_TYPES
+    from ...loaders.formats.steps import few_threads
 
     shape = _QUANT_SHAPES[quick]
     repeats, reference_repeats = (3, 1) if quick else (5, 2)
@@ -72,9 +73,9 @@ def bench_vector_kernels(quick: bool) -> list[dict]:
     FLUX.2 shape, and whether their bytes are equal."""
     import gguf
 
-    from ...loaders.formats import fused
+    from ...loaders.formats import compiled
 
-    kernels = fused._kernels()
+    kernels = compiled._kernels()
     shape = _QUANT_SHAPES[quick]
     repeats = 3 if quick else 5
     blocks = (np.random.default_rng(1).standard_normal(shape) * 0.02).astype(np.float32).reshape(-1, 32)
@@ -117,8 +118,8 @@ def bench_kquant(quick: bool) -> dict:
     figures only and `reference_missing` says why."""
     import gguf
 
-    from ...loaders.formats import kquants
-    from ...loaders.formats.kquants import K_TYPES
+    from ...loaders.formats import compiled, kquants
+    from ...loaders.formats.gguf_types import K_TYPES
 
     shape = _KQUANT_SHAPES[quick]
     repeats = 3 if quick else 5
@@ -130,7 +131,8 @@ def bench_kquant(quick: bool) -> dict:
         out = kquants.quantize(tensor, qtype, threads=1)  # the first call also loads the compiled kernels: not timed
         with one_thread():  # the range check's torch reductions too
             pack_s = best(lambda: kquants.quantize(tensor, qtype, out=out, threads=1), repeats)
-        row = {"type": qtype.name, "shape": list(shape), "values": values.size, "path": kquants.path(qtype),
+        row = {"type": qtype.name, "shape": list(shape), "values": values.size,
+               "path": compiled.kquant_path(qtype.name),
                "pack_s": pack_s}
         if reference is not None:
             ggml = lambda: reference.reference(qtype.name, values, gguf.GGML_QUANT_SIZES[qtype][1])  # noqa: E731

@@ -47,12 +47,13 @@ def bench_dequant(quick: bool) -> list[dict]:
     plain copy of the output size beside each row (a ceiling); and bit equality of the pack and gguf in float32."""
     import gguf
 
-    from ...loaders.formats import fused
-    from ...loaders.formats.gguf_dequant import QUANTIZED_TYPES, dequantize
+    from ...loaders.formats import compiled
+    from ...loaders.formats.gguf_dequant import dequantize
+    from ...loaders.formats.gguf_types import QUANTIZED_TYPES
 
     n = _DEQUANT_VALUES[quick]
     repeats, reference_repeats = (3, 2) if quick else (9, 3)
-    path = fused.path("cpu", torch.float16)
+    path = compiled.path("cpu", torch.float16)
     rng = np.random.default_rng(0)
     shape = (n // 4096, 4096)  # rows of 4096 values, like a weight matrix
     reused = torch.empty(shape, dtype=torch.float16)
@@ -113,7 +114,7 @@ def _previous_fp8(weight, companions):
 def _previous_nvfp4(packed, companions):
     """The NVFP4 rows' baseline, a plain torch dequantization: int64 codes, a float32 table lookup, the
     scales, a multiply and a cast, each into a new tensor."""
-    from ...loaders.formats.quant import _E2M1, NVFP4_BLOCK, unswizzle_block_scales
+    from ...loaders.formats.packed_dequant import _E2M1, NVFP4_BLOCK, unswizzle_block_scales
 
     rows, cols = packed.shape[0], packed.shape[1] * 2
     codes = torch.stack((packed >> 4, packed & 0x0F), dim=-1).reshape(rows, cols).long()
@@ -126,7 +127,7 @@ def _previous_nvfp4(packed, companions):
 
 def _float_case(fmt: str, shape, rng):
     """(stored weight, companions, the previous dequantization) of a fp8 or NVFP4 weight."""
-    from ...loaders.formats.quant import swizzle_block_scales
+    from ...loaders.formats.packed_dequant import swizzle_block_scales
 
     g = torch.Generator().manual_seed(int(rng.integers(1 << 31)))
     if fmt == "fp8-scaled":
@@ -144,7 +145,7 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _copy_s(shape, repeats: int) -> float:
     """The ceiling: seconds of a plain copy of a fp16 tensor of this shape into a reused one, the faster of
-    torch's copy on every thread and on one (on a busy machine, one thread often wins: see dequant_steps)."""
+    torch's copy on every thread and on one (on a busy machine, one thread often wins: see steps.py)."""
     src = torch.ones(shape, dtype=_FORWARD_DTYPE)
     dst = torch.zeros_like(src)
     with one_thread():
@@ -155,14 +156,14 @@ def _copy_s(shape, repeats: int) -> float:
 def _torch_path(fn):
     """fn run with the one-pass kernels switched off: the torch path, which runs on GPUs and wherever numba
     cannot."""
-    from ...loaders.formats import fused
+    from ...loaders.formats import compiled
 
-    kernels = fused.gguf, fused.fp8, fused.nvfp4
-    fused.gguf = fused.fp8 = fused.nvfp4 = lambda *args: False
+    kernels = compiled.gguf, compiled.fp8, compiled.nvfp4
+    compiled.gguf = compiled.fp8 = compiled.nvfp4 = lambda *args: False
     try:
         return fn()
     finally:
-        fused.gguf, fused.fp8, fused.nvfp4 = kernels
+        compiled.gguf, compiled.fp8, compiled.nvfp4 = kernels
 
 
 def _forward_figures(stored, companions, shape, repeats: int) -> tuple[torch.Tensor, dict]:
@@ -170,7 +171,7 @@ def _forward_figures(stored, companions, shape, repeats: int) -> tuple[torch.Ten
     measured beside it (the load of a shared machine drifts), the path that ran, its time, the torch path's
     time, and whether the two paths gave the same bits."""
     from ...host.ops import forward_weight
-    from ...loaders.formats import fused
+    from ...loaders.formats import compiled
 
     copy_s = _copy_s(shape, repeats)
     with torch.inference_mode():
@@ -179,7 +180,7 @@ def _forward_figures(stored, companions, shape, repeats: int) -> tuple[torch.Ten
         forward_s = best(forward, repeats)
         torch_s = _torch_path(lambda: best(forward, repeats))
         same = _same_bits(_torch_path(forward), got)
-    return got, {"shape": list(shape), "path": fused.path("cpu", _FORWARD_DTYPE), "forward_s": forward_s,
+    return got, {"shape": list(shape), "path": compiled.path("cpu", _FORWARD_DTYPE), "forward_s": forward_s,
                  "torch_s": torch_s, "copy_s": copy_s, "exact": same}
 
 
@@ -192,7 +193,7 @@ def bench_forward_dequant(quick: bool, memory_bound: int = 0) -> dict:
     memory_bound: that many memory-bound processes run beside it (a machine whose memory is slow or busy)."""
     import gguf
 
-    from ...loaders.formats.gguf_dequant import QUANTIZED_TYPES
+    from ...loaders.formats.gguf_types import QUANTIZED_TYPES
     from .peers import PEER, comfyui_gguf_dequantize, missing_reason
 
     repeats, reference_repeats = (2, 1) if quick else (5, 2)
@@ -232,8 +233,8 @@ def bench_contention(quick: bool) -> dict:
     import gguf
 
     from ...host.ops import forward_weight
-    from ...loaders.formats import fused
-    from ...loaders.formats.gguf_dequant import QUANTIZED_TYPES
+    from ...loaders.formats import compiled
+    from ...loaders.formats.gguf_types import QUANTIZED_TYPES
 
     shape = _FORWARD_SHAPES[quick][0]
     repeats, reference_repeats = (3, 1) if quick else (9, 3)
@@ -247,7 +248,7 @@ def bench_contention(quick: bool) -> dict:
                 forward_weight(stored, companions, _FORWARD_DTYPE, shape)  # loads the compiled kernel: not timed
                 forward = timings(lambda: forward_weight(stored, companions, _FORWARD_DTYPE, shape), repeats)
             reference = timings(lambda: gguf.quants.dequantize(raw, qtype), reference_repeats)
-            rows.append({"type": qtype.name, "path": fused.path("cpu", _FORWARD_DTYPE),
+            rows.append({"type": qtype.name, "path": compiled.path("cpu", _FORWARD_DTYPE),
                          "forward_median_s": _median(forward), "forward_best_s": min(forward),
                          "reference_median_s": _median(reference)})
     return {"shape": list(shape), "competing_processes": _COMPETING_PROCESSES, "load_average": load, "rows": rows}

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ...loaders.formats.quant import swizzle_block_scales
+from ...loaders.formats.packed_dequant import swizzle_block_scales
 from ...tokenizers.ladder import bundled_tekken_path
 from .geometry import TINY_MISTRAL
 from .gguf_blocks import write_and_close

@@ -7,14 +7,12 @@ from __future__ import annotations
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from ...loaders.formats.gguf_types import TYPES
+
 Q = GGMLQuantizationType
 
 # Byte offsets of the fp16 scale fields (d, dmin) in each type's block, as ggml's block_* structs lay them out.
-FP16_FIELDS = {
-    Q.Q8_0: (0,), Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2),
-    Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,),
-    Q.IQ4_NL: (0,), Q.IQ4_XS: (0,),
-}
+FP16_FIELDS = {row.qtype: row.scale_fields for row in TYPES if row.scale_fields}
 
 
 def random_blocks(qtype: GGMLQuantizationType, shape: tuple[int, ...], rng: np.random.Generator,

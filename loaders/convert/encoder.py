@@ -24,7 +24,7 @@ import os
 import torch
 
 from ...errors import CorruptFileError, UnsupportedFormatError
-from ..formats import progress, quant
+from ..formats import packed_dequant, progress
 from ..formats.quant_rows import NotQuantizable, check_peak
 from ..models.encoder import plan_encoder, planned_weights, read_weight, resolve_plan_tokenizer
 from ..models.encoder_identify import LAYER_SHAPES
@@ -107,19 +107,19 @@ def convert_encoder(src: str, out: str, *, dtype: str = "bf16", force: bool = Fa
     with output_file(target, force=force) as f:
         file = safetensors_file(f, layout, metadata)
         for host in progress.tracked(weights):
-            weight, companions = quant.split_entries(read_weight(plan, host), host)
+            weight, companions = packed_dequant.split_entries(read_weight(plan, host), host)
             shape = layout[host][1]
             if not companions:  # a plain weight, float64 among them, checked as stored: a cast would hide its values
                 _check_values(host, weight, dtype)
             if layout[host][0] == FP8:
-                dense = quant.dequantize(weight, companions, torch.float32, shape)
+                dense = packed_dequant.dequantize(weight, companions, torch.float32, shape)
                 _check_values(host, dense, dtype)
                 scale = fp8_scale(dense)
                 _write_fp8(file, host, dense, scale)
                 file.write(host[: -len("weight")] + SCALE, scale)
                 del dense
             else:  # the exact float32 values, rounded once to bfloat16 (computed in chunks by the dequantizer)
-                file.write(host, quant.dequantize(weight, companions, plain_dtype, shape))
+                file.write(host, packed_dequant.dequantize(weight, companions, plain_dtype, shape))
             del weight, companions
         file.write(FINAL_NORM, torch.ones(plan.geometry.width, dtype=plain_dtype))
         file.write(TEKKEN_KEY, tekken)

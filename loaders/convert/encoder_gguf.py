@@ -31,7 +31,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf.tensor_mapping import get_tensor_name_map
 
 from ...errors import CorruptFileError, UnsupportedFormatError, WrongModelError
-from ..formats import progress, quant
+from ..formats import packed_dequant, progress
 from ..formats.quant_rows import NotQuantizable, fits, quantized_nbytes
 from ..models.encoder import plan_encoder, planned_weights, read_weight, resolve_plan_tokenizer, undo_rotary_permute
 from ..models.encoder_identify import FINAL_NORM, LAYER_SHAPES
@@ -226,11 +226,11 @@ def convert_encoder_gguf(src: str, out: str, *, qtype: str, force: bool = False)
     with output_file(target, force=force) as f:
         file = gguf_file(f, metadata, layout)
         for host in progress.tracked(hosts):
-            weight, companions = quant.split_entries(read_weight(plan, host), host)
+            weight, companions = packed_dequant.split_entries(read_weight(plan, host), host)
             name, t, shape = written[host]
             # a plain weight goes to the quantizer as stored (it widens each chunk exactly), so only packed ones are
             # held whole in float32
-            values = quant.dequantize(weight, companions, torch.float32, shape) if companions else weight
+            values = packed_dequant.dequantize(weight, companions, torch.float32, shape) if companions else weight
             del weight, companions
             module = ".".join(host.split(".")[3:5])
             if module in ROTARY:

@@ -26,8 +26,9 @@ import torch
 
 from ...errors import WrongModelError
 from ..cache.store import ContentDigest, tensors_digest
-from ..formats import packing, progress, quant
-from ..formats.gguf_quant import WRITE_TYPES, quantize
+from ..formats import packed_dequant, packing, progress
+from ..formats.gguf_quant import quantize
+from ..formats.gguf_types import WRITE_TYPES
 from ..formats.quant_rows import fits
 from ..models.inspect import check_comparable
 
@@ -79,7 +80,7 @@ def _gguf_transformer(path: str) -> Weights:
     shapes = {}
     for key, t in sd.items():
         if not packing.is_companion(key):
-            shapes[key] = _logical_shape(t, quant.split_entries(_entries(sd, key), key)[1])
+            shapes[key] = _logical_shape(t, packed_dequant.split_entries(_entries(sd, key), key)[1])
     return Weights(path, "transformer", {"layout": "gguf", "variant": loaded.variant.key, "formats": loaded.formats},
                    shapes, lambda key: _entries(sd, key))
 
@@ -138,8 +139,8 @@ def weights_at(path: str) -> Weights:
 
 
 def _dense(entries: dict, name: str, shape) -> torch.Tensor:
-    weight, companions = quant.split_entries(entries, name)
-    return quant.dequantize(weight, companions, torch.float32, shape)
+    weight, companions = packed_dequant.split_entries(entries, name)
+    return packed_dequant.dequantize(weight, companions, torch.float32, shape)
 
 
 def is_cast(dense: torch.Tensor, entries: dict, name: str) -> bool:
@@ -147,8 +148,8 @@ def is_cast(dense: torch.Tensor, entries: dict, name: str) -> bool:
     with the scale stored beside it, a GGUF type the pack quantizes (gguf-py's quantizer), a narrower float."""
     from .encoder import fp8_cast
 
-    weight, companions = quant.split_entries(entries, name)
-    if "weight_scale" in companions and weight.dtype in quant.FP8_DTYPES:
+    weight, companions = packed_dequant.split_entries(entries, name)
+    if "weight_scale" in companions and weight.dtype in packed_dequant.FP8_DTYPES:
         scale = companions["weight_scale"].to(torch.float32)
         cast = fp8_cast(dense, scale.reshape(-1, 1) if scale.numel() > 1 else scale.reshape(()), weight.dtype)
         return torch.equal(cast.view(torch.uint8), weight.view(torch.uint8))

@@ -35,8 +35,8 @@ from gguf import GGML_QUANT_VERSION, GGUFValueType, LlamaFileType
 from gguf import GGMLQuantizationType as Q
 
 from ...errors import CorruptFileError, UnsupportedFormatError
-from ..formats import progress, quant
-from ..formats.kquants import K_TYPES
+from ..formats import packed_dequant, progress
+from ..formats.gguf_types import K_TYPES
 from ..formats.quant_rows import NotQuantizable, fits, quantized_nbytes
 from ..models.transformer import TransformerPlan, plan_transformer
 from . import K_PRESETS, WRITTEN_TYPES
@@ -127,8 +127,9 @@ def convert_transformer(src: str, out: str, *, qtype: str, force: bool = False,
         file = gguf_file(f, metadata, layout)
         for key in progress.tracked(list(types)):
             shape, read = plan.tensors[key]
-            weight, companions = quant.split_entries(read(), key)
-            values = quant.dequantize(weight, companions, torch.float32, shape) if companions or apply else weight
+            weight, companions = packed_dequant.split_entries(read(), key)
+            values = (packed_dequant.dequantize(weight, companions, torch.float32, shape) if companions or apply
+                      else weight)
             if apply is not None:
                 values = apply(key, values)
             del weight, companions

@@ -1,11 +1,11 @@
 """GGUF dequantization, bit-exact with gguf's numpy reference (gguf.quants.dequantize) in float32 before the
-cast to the requested dtype: on the CPU by the one-pass kernels (fused.py) where numba runs, otherwise in
+cast to the requested dtype: on the CPU by the one-pass kernels (compiled.py) where numba runs, otherwise in
 torch, on the device the raw blocks live on.
 
 Each type's torch kernel does the reference's float32 operations, in the same order, so the values agree to
 the bit. Speed on the CPU comes from unpacking bit fields eight bytes at a time (int64 shifts and masks
 act on eight packed bytes at once, as no bit crosses a byte boundary after masking), and from doing the
-float32 arithmetic in cache-sized chunks on a bounded number of threads (dequant_steps.py) written
+float32 arithmetic in cache-sized chunks on a bounded number of threads (steps.py) written
 straight into the output. Types without a kernel here fall back to the numpy reference with a warning.
 """
 
@@ -21,8 +21,9 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 
 from ...errors import CorruptFileError, UnsupportedFormatError
-from . import fused
-from .dequant_steps import few_threads, fill_by_rows, output
+from . import compiled, gguf_types
+from .gguf_types import BY_TYPE, READ_TYPES
+from .steps import few_threads, fill_by_rows, output
 
 log = logging.getLogger(__name__)
 
@@ -305,14 +306,12 @@ _KERNELS = {
     Q.IQ4_XS: (_iq4_xs_scales, _iq4_xs_codes, _times_dl8, _IQ4_VALUES),
 }
 # Types stored as plain floats: a view and a cast.
-FLOAT_TYPES = {Q.F32: torch.float32, Q.F16: torch.float16, Q.BF16: torch.bfloat16}  # stored as plain floats
-QUANTIZED_TYPES = tuple(_KERNELS)
-TORCH_TYPES = (*FLOAT_TYPES, *QUANTIZED_TYPES)
+FLOAT_TYPES = {qtype: getattr(torch, BY_TYPE[qtype].float_dtype) for qtype in gguf_types.FLOAT_TYPES}
 
 
 def read_types() -> str:
     """The GGUF types the pack dequantizes itself, as the errors list them."""
-    return ", ".join(q.name for q in TORCH_TYPES)
+    return ", ".join(q.name for q in READ_TYPES)
 
 _warned: set[Q] = set()
 
@@ -341,7 +340,7 @@ def dequantize(
     if qtype not in _KERNELS:
         return out.copy_(_numpy_fallback(data, qtype, shape))
     blocks = data.view(-1, type_size)
-    if fused.gguf(qtype.name, blocks, out):
+    if compiled.gguf(qtype.name, blocks, out):
         return out
     scales, codes, apply, code_book = _KERNELS[qtype]
     book = None if code_book is None else _pair_book(code_book, data.device)

@@ -4,8 +4,8 @@ bit-identical with ggml's own reference quantizers.
 
 Each type's kernel does the reference's float32 operations in the same order (a division where it divides,
 truncation where it truncates, its own round-half-away-from-zero for Q8_0), so the blocks agree to the bit.
-Speed: on the CPU, numba's one-pass kernels (fused.py) quantize float32 or bfloat16 values block by block, reading
-each value once, on a bounded number of threads (dequant_steps.py). Where they cannot run (no numba, another
+Speed: on the CPU, numba's one-pass kernels (compiled.py) quantize float32 or bfloat16 values block by block, reading
+each value once, on a bounded number of threads (steps.py). Where they cannot run (no numba, another
 input dtype), the torch kernels here work on cache-sized chunks of rows, each op over a whole chunk of blocks.
 
 Values that are not finite, and values a float16 field cannot hold, are refused: the reference would write
@@ -18,22 +18,21 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 
 from ...errors import UnsupportedFormatError
-from . import fused
-from .dequant_steps import few_threads
-from .kquants import K_TYPES
+from . import compiled
+from .gguf_types import K_TYPES, WRITE_TYPES
 from .kquants import quantize as quantize_k
 from .quant_rows import (
     check_peak,
     rows_and_out,
 )
+from .steps import CHUNK_VALUES, few_threads
 
-# Rows are quantized a chunk at a time in float32 scratch buffers made once per call and reused by every chunk:
-# each op writes into a buffer that is already there, so no op pays for fresh memory (a new 4 MiB tensor per op
+# Rows are quantized a chunk at a time (steps.CHUNK_VALUES) in scratch buffers made once per call and reused by every
+# chunk: each op writes into a buffer that is already there, so no op pays for fresh memory (a new 4 MiB tensor per op
 # costs more in page faults than the arithmetic), and chunks stay cache-resident. Every step is chosen for the
 # fewest passes over a chunk: the blocks' maximum and minimum serve the checks and every scale, truncation is a
 # cast to an integer type (float to int8 and int16 are vectorised; float to uint8 is not, so codes go through
 # int8), and Q8_0's rounding is an identity of integers (below).
-CHUNK_VALUES = 1 << 18
 
 
 class _Scratch:
@@ -203,8 +202,6 @@ _KERNELS = {
     Q.Q4_1: _q4_1,
     Q.Q4_0: _q4_0,
 }
-LEGACY_TYPES = tuple(_KERNELS)  # gguf-py's quantizer is their reference
-WRITE_TYPES = (*LEGACY_TYPES, *K_TYPES)  # the K types are kquants.py's
 
 
 def write_types() -> str:
@@ -224,10 +221,10 @@ def quantize(values: torch.Tensor, qtype, *, out: torch.Tensor | None = None) ->
     block_size, type_size = GGML_QUANT_SIZES[qtype]
     rows, out = rows_and_out(values, qtype, out)
     columns = rows.shape[1]
-    if rows.is_contiguous() and fused.gguf_quantize(qtype.name, rows.view(-1, block_size), out.view(-1, type_size)):
+    if rows.is_contiguous() and compiled.gguf_quantize(qtype.name, rows.view(-1, block_size), out.view(-1, type_size)):
         return out
     kernel = _KERNELS[qtype]
-    step = max(1, CHUNK_VALUES // columns)
+    step = max(1, CHUNK_VALUES["cpu"] // columns)
     scratch = _Scratch(min(step, rows.shape[0]) * columns, block_size)
     with few_threads(torch.device("cpu")):
         for start in range(0, rows.shape[0], step):

@@ -6,10 +6,10 @@ bytes equal ggml's for any input: ggml's own nearest_int (the 12582912.f trick, 
 its own fp16 conversions, the byte truncations of its uint8 and int8 stores. The searches for each block's groups
 (make_qx_quants, make_q3_quants, make_qkx2_quants) run side by side, a group a lane of one scratch array, each lane
 C's operations in C's order, so that numba turns the loops over the lanes into vector instructions (no fast-math, no
-fused multiply-add: every rounding as C's). The code is plain Python over numpy
-float32 scalars that numba also compiles: kquants.py runs it compiled (compile_all() below, on a copy of this module),
-or as it is where numba cannot run (the same arithmetic, some thousand times slower). So it imports nothing of the
-pack and no numba."""
+fused multiply-add: every rounding as C's). The code is plain Python over numpy float32 scalars that numba also
+compiles: kquants.py runs it compiled (compiled.py calls compile_all() below, on a copy of this module), or as it is
+where numba cannot run (the same arithmetic, some thousand times slower). So it imports nothing of the pack and no
+numba."""
 
 from __future__ import annotations
 

@@ -2,10 +2,9 @@
 (quantize_row_q*_K_ref: what llama-quantize writes without an importance matrix), as gguf_quant.py is for the
 legacy types: float rows in, GGUF bytes [rows, row bytes] out.
 
-The quantizers are kquant_kernels.py, a line-by-line port of ggml's C: compiled by numba where it can run (loaded
-under a name of its own, as fused.py loads numba_kernels.py, so the cached machine code is found again whatever the
-pack's folder is called), else run as plain Python over numpy float32 scalars, which gives the same bytes some
-thousand times slower: work it would take more than a minute on is refused, saying to install numba.
+The quantizers are kquant_kernels.py, a line-by-line port of ggml's C: compiled by numba where it can run
+(compiled.py), else run as plain Python over numpy float32 scalars, which gives the same bytes some thousand times
+slower: work it would take more than a minute on is refused, saying to install numba.
 
 Values that are not finite, and values beyond float16's range, are refused as gguf_quant.py refuses them: far beyond
 it ggml's float32 sums overflow and it writes NaN scales or all-zero blocks, which load and then spoil every image.
@@ -13,11 +12,7 @@ A block whose fp16 scales still came out infinite or NaN is refused too."""
 
 from __future__ import annotations
 
-import functools
-import logging
 import math
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import numpy as np
 import torch
@@ -25,68 +20,20 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 
 from ...errors import UnsupportedFormatError
-from . import kquant_kernels
-from .dequant_steps import dequant_threads
-from .fused import load_by_digest
+from . import compiled, kquant_kernels
+from .gguf_types import BY_TYPE, K_TYPES
 from .quant_rows import NotQuantizable, check_peak, rows_and_out
+from .steps import CHUNK_VALUES
 
-log = logging.getLogger(__name__)
-
-# Type -> the byte offsets of its fp16 scale fields in a block (d, and dmin where it has one)
-SCALE_FIELDS = {Q.Q2_K: (80, 82), Q.Q3_K: (108,), Q.Q4_K: (0, 2), Q.Q5_K: (0, 2), Q.Q6_K: (208,)}
-K_TYPES = tuple(SCALE_FIELDS)
-# kquant_kernels' module name in sys.modules when compiled, followed by a digest of its source
-KERNELS_MODULE = "flux2dev_kquant_kernels_"
-# Rows are quantized a chunk at a time: converted to float32 (where they are not), checked, and spread over threads.
-CHUNK_VALUES = 1 << 18
 # The plain path's pace (30-40 ms a block measured), and the most time it may be given for one conversion or tensor
 PLAIN_SECONDS_PER_BLOCK = 0.035
 PLAIN_SECONDS = 60
 
 
-@functools.cache
-def _compiled():
-    """kquant_kernels compiled by numba (a copy of the module, its functions replaced by compiled ones), or None
-    (logged once) where numba cannot be imported."""
-    try:
-        from numba import njit
-
-        # the GIL released while a kernel runs; a float division by zero gives C's infinity or NaN (the searches
-        # divide where C's never reach), not an error
-        return load_by_digest(Path(kquant_kernels.__file__), KERNELS_MODULE,
-                              lambda module: module.compile_all(njit(nogil=True, error_model="numpy")))
-    except Exception as e:  # a missing numba, or one built for another numpy: the plain path gives the same bytes
-        log.warning("The compiled K-quant quantizers need numba (%s: %s); the far slower plain Python path is used.",
-                    type(e).__name__, e)
-        return None
-
-
-# Types whose compiled kernel failed to load or compile in this process: they take the plain path.
-_FAILED: set[Q] = set()
-
-
-def path(qtype) -> str:
-    """Which quantizer runs for `qtype` here: "numba" or "python"."""
-    return "numba" if Q(qtype) not in _FAILED and _compiled() is not None else "python"
-
-
-def _plain(kernel):
-    def run(blocks: np.ndarray, out: np.ndarray) -> None:
-        with np.errstate(all="ignore"):  # ggml's float32 arithmetic overflows on purpose (fp16 rounding, huge values)
-            kernel(blocks, out)
-
-    return run
-
-
-def _kernel(qtype: Q):
-    name = kquant_kernels.KERNELS[qtype.name]
-    module = _compiled() if qtype not in _FAILED else None
-    return getattr(module, name) if module is not None else _plain(getattr(kquant_kernels, name))
-
-
-@functools.cache
-def _pool(threads: int) -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(threads, thread_name_prefix="flux2dev-kquant")
+def _plain(qtype: Q, blocks: np.ndarray, out: np.ndarray) -> None:
+    """The plain Python port of `qtype`'s quantizer over every block, on this thread (it holds the GIL)."""
+    with np.errstate(all="ignore"):  # ggml's float32 arithmetic overflows on purpose (fp16 rounding, huge values)
+        getattr(kquant_kernels, kquant_kernels.KERNELS[qtype.name])(blocks, out)
 
 
 # Longer times as a person reads them: (seconds in the unit, its name), the largest first
@@ -96,41 +43,24 @@ _UNITS = ((86400, "days"), (3600, "hours"), (60, "minutes"), (1, "seconds"))
 def check_pace(tensors) -> None:
     """Refuses, before anything is quantized, work that the plain path would take more than PLAIN_SECONDS on:
     `tensors` are (GGUF type, shape) pairs, those of the K types counted where their compiled quantizer cannot run."""
-    slow = [(Q(qtype), math.prod(shape)) for qtype, shape in tensors if Q(qtype) in SCALE_FIELDS]
-    blocks = sum(values // GGML_QUANT_SIZES[qtype][0] for qtype, values in slow if path(qtype) == "python")
+    slow = [(Q(qtype), math.prod(shape)) for qtype, shape in tensors if Q(qtype) in K_TYPES]
+    blocks = sum(values // GGML_QUANT_SIZES[qtype][0] for qtype, values in slow
+                 if compiled.kquant_path(qtype.name) == "python")
     seconds = blocks * PLAIN_SECONDS_PER_BLOCK
     if seconds <= PLAIN_SECONDS:
         return
     unit, name = next((unit, name) for unit, name in _UNITS if seconds >= unit)
-    why = "numba cannot be imported" if _compiled() is None else "numba failed to compile them"
+    why = "numba cannot be imported" if compiled.kernel_module("kquant_kernels") is None else \
+        "numba failed to compile them"
     raise UnsupportedFormatError(
         f"The compiled K-quant quantizers cannot run here ({why}; the log says why), and their plain Python port "
         f"would take about {seconds / unit:.0f} {name} for these {blocks} blocks. Install numba into the Python that "
         "runs the pack (pip install numba) and run it again.")
 
 
-def _run(qtype: Q, blocks: np.ndarray, out: np.ndarray, threads: int) -> None:
-    """Every block quantized into out, on up to `threads` threads; the compiled kernel, or where it fails to compile
-    (logged once), the plain one, where it keeps pace (check_pace)."""
-    n = blocks.shape[0]
-    step = max(1, -(-n // threads))
-    kernel = _kernel(qtype)
-    try:
-        for done in [_pool(threads).submit(kernel, blocks[k : k + step], out[k : k + step]) for k in range(0, n, step)]:
-            done.result()
-    except Exception as e:
-        if path(qtype) == "python":
-            raise
-        _FAILED.add(qtype)
-        log.warning("The compiled %s quantizer could not be compiled (%s: %s); the plain Python path is used for "
-                    "it.", qtype.name, type(e).__name__, e)
-        check_pace([(qtype, blocks.shape)])
-        _kernel(qtype)(blocks, out)
-
-
 def _check_scales(qtype: Q, out: np.ndarray) -> None:
     """Refuses blocks whose fp16 scale fields are infinite or NaN (exponent bits all set)."""
-    for at in SCALE_FIELDS[qtype]:
+    for at in BY_TYPE[qtype].scale_fields:
         if ((out[:, at + 1] & 0x7C) == 0x7C).any():
             raise NotQuantizable(f"its {qtype.name} scales are beyond float16's range (values too large)")
 
@@ -143,18 +73,20 @@ def quantize(values: torch.Tensor, qtype, *, out: torch.Tensor | None = None,
     NotQuantizable for values the type cannot hold (not finite, or beyond float16), ValueError for rows that do
     not hold whole blocks, and UnsupportedFormatError for work the plain path cannot keep pace with (check_pace)."""
     qtype = Q(qtype)
-    if qtype not in SCALE_FIELDS:
+    if qtype not in K_TYPES:
         raise UnsupportedFormatError(f"The K-quant quantizer writes {', '.join(q.name for q in K_TYPES)}, "
                                      f"not {qtype.name}.")
     block_size, type_size = GGML_QUANT_SIZES[qtype]
     rows, out = rows_and_out(values, qtype, out)
     check_pace([(qtype, rows.shape)])
     columns = rows.shape[1]
-    step = max(1, CHUNK_VALUES // columns)
+    step = max(1, CHUNK_VALUES["cpu"] // columns)  # a chunk converted to float32, checked, then spread over threads
     for start in range(0, rows.shape[0], step):
         chunk = rows[start : start + step].to(torch.float32).contiguous()
         check_peak(max(chunk.amax().item(), -chunk.amin().item()), limited=True)
-        target = out[start : start + step].numpy().reshape(-1, type_size)
-        _run(qtype, chunk.numpy().reshape(-1, block_size), target, threads or dequant_threads())
+        blocks, target = chunk.numpy().reshape(-1, block_size), out[start : start + step].numpy().reshape(-1, type_size)
+        if not compiled.kquantize(qtype.name, blocks, target, threads):
+            check_pace([(qtype, rows[start:].shape)])  # where the compiled kernel has just failed to compile
+            _plain(qtype, blocks, target)
         _check_scales(qtype, target)
     return out

@@ -1,6 +1,6 @@
 """One-pass kernels, compiled by numba on first use (no compiler needed on the user's machine) and cached on disk
 (kernel_cache.py). Dequantization: each packed byte is read once and each value written once, in the output dtype,
-straight into the destination; the torch path (gguf_dequant.py, quant.py) does the same float32 operations in
+straight into the destination; the torch path (gguf_dequant.py, packed_dequant.py) does the same float32 operations in
 several passes over memory: unpack, widen, scale, cast. GGUF quantization (the last GGUF section): each value read
 once, each block written once, where the torch path (gguf_quant.py) makes a pass per op.
 
@@ -8,10 +8,10 @@ Every kernel mirrors gguf's numpy reference (gguf.quants) operation by operation
 multiply-add: numba compiles without fast-math flags, so LLVM keeps each rounding), then converts to the
 output dtype with round-to-nearest-even, as torch's cast does. Outputs are passed as float32 arrays, as
 uint16 arrays (fp16 bits) or as int16 arrays (bfloat16 bits): the array type picks the conversion when the
-kernel is compiled. Only fused.py loads this module, under a name of its own (the cached code records it), and only
+kernel is compiled. Only compiled.py loads this module, under a name of its own (the cached code records it), and only
 when a CPU dequantization or quantization asks for it; so it imports nothing of the pack.
 
-The kernels trust their inputs: numba does not check indexes, so fused.py checks every size first.
+The kernels trust their inputs: numba does not check indexes, so compiled.py checks every size first.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from numba.extending import intrinsic, overload
 
 _U32 = np.uint32
 _F32 = np.float32
-# The kernels called from Python: fused.py keeps their machine code on disk (kernel_cache.py), compiled once per
+# The kernels called from Python: compiled.py keeps their machine code on disk (kernel_cache.py), compiled once per
 # machine.
 CACHED = []
 
@@ -133,7 +133,7 @@ def _put_typed(out, i, v):
 @_kernel
 def convert(values, out):
     """float32 values into `out` (one of the output array types): the conversion, checked once per process
-    against torch's cast (fused.py)."""
+    against torch's cast (compiled.py)."""
     for i in range(values.shape[0]):
         _put(out, i, values[i])
 
@@ -404,12 +404,12 @@ GGUF = {
 # fifth bits as one comparison's mask), where numba's loops over 16 or 32 values were vectorized or not at
 # LLVM's whim and their integer work widened to 64 bits. The float32 operations are the scalar ones, lane by
 # lane (no fast-math, so every rounding stays where the reference has it). bfloat16 blocks are widened to
-# float32 (widen_bf16) a run at a time before they are quantized (fused.py). F16 and BF16 (blocks of one
+# float32 (widen_bf16) a run at a time before they are quantized (compiled.py). F16 and BF16 (blocks of one
 # value) are one loop of casts that LLVM vectorizes itself.
 
 # float32 -> fp16 bits, round to nearest even: the CPU's instruction where it has one (see _put)
 _to_fp16 = _fp16_by_cpu if HARDWARE_FP16 else _fp16_by_ops
-_BLOCK = 32  # values per block of the block types (fused.py checks that each row is one block)
+_BLOCK = 32  # values per block of the block types (compiled.py checks that each row is one block)
 _F16_MAX_BITS = _U32(0x477FE000)  # 65504, float16's largest finite value
 _FINITE_BITS = _U32(0x7F7FFFFF)  # float32's largest finite value
 _I32, _I8 = ir.IntType(32), ir.IntType(8)

@@ -1,7 +1,7 @@
 """What a stored tensor is, from headers alone and without torch: the packed weight formats of encoder and
 transformer checkpoints in one table (FORMATS), how each is detected, the shape it is stored in, the companions
 it needs (the tensors stored beside the weight, in every spelling met in the wild) and the word the pack reports
-for it. Their exact dequantization is quant.py's.
+for it. Their exact dequantization is packed_dequant.py's.
 
 - Scaled fp8: float8 weight [out, in] times a float32 scale, per tensor (one value) or per output
   channel ([out] or [out, 1]).

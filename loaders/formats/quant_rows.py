@@ -10,7 +10,7 @@ import torch
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 
-from .dequant_steps import output
+from .steps import output
 
 _F16_MAX = 65504.0
 _F32_MAX = float(np.finfo(np.float32).max)

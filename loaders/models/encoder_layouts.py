@@ -144,7 +144,7 @@ class Source:
     files: tuple[str, ...]  # the weight files the tensors are read from
     architecture: str | None = None  # GGUF only
     # The state-dict entries (host name -> tensor) of a stored tensor: the tensor as read, or for GGUF the
-    # tensor and its packing companion (quant.from_gguf).
+    # tensor and its packing companion (packed_dequant.from_gguf).
     entries_of: Callable[[str, str], dict[str, torch.Tensor]] | None = None
 
     def state_entries(self, host: str, stored: str) -> dict[str, torch.Tensor]:
@@ -202,7 +202,7 @@ def _gguf_source(ck: Checkpoint) -> Source:
     entries = {name: (packing.gguf_label(t.qtype), tuple(t.shape)) for name, t in gguf.tensors.items()}
 
     def entries_of(host: str, name: str) -> dict[str, torch.Tensor]:
-        from ..formats.quant import from_gguf  # torch, imported where a tensor is made
+        from ..formats.packed_dequant import from_gguf  # torch, imported where a tensor is made
 
         return from_gguf(host, gguf.tensors[name])
 

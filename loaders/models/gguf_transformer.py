@@ -2,9 +2,9 @@
 "flux", "pig" or none), read once over a memory map and left packed.
 
 Quantized weights stay as their raw GGUF blocks (zero-copy uint8 views of the file) with their GGUF type
-beside them as "<layer>.weight_gguf_type" (loaders.quant.from_gguf, shared with the encoder loader), to be
-dequantized per layer at forward time by the host's packed ops; float tensors are views of the file as
-they are. The variant comes from the tensor shapes, as for safetensors files.
+beside them as "<layer>.weight_gguf_type" (loaders.formats.packed_dequant.from_gguf, shared with the encoder
+loader), to be dequantized per layer at forward time by the host's packed ops; float tensors are views of the
+file as they are. The variant comes from the tensor shapes, as for safetensors files.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 from ..formats import progress
 from ..formats.gguf_file import open_gguf
+from ..formats.packed_dequant import from_gguf
 from ..formats.packing import gguf_label
-from ..formats.quant import from_gguf
 from .transformer import LoadedTransformer
 from .transformer_layout import BFL, identify_gguf_transformer
 

@@ -129,7 +129,7 @@ def presets(tiny_root, tmp_path_factory) -> dict[tuple[str, str], str]:
 def test_each_preset_tensor_is_ggmls_quantization_of_the_dense_weight(dense, presets, ggml):
     """The per-tensor types are PRESETS' table; K-type tensors hold ggml's reference bytes of the dense weights, the
     others gguf-py's; the metadata is the preset's."""
-    from comfyui_flux2dev.loaders.formats.kquants import K_TYPES
+    from comfyui_flux2dev.loaders.formats.gguf_types import K_TYPES
     from comfyui_flux2dev.loaders.models.gguf_transformer import load_gguf_transformer
 
     for (name, preset), path in presets.items():

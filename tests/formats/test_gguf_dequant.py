@@ -13,8 +13,9 @@ from gguf import GGMLQuantizationType as Q
 
 from comfyui_flux2dev.devtools.tiny.gguf_blocks import random_blocks
 from comfyui_flux2dev.errors import CorruptFileError, UnsupportedFormatError
-from comfyui_flux2dev.loaders.formats import dequant_steps, gguf_dequant
-from comfyui_flux2dev.loaders.formats.gguf_dequant import TORCH_TYPES, dequantize
+from comfyui_flux2dev.loaders.formats import gguf_dequant, steps
+from comfyui_flux2dev.loaders.formats.gguf_dequant import dequantize
+from comfyui_flux2dev.loaders.formats.gguf_types import READ_TYPES
 from helpers import GGUF_FLOAT_TYPES, GGUF_QUANTIZED_TYPES
 
 # Types gguf-py can quantize: their test data is real quantizer output rather than random blocks.
@@ -52,7 +53,7 @@ def _assert_bits_equal(got: torch.Tensor, want: np.ndarray) -> None:
 def test_the_kernel_table_holds_the_listed_types_and_no_others():
     """The types the pack's kernels dequantize are the ones it lists (docs/dequantization.md, helpers.py), each one gguf
     knows: a kernel added must be listed, and one dropped fails the tests below."""
-    assert [q.name for q in TORCH_TYPES] == [*GGUF_FLOAT_TYPES, *GGUF_QUANTIZED_TYPES]
+    assert [q.name for q in READ_TYPES] == [*GGUF_FLOAT_TYPES, *GGUF_QUANTIZED_TYPES]
     assert all(n in Q.__members__ for n in GGUF_FLOAT_TYPES + GGUF_QUANTIZED_TYPES)
 
 
@@ -74,7 +75,7 @@ def test_exact_against_gguf_numpy(qtype, shape, device):
 def test_chunk_boundaries(qtype, monkeypatch, device):
     """Tensors spanning many chunks, the last one partial, give the same values as one pass."""
     block_size = gguf.GGML_QUANT_SIZES[qtype][0]
-    monkeypatch.setitem(dequant_steps.CHUNK_VALUES, device.type, 3 * block_size)
+    monkeypatch.setitem(steps.CHUNK_VALUES, device.type, 3 * block_size)
     shape = (10, 2 * 256)
     raw = _quantized(qtype, shape, seed=7)
     got = dequantize(torch.from_numpy(raw).to(device), qtype, shape, dtype=torch.float32)

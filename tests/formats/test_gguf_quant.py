@@ -12,8 +12,9 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from comfyui_flux2dev.errors import UnsupportedFormatError
-from comfyui_flux2dev.loaders.formats import fused, gguf_quant, quant_rows
-from comfyui_flux2dev.loaders.formats.gguf_quant import LEGACY_TYPES, WRITE_TYPES, quantize
+from comfyui_flux2dev.loaders.formats import compiled, quant_rows, steps
+from comfyui_flux2dev.loaders.formats.gguf_quant import quantize
+from comfyui_flux2dev.loaders.formats.gguf_types import LEGACY_TYPES, WRITE_TYPES
 from comfyui_flux2dev.loaders.formats.quant_rows import NotQuantizable
 from helpers import numba_unavailable
 
@@ -32,17 +33,17 @@ def test_the_one_pass_kernels_run_for_float32_and_bfloat16_values(quantizer_path
     block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
     out = torch.empty(4, type_size, dtype=torch.uint8)
     for dtype in (torch.float32, torch.bfloat16):
-        assert fused.gguf_quantize(qtype.name, torch.ones(4, block_size, dtype=dtype), out) \
+        assert compiled.gguf_quantize(qtype.name, torch.ones(4, block_size, dtype=dtype), out) \
             == (quantizer_path == "numba")
-    assert not fused.gguf_quantize(qtype.name, torch.ones(4, block_size, dtype=torch.float16), out)
+    assert not compiled.gguf_quantize(qtype.name, torch.ones(4, block_size, dtype=torch.float16), out)
 
 def test_a_kernel_whose_conversion_is_unlike_torch_leaves_its_type_to_the_torch_path(quantizer_path, monkeypatch):
     """BF16 writes with the kernels' bfloat16 cast, the others with their fp16 cast: where one disagrees with
-    torch's on this machine (fused._converts, here made to), the types that need it take the torch path."""
-    monkeypatch.setattr(fused, "_converts", lambda dtype: dtype != torch.bfloat16)
+    torch's on this machine (compiled._converts, here made to), the types that need it take the torch path."""
+    monkeypatch.setattr(compiled, "_converts", lambda dtype: dtype != torch.bfloat16)
     values = torch.randn(4, 64)
-    assert not fused.gguf_quantize("BF16", values.view(-1, 1), torch.empty(256, 2, dtype=torch.uint8))
-    assert fused.gguf_quantize("F16", values.view(-1, 1), torch.empty(256, 2, dtype=torch.uint8)) \
+    assert not compiled.gguf_quantize("BF16", values.view(-1, 1), torch.empty(256, 2, dtype=torch.uint8))
+    assert compiled.gguf_quantize("F16", values.view(-1, 1), torch.empty(256, 2, dtype=torch.uint8)) \
         == (quantizer_path == "numba")
     want = gguf.quants.quantize(values.numpy(), Q.BF16).view(np.uint8)
     assert np.array_equal(quantize(values, Q.BF16).numpy(), want.reshape(4, 128))
@@ -99,16 +100,17 @@ def quantization_cases(qtype):
     yield "bf16-valued", torch.from_numpy(rng.standard_normal((257, 96)).astype(np.float32)).bfloat16().float().numpy()
     yield "edges", _edge_blocks(qtype)
     # every side of float16's and bfloat16's rounding ties and range limits (subnormals too), as far as they fit
-    edges = fused._edge_values()
+    edges = compiled._edge_values()
     edges = edges[np.isfinite(edges) & (np.abs(edges) <= 65504)]
     yield "conversion-edges", np.resize(edges, (-(-edges.size // 32), 32))
-    yield "many-chunks", rng.standard_normal((gguf_quant.CHUNK_VALUES // 512 * 3 + 7, 512)).astype(np.float32)
+    yield "many-chunks", rng.standard_normal((steps.CHUNK_VALUES["cpu"] // 512 * 3 + 7, 512)).astype(np.float32)
 
 
 @pytest.mark.parametrize("qtype", LEGACY_TYPES, ids=lambda q: q.name)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_bytes_equal_the_reference(qtype, dtype):
+def test_bytes_equal_the_reference(qtype, dtype, monkeypatch):
     """float32 values, and the same values rounded to bfloat16 (what most sources hold), read as they are."""
+    monkeypatch.setitem(steps.CHUNK_VALUES, "cpu", 1 << 18)  # many-chunks: three chunks and a part, in a test's time
     for name, values in quantization_cases(qtype):
         if dtype == torch.bfloat16:  # 65504 rounds up to 65536: the largest bfloat16 float16 holds is 65280
             values = np.clip(values, -65280, 65280)
@@ -191,7 +193,7 @@ def test_runs_of_blocks_on_several_threads_and_a_bad_value_in_the_last_block(qty
     a run at a time: the same bytes as gguf-py across runs, and a value that does not fit found in the last block."""
     values = torch.randn(37, 32 * 300, generator=torch.Generator().manual_seed(3)).to(dtype)
     want = gguf.quants.quantize(values.float().numpy(), qtype).view(np.uint8).reshape(37, -1)
-    monkeypatch.setattr(fused, "dequant_threads", lambda: 3)
+    monkeypatch.setattr(compiled, "cpu_threads", lambda: 3)
     assert np.array_equal(quantize(values, qtype).numpy(), want)
     values[-1, -1] = float("inf")
     with pytest.raises(NotQuantizable, match="NaN or infinite"):

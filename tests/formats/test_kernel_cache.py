@@ -39,7 +39,7 @@ import gguf, numpy as np, torch
 from gguf import GGMLQuantizationType as Q
 logging.basicConfig(level=logging.WARNING)
 formats = name + ".loaders.formats."
-fused, kquants = importlib.import_module(formats + "fused"), importlib.import_module(formats + "kquants")
+compiled, kquants = importlib.import_module(formats + "compiled"), importlib.import_module(formats + "kquants")
 dequantize = importlib.import_module(formats + "gguf_dequant").dequantize
 plain = importlib.import_module(formats + "kquant_kernels")
 
@@ -58,10 +58,10 @@ while len(seconds) < 50 and sum(seconds) < 0.25:  # the best of many runs (one, 
     kquants.quantize(torch.from_numpy(values), Q.Q6_K, threads=1)
     seconds.append(time.perf_counter() - start)
 
-used = {"Q8_0": fused._kernels().GGUF["Q8_0"], "Q6_K": kquants._compiled().q6_k}
+used = {"Q8_0": compiled._kernels().GGUF["Q8_0"], "Q6_K": compiled.kernel_module("kquant_kernels").q6_k}
 folders = {kernel.stats.cache_path for kernel in used.values()}
-print(json.dumps({"failed": sorted(fused._FAILED) + sorted(q.name for q in kquants._FAILED),
-                  "paths": [fused.path("cpu", torch.float32), kquants.path(Q.Q6_K)],
+print(json.dumps({"failed": sorted(compiled._FAILED),
+                  "paths": [compiled.path("cpu", torch.float32), compiled.kquant_path("Q6_K")],
                   "cache": {k: [sum(v.stats.cache_hits.values()), sum(v.stats.cache_misses.values())]
                             for k, v in used.items()},
                   "files": sorted(f for d in folders if os.path.isdir(d) for f in os.listdir(d)),

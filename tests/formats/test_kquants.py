@@ -6,7 +6,6 @@ Every test runs on both paths: numba's compiled kernels and the plain Python tha
 from __future__ import annotations
 
 import io
-import sys
 
 import gguf
 import numpy as np
@@ -16,10 +15,11 @@ from gguf import GGMLQuantizationType as Q
 
 from comfyui_flux2dev.errors import UnsupportedFormatError
 from comfyui_flux2dev.loaders.convert.tensor_files import gguf_file
-from comfyui_flux2dev.loaders.formats import kquants
-from comfyui_flux2dev.loaders.formats.kquants import K_TYPES, quantize
+from comfyui_flux2dev.loaders.formats import compiled, kquants, steps
+from comfyui_flux2dev.loaders.formats.gguf_types import BY_TYPE, K_TYPES
+from comfyui_flux2dev.loaders.formats.kquants import quantize
 from comfyui_flux2dev.loaders.formats.quant_rows import NotQuantizable, quantized_nbytes
-from helpers import time_bound
+from helpers import numba_unavailable, time_bound
 
 
 @pytest.fixture(params=["numba", "python"])
@@ -27,15 +27,8 @@ def quantizer_path(request):
     if request.param == "numba":
         yield request.param
         return
-    with pytest.MonkeyPatch.context() as m:  # numba impossible to import, as on a machine without it
-        m.setitem(sys.modules, "numba", None)
-        for name in [name for name in sys.modules if name.startswith(kquants.KERNELS_MODULE)]:
-            m.delitem(sys.modules, name)
-        kquants._compiled.cache_clear()
-        try:
-            yield request.param
-        finally:
-            kquants._compiled.cache_clear()
+    with numba_unavailable():
+        yield request.param
 
 
 def _blocks(*rows) -> np.ndarray:
@@ -101,7 +94,7 @@ def test_bytes_equal_ggml(ggml, quantizer_path, qtype):
         bad = np.flatnonzero((got != want).any(axis=1))
         first = bad[0] if bad.size else None
         assert bad.size == 0, f"{name}: {bad.size} rows differ, first {first}: {got[first][:24]} != {want[first][:24]}"
-    assert kquants.path(qtype) == quantizer_path
+    assert compiled.kquant_path(qtype.name) == quantizer_path
 
 
 @pytest.mark.parametrize("qtype", K_TYPES, ids=lambda q: q.name)
@@ -110,6 +103,16 @@ def test_bfloat16_values_are_quantized_as_their_float32_values(ggml, qtype):
     out = torch.full((3, 2 * gguf.GGML_QUANT_SIZES[qtype][1]), 7, dtype=torch.uint8)
     assert quantize(values, qtype, out=out) is out
     assert np.array_equal(out.numpy(), ggml(qtype, values.float().numpy()))
+
+
+@pytest.mark.parametrize("qtype", K_TYPES, ids=lambda q: q.name)
+def test_chunks_and_threads_change_no_byte(qtype, monkeypatch):
+    """Rows are quantized a chunk at a time (steps.CHUNK_VALUES), each chunk in runs of blocks on several threads:
+    chunks of three rows on three threads, and every row in one chunk on one thread, give the same bytes."""
+    values = torch.randn(7, 512, generator=torch.Generator().manual_seed(6)).bfloat16()
+    whole = quantize(values, qtype, threads=1)
+    monkeypatch.setitem(steps.CHUNK_VALUES, "cpu", 3 * 512)
+    assert torch.equal(quantize(values, qtype, threads=3), whole)
 
 
 @pytest.mark.parametrize("qtype", K_TYPES, ids=lambda q: q.name)
@@ -143,7 +146,7 @@ def test_values_beyond_float16_are_refused(qtype):
 @pytest.mark.parametrize("qtype", K_TYPES, ids=lambda q: q.name)
 @pytest.mark.parametrize("field", [0x7C00, 0xFE00], ids=["inf", "nan"])
 def test_blocks_with_scales_float16_cannot_hold_are_refused(qtype, field):
-    for at in kquants.SCALE_FIELDS[qtype]:
+    for at in BY_TYPE[qtype].scale_fields:
         blocks = np.zeros((3, gguf.GGML_QUANT_SIZES[qtype][1]), np.uint8)
         kquants._check_scales(qtype, blocks)
         blocks[2, at : at + 2] = np.array([field], "<u2").view(np.uint8)

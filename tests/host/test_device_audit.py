@@ -17,7 +17,7 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 
 from comfyui_flux2dev.devtools.tiny.gguf_blocks import random_blocks
-from comfyui_flux2dev.loaders.formats import packing, quant
+from comfyui_flux2dev.loaders.formats import packed_dequant, packing
 from comfyui_flux2dev.loaders.formats.gguf_dequant import FLOAT_TYPES
 from helpers import GGUF_FLOAT_TYPES, GGUF_QUANTIZED_TYPES
 
@@ -62,16 +62,16 @@ WEIGHTS = {
 
 def _dequantize(entries: dict, shape, dtype=torch.bfloat16, out=None) -> torch.Tensor:
     companions = {k: v for k, v in entries.items() if k != "weight"}
-    return quant.dequantize(entries["weight"], companions, dtype, shape, out=out)
+    return packed_dequant.dequantize(entries["weight"], companions, dtype, shape, out=out)
 
 
 def _forget_what_was_made() -> None:
     """Drop what the dequantizers keep between calls (code books, index orders: their functools caches) and the
     CPU scratch buffer, so that the run under test makes them anew."""
     from comfyui_flux2dev.host import ops
-    from comfyui_flux2dev.loaders.formats import dequant_steps, gguf_dequant
+    from comfyui_flux2dev.loaders.formats import gguf_dequant, steps
 
-    for module in (quant, gguf_dequant, dequant_steps):
+    for module in (packed_dequant, gguf_dequant, steps):
         for value in vars(module).values():
             if callable(getattr(value, "cache_clear", None)):
                 value.cache_clear()

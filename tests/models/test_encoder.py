@@ -182,13 +182,13 @@ def test_nvfp4_dequant_is_exact_against_comfy_kitchen(device):
     from comfy_kitchen.backends.eager.quantization import dequantize_nvfp4
     from comfy_kitchen.float_utils import to_blocked
 
-    from comfyui_flux2dev.loaders.formats import quant
+    from comfyui_flux2dev.loaders.formats import packed_dequant
 
     w = torch.randn(200, 96, generator=torch.Generator().manual_seed(1))
     packed, scales, scale2 = tiny.quantize_nvfp4(w)
-    plain = quant.unswizzle_block_scales(scales, 200, 6)
+    plain = packed_dequant.unswizzle_block_scales(scales, 200, 6)
     assert torch.equal(to_blocked(plain, flatten=False).view(torch.uint8), scales.view(torch.uint8))
-    ours = quant.dequantize_nvfp4(packed.to(device), scales.to(device), scale2.to(device), torch.float32)
+    ours = packed_dequant.dequantize_nvfp4(packed.to(device), scales.to(device), scale2.to(device), torch.float32)
     theirs = dequantize_nvfp4(packed, scale2, scales, output_type=torch.float32)  # comfy_kitchen's, on the CPU
     assert ours.device.type == device.type
     ours = ours.cpu()
@@ -231,14 +231,14 @@ INTERLEAVED = {"native": 0.0, "mistral3-q4_k.gguf": 1e-3, "llama-q8_0.gguf": 2e-
 
 @pytest.mark.parametrize("name", sorted(INTERLEAVED))
 def test_native_and_gguf_rows_are_unpermuted(encoders, name):
-    from comfyui_flux2dev.loaders.formats import packing, quant
+    from comfyui_flux2dev.loaders.formats import packed_dequant, packing
 
     loaded = enc.load_encoder(os.path.join(encoders, name)).state_dict
     for k in ("model.layers.3.self_attn.q_proj.weight", "model.layers.3.self_attn.k_proj.weight"):
         stem = k[: -len("weight")]
         companions = {c: loaded[stem + c] for c in packing.COMPANIONS if stem + c in loaded}
         want = tiny.base_model()[k].float()
-        got = quant.dequantize(loaded[k], companions, torch.float32, want.shape)
+        got = packed_dequant.dequantize(loaded[k], companions, torch.float32, want.shape)
         assert (got - want).abs().max() <= INTERLEAVED[name] * want.abs().max(), k
 
 

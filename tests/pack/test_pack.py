@@ -146,8 +146,8 @@ def test_the_readme_names_each_node_and_model_file_as_the_pack_has_them():
 
 def test_the_docs_list_the_gguf_types_the_pack_reads():
     """docs/dequantization.md names the GGUF types as the dequantizer's table has them."""
-    from comfyui_flux2dev.loaders.formats.gguf_dequant import TORCH_TYPES
+    from comfyui_flux2dev.loaders.formats.gguf_types import READ_TYPES
 
     page = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "dequantization.md").read_text(encoding="utf-8")
     listed = re.search(r"GGUF\s+types ((?:\w+, )+\w+ and \w+),", page).group(1)
-    assert re.split(r", | and ", listed) == [qtype.name for qtype in TORCH_TYPES]
+    assert re.split(r", | and ", listed) == [qtype.name for qtype in READ_TYPES]

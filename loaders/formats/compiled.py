@@ -1,9 +1,12 @@
-"""The one-pass CPU dequantizers and GGUF quantizers (numba_kernels.py) behind the torch ones: each call says
-whether it ran, and where it could not (numba missing or unusable, a GPU tensor, another dtype), the caller runs
-its torch path, which gives the same bits.
+"""The pack's compiled CPU kernels, in one place: numba_kernels.py (the one-pass dequantizers of GGUF, fp8 and NVFP4,
+and the legacy GGUF quantizers) and kquant_kernels.py (ggml's K-quant quantizers). Each call says whether its kernel
+ran; where it could not (numba missing or unusable, a kernel that failed to compile, a GPU tensor, another dtype), the
+caller runs its reference path (torch, or the K quantizers' plain Python), which gives the same bits.
 
-numba is imported on the first CPU dequantization or quantization, not with the pack. A kernel that cannot be
-compiled leaves its type to the torch path, with one log line, and never fails a load. Its
+A kernel source is loaded on the first CPU call that needs it, not with the pack, under a name holding a digest of
+its source (load_by_digest), its machine code kept on disk (kernel_cache.py). A source that cannot be loaded leaves
+its kernels to the reference path, and a kernel that cannot be compiled leaves its type there: each with one log
+line, never a failed load. The kernels run in runs of rows on one thread pool (_by_rows). The one-pass kernels'
 conversions to fp16 and bfloat16 are checked once per process against torch's own cast on the values where
 conversions differ (halfway cases, subnormals, overflow, infinities): a machine where they disagree keeps the
 torch path for that dtype, with a warning. NaN payloads are not compared: torch's own CPU cast gives different
@@ -24,26 +27,26 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from .dequant_steps import dequant_threads
+from .steps import cpu_threads
 
 log = logging.getLogger(__name__)
 
 # Output dtype -> how its bits are handed to the kernels (numba has no fp16 or bfloat16 arrays).
 _VIEWS = {torch.float32: torch.float32, torch.float16: torch.uint16, torch.bfloat16: torch.int16}
-# numba_kernels' module name in sys.modules, followed by a digest of its source
-KERNELS_MODULE = "flux2dev_numba_kernels_"
+# A kernel module's name in sys.modules: this, its source's stem and a digest of its source
+MODULE_PREFIX = "flux2dev_"
 
 
-def load_by_digest(source: Path, prefix: str, kernels):
-    """The module at `source` (which imports nothing of the pack), in sys.modules under `prefix` and a digest of its
-    source, executed once per process; kernels(module) returns the numba dispatchers whose machine code is kept on
-    disk (kernel_cache.py), compiling them first where the module leaves that to its loader.
+def load_by_digest(source: Path, kernels):
+    """The module at `source` (which imports nothing of the pack), in sys.modules under MODULE_PREFIX, its stem and a
+    digest of its source, executed once per process; kernels(module) returns the numba dispatchers whose machine code
+    is kept on disk (kernel_cache.py), compiling them first where the module leaves that to its loader.
 
     numba's cached machine code records the name of the module it was compiled in and imports that name again
     when a later process loads it, while ComfyUI names a custom node's modules by the folder's path and the
     command line names them comfyui_flux2dev. Under this name the cache serves every process, whatever the pack's
     folder is called or wherever it has moved."""
-    name = prefix + hashlib.sha256(source.read_bytes()).hexdigest()[:16]
+    name = f"{MODULE_PREFIX}{source.stem}_{hashlib.sha256(source.read_bytes()).hexdigest()[:16]}"
     if name not in sys.modules:
         spec = importlib.util.spec_from_file_location(name, source)
         module = importlib.util.module_from_spec(spec)
@@ -59,16 +62,38 @@ def load_by_digest(source: Path, prefix: str, kernels):
     return sys.modules[name]
 
 
+def _compile_kquants(module) -> list:
+    from numba import njit
+
+    # the GIL released while a kernel runs; a float division by zero gives C's infinity or NaN (the searches divide
+    # where C's never reach), not an error
+    return module.compile_all(njit(nogil=True, error_model="numpy"))
+
+
+# Kernel source -> (what its kernels are and the path that stands in for them, as the log names them; its numba
+# dispatchers, compiled where the source leaves that to its loader)
+_SOURCES = {
+    "numba_kernels": ("The one-pass CPU dequantizers and GGUF quantizers", "slower torch path",
+                      lambda module: module.CACHED),
+    "kquant_kernels": ("The compiled K-quant quantizers", "far slower plain Python path", _compile_kquants),
+}
+
+
 @functools.cache
-def _kernels():
-    """numba_kernels, or None (with the reason logged once) where numba cannot be imported."""
+def kernel_module(stem: str):
+    """The kernel source `stem` (of _SOURCES) loaded, or None (with the reason logged once) where numba cannot be
+    imported."""
+    what, fallback, dispatchers = _SOURCES[stem]
     try:
-        return load_by_digest(Path(__file__).with_name("numba_kernels.py"), KERNELS_MODULE,
-                              lambda module: module.CACHED)
-    except Exception as e:  # a missing numba, or one built for another numpy: any failure means the torch path
-        log.warning("The one-pass CPU dequantizers need numba (%s: %s); the slower torch path is used.",
-                    type(e).__name__, e)
+        return load_by_digest(Path(__file__).with_name(stem + ".py"), dispatchers)
+    except Exception as e:  # a missing numba, or one built for another numpy: the reference path gives the same bits
+        log.warning("%s need numba (%s: %s); the %s is used.", what, type(e).__name__, e, fallback)
         return None
+
+
+def _kernels():
+    """numba_kernels loaded, or None."""
+    return kernel_module("numba_kernels")
 
 
 def _edge_values() -> np.ndarray:
@@ -116,14 +141,15 @@ def _runs(device: torch.device, dtype: torch.dtype) -> bool:
 
 @functools.cache
 def _pool(threads: int) -> ThreadPoolExecutor:
-    return ThreadPoolExecutor(threads, thread_name_prefix="flux2dev-dequant")
+    """The kernels' pool of `threads` threads: in practice one pool, as every caller runs on cpu_threads() threads
+    or on its own thread alone."""
+    return ThreadPoolExecutor(threads, thread_name_prefix="flux2dev-kernels")
 
 
-def _by_rows(rows: int, run) -> None:
-    """run(first, stop) over all rows: at once on one thread, or on half the cores in runs of rows (four per
+def _by_rows(rows: int, run, threads: int) -> None:
+    """run(first, stop) over all rows: at once on one thread, or on `threads` threads in runs of rows (four per
     thread) that each thread takes as it comes free, so that a thread the scheduler parks holds up little.
     The kernels release the GIL. Every run has ended when this returns or raises."""
-    threads = dequant_threads()
     if threads == 1 or rows < 2 * threads:
         run(0, rows)
         return
@@ -134,21 +160,23 @@ def _by_rows(rows: int, run) -> None:
         future.result()
 
 
-# Kernels that failed to compile in this process: their types take the torch path.
+# Kernels ("Q4_K dequantization", "Q6_K quantization", "fp8", ...) that failed to compile in this process: their
+# types take the reference path.
 _FAILED: set[str] = set()
 
 
-def _ran(name: str, rows: int, run) -> bool:
-    """run(first, stop) over all rows (_by_rows) with the kernel `name`; False where that kernel cannot be compiled
-    here (logged once), so that the caller's torch path writes the whole output instead. (A cache entry that cannot be
-    read or written costs a compilation, not the kernel: kernel_cache.py.)"""
+def _ran(name: str, rows: int, run, threads: int | None = None) -> bool:
+    """run(first, stop) over all rows (_by_rows, on `threads` threads, half the cores where not given) with the kernel
+    `name`; False where that kernel cannot be compiled here (logged once), so that the caller's reference path writes
+    the whole output instead. (A cache entry that cannot be read or written costs a compilation, not the kernel:
+    kernel_cache.py.)"""
     if name in _FAILED:
         return False
     try:
-        _by_rows(rows, run)
-    except Exception as e:  # a failed compilation: the torch path gives the same bits
+        _by_rows(rows, run, threads or cpu_threads())
+    except Exception as e:  # a failed compilation: the reference path gives the same bits
         _FAILED.add(name)
-        log.warning("The one-pass CPU kernel for %s could not be compiled (%s: %s); the torch path is used for it.",
+        log.warning("The compiled CPU kernel for %s could not be compiled (%s: %s); its reference path is used.",
                     name, type(e).__name__, e)
         return False
     return True
@@ -239,7 +267,7 @@ def fp8(codes: torch.Tensor, fp8_dtype: torch.dtype, scale: torch.Tensor, out: t
 
 def nvfp4(packed: torch.Tensor, tiled_scales: torch.Tensor, tensor_scale: torch.Tensor, e2m1: tuple,
           out: torch.Tensor) -> bool:
-    """NVFP4 into `out` (quant.dequantize_nvfp4 has checked the sizes); False: not run."""
+    """NVFP4 into `out` (packed_dequant.dequantize_nvfp4 has checked the sizes); False: not run."""
     if not _runs(packed.device, out.dtype):
         return False
     tiled = tiled_scales.contiguous().view(torch.uint8).reshape(-1).numpy()
@@ -248,3 +276,19 @@ def nvfp4(packed: torch.Tensor, tiled_scales: torch.Tensor, tensor_scale: torch.
     p, o = packed.contiguous().numpy(), _out(out, packed.shape[1] * 2)
     return _ran("NVFP4", p.shape[0],
                 lambda first, stop: kernel(p[first:stop], tiled, scale, o[first:stop], book, values, first))
+
+
+def kquant_path(type_name: str) -> str:
+    """Which K-quant quantizer runs for `type_name` here: "numba" or "python"."""
+    return "python" if f"{type_name} quantization" in _FAILED or kernel_module("kquant_kernels") is None else "numba"
+
+
+def kquantize(type_name: str, blocks: np.ndarray, out: np.ndarray, threads: int | None = None) -> bool:
+    """float32 blocks [n, 256] quantized into `out` (uint8 [n, type size]) by the compiled K-quant kernel of
+    `type_name`, on `threads` threads (half the cores where not given); False: not run, `out` incomplete."""
+    if kquant_path(type_name) != "numba":
+        return False
+    module = kernel_module("kquant_kernels")
+    kernel = getattr(module, module.KERNELS[type_name])
+    return _ran(f"{type_name} quantization", blocks.shape[0],
+                lambda first, stop: kernel(blocks[first:stop], out[first:stop]), threads)

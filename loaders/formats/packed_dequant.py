@@ -3,7 +3,7 @@ headers without torch), one function a format, and the state-dict entries of GGU
 
 The loaders keep packed weights as stored, each with its companions under the host's suffixes, and the
 host's layers (host/ops.py) call `dequantize` per layer at run time, so a fp8 model costs fp8 memory. On the
-CPU, fp8 and NVFP4 go through the one-pass kernels (fused.py) where numba runs, with the same bits.
+CPU, fp8 and NVFP4 go through the one-pass kernels (compiled.py) where numba runs, with the same bits.
 """
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ import functools
 import torch
 
 from ...errors import CorruptFileError, UnsupportedFormatError
-from . import fused
-from .dequant_steps import few_threads, fill_by_rows, output
+from . import compiled
 from .packing import FORMATS, FP8_SCALED, GGUF, GGUF_TYPE, NVFP4, Shape, stored_format
 from .safetensors_file import SAFETENSORS_DTYPES, torch_dtype
+from .steps import few_threads, fill_by_rows, output
 
 FP8_DTYPES = tuple(torch_dtype(d) for d in FP8_SCALED.dtypes)
 NVFP4_BLOCK = 16
@@ -119,7 +119,7 @@ def dequantize_fp8(
             "The file is damaged; download it again."
         )
     out = output(out, weight.shape, dtype, weight.device)
-    if fused.fp8(codes, weight.dtype, scale, out):
+    if compiled.fp8(codes, weight.dtype, scale, out):
         return out
     per_row = scale.shape[0] > 1
     book = _fp8_book(weight.dtype, weight.device)
@@ -175,7 +175,7 @@ def dequantize_nvfp4(
         )
     out = output(out, (rows, cols), dtype, packed.device)
     tensor_scale = tensor_scale.to(device=packed.device, dtype=torch.float32)
-    if fused.nvfp4(packed, block_scales, tensor_scale, _E2M1, out):
+    if compiled.nvfp4(packed, block_scales, tensor_scale, _E2M1, out):
         return out
     scales = unswizzle_block_scales(block_scales, rows, cols // NVFP4_BLOCK)
     pairs = _e2m1_pairs(packed.device)

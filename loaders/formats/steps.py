@@ -1,12 +1,12 @@
-"""How the dequantizers (gguf_dequant, quant) step through a weight: chunks of rows whose float32 values are
-computed in a cache-sized scratch and cast into the output, on a bounded number of CPU threads.
+"""How the quantizers (gguf_quant, kquants) and dequantizers (gguf_dequant, packed_dequant) step through a weight:
+chunks of rows worked on in a cache-sized float32 scratch, on a bounded number of CPU threads.
 
 Threads: every torch op on the CPU is one parallel step over the intra-op threads, and a step ends when
 its slowest thread does. A dequantization is a few hundred short steps. When other jobs share the cores,
 the scheduler parks one of the threads for a time slice now and then and the whole step waits for it: on
 2 cores beside 2 busy processes, a 3072x12288 GGUF dequantization's median call took 1.7-20x its fastest
-on 2 threads, 1.2-1.5x on one, and one thread was 3-40x faster. So the dequantizers leave half the cores
-to other work (one thread on a 2-core machine); matmuls keep every thread.
+on 2 threads, 1.2-1.5x on one, and one thread was 3-40x faster. So the quantizers and dequantizers leave half the
+cores to other work (one thread on a 2-core machine); matmuls keep every thread.
 """
 
 from __future__ import annotations
@@ -17,13 +17,14 @@ from collections.abc import Callable
 
 import torch
 
-# Values per chunk: every op of a kernel runs on a whole chunk. On the CPU, large chunks keep the number of
-# ops small, while the float32 scratch still fits the L3 cache; on a GPU they only bound the temporary memory.
+# Values per chunk, for every quantizer and dequantizer: every op of a torch kernel runs on a whole chunk. On the
+# CPU, large chunks keep the number of ops small, while their scratch still fits the L3 cache; on a GPU they only
+# bound the temporary memory. Which rows share a chunk changes no byte: every block is worked on alone.
 CHUNK_VALUES = {"cpu": 1 << 20, "cuda": 1 << 24}
 
 
-def dequant_threads() -> int:
-    """How many threads a CPU dequantization may use: half the cores, at least one."""
+def cpu_threads() -> int:
+    """How many threads a CPU quantization or dequantization may use: half the cores, at least one."""
     return max(1, (os.cpu_count() or 1) // 2)
 
 
@@ -31,7 +32,7 @@ def dequant_threads() -> int:
 def few_threads(device: torch.device):
     """Torch's intra-op threads bounded to half the cores (at least one) inside the block, on the CPU."""
     threads = torch.get_num_threads()
-    bounded = min(threads, dequant_threads())
+    bounded = min(threads, cpu_threads())
     if device.type != "cpu" or bounded == threads:
         yield
         return

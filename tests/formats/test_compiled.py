@@ -20,7 +20,7 @@ from gguf import GGMLQuantizationType as Q
 
 from comfyui_flux2dev.devtools.tiny.gguf_blocks import FP16_FIELDS
 from comfyui_flux2dev.errors import CorruptFileError
-from comfyui_flux2dev.loaders.formats import dequant_steps, fused, quant
+from comfyui_flux2dev.loaders.formats import compiled, packed_dequant, steps
 from comfyui_flux2dev.loaders.formats.gguf_dequant import dequantize
 from helpers import GGUF_QUANTIZED_TYPES, numba_unavailable, run_python
 from test_gguf_quant import quantization_cases
@@ -61,9 +61,9 @@ def _edge_blocks(qtype: Q, seed: int) -> np.ndarray:
 def test_numba_runs_here():
     """The tests' environment has numba: a broken install fails here rather than leaving the fallback tested twice."""
     for dtype in DTYPES.values():
-        assert fused.path("cpu", dtype) == "numba"
-    assert fused.path("meta", torch.float16) == "torch"  # GPUs and other devices keep the torch path
-    assert fused.path("cpu", torch.float64) == "torch"
+        assert compiled.path("cpu", dtype) == "numba"
+    assert compiled.path("meta", torch.float16) == "torch"  # GPUs and other devices keep the torch path
+    assert compiled.path("cpu", torch.float64) == "torch"
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -95,9 +95,9 @@ def _fp8_cases(fp8: torch.dtype, per_row: bool):
 def test_fp8_equals_torch_path(fp8, per_row, dtype):
     weight, scale = _fp8_cases(fp8, per_row)
     want = (weight.float() * scale).to(DTYPES[dtype])  # float32 value times float32 scale, then the cast
-    got = quant.dequantize_fp8(weight, scale, DTYPES[dtype])
+    got = packed_dequant.dequantize_fp8(weight, scale, DTYPES[dtype])
     with numba_unavailable():
-        by_torch = quant.dequantize_fp8(weight, scale, DTYPES[dtype])
+        by_torch = packed_dequant.dequantize_fp8(weight, scale, DTYPES[dtype])
     _same(got, want)
     _same(by_torch, want)
 
@@ -113,12 +113,12 @@ def test_nvfp4_equals_torch_path(tensor_scale, dtype):
     packed[0, :256] = torch.arange(256, dtype=torch.uint8)  # every pair of codes
     block_scales = torch.arange(rows * cols // 16).remainder(256).to(torch.uint8).view(torch.float8_e4m3fn)
     block_scales = block_scales.reshape(rows, cols // 16)
-    tiled = quant.swizzle_block_scales(block_scales)
+    tiled = packed_dequant.swizzle_block_scales(block_scales)
     scale2 = torch.tensor(tensor_scale)
-    got = quant.dequantize_nvfp4(packed, tiled, scale2, DTYPES[dtype])
+    got = packed_dequant.dequantize_nvfp4(packed, tiled, scale2, DTYPES[dtype])
     with numba_unavailable():
-        by_torch = quant.dequantize_nvfp4(packed, tiled, scale2, DTYPES[dtype])
-    e2m1 = torch.tensor(quant._E2M1)
+        by_torch = packed_dequant.dequantize_nvfp4(packed, tiled, scale2, DTYPES[dtype])
+    e2m1 = torch.tensor(packed_dequant._E2M1)
     values = torch.stack((e2m1[packed.long() >> 4], e2m1[packed.long() & 15]), dim=-1).reshape(rows, cols)
     want = (values.reshape(rows, -1, 16) * (block_scales.float() * scale2).unsqueeze(-1)).reshape(rows, cols)
     _same(got, want.to(DTYPES[dtype]))
@@ -130,15 +130,15 @@ def test_without_numba_the_torch_path_runs_and_says_so(caplog, monkeypatch):
     the torch path steps through many chunks."""
     qtype, shape = Q.Q4_K, (10, 512)
     raw = _edge_blocks(qtype, seed=1)[:10]
-    monkeypatch.setitem(dequant_steps.CHUNK_VALUES, "cpu", 3 * 256)
+    monkeypatch.setitem(steps.CHUNK_VALUES, "cpu", 3 * 256)
     with np.errstate(all="ignore"):
         want = torch.from_numpy(gguf.quants.dequantize(raw, qtype).reshape(shape))
-    with numba_unavailable(), caplog.at_level(logging.WARNING, logger=fused.__name__):
-        assert fused.path("cpu", torch.float16) == "torch"
+    with numba_unavailable(), caplog.at_level(logging.WARNING, logger=compiled.__name__):
+        assert compiled.path("cpu", torch.float16) == "torch"
         _same(dequantize(torch.from_numpy(raw), qtype, shape, torch.float32), want)
         _same(dequantize(torch.from_numpy(raw), qtype, shape, torch.float16), want.half())
     assert caplog.text.count("need numba") == 1
-    assert fused.path("cpu", torch.float16) == "numba"  # back once numba can be imported
+    assert compiled.path("cpu", torch.float16) == "numba"  # back once numba can be imported
 
 
 @pytest.mark.parametrize("dtype", ("float16", "bfloat16"))
@@ -151,7 +151,7 @@ def test_the_kernels_cast_as_torch_does(dtype):
     low = torch.cat([mantissas, ties - 1, ties, ties + 1]) & 0x7FFFFF
     values = (high[:, None] | low[None, :]).reshape(-1).to(torch.int32).view(torch.float32)
     got = torch.empty(values.shape, dtype=DTYPES[dtype])
-    fused._kernels().convert(values.numpy(), got.view(fused._VIEWS[got.dtype]).numpy())
+    compiled._kernels().convert(values.numpy(), got.view(compiled._VIEWS[got.dtype]).numpy())
     _same(got, values.to(DTYPES[dtype]))
 
 
@@ -163,10 +163,10 @@ def test_without_the_cpus_fp16_instruction_the_kernels_convert_by_ops():
         import gguf, numpy as np, torch
         from gguf import GGMLQuantizationType as Q
         from comfyui_flux2dev.devtools.tiny.gguf_blocks import random_blocks
-        from comfyui_flux2dev.loaders.formats import fused
+        from comfyui_flux2dev.loaders.formats import compiled
         from comfyui_flux2dev.loaders.formats.gguf_dequant import dequantize
 
-        assert not fused._kernels().HARDWARE_FP16 and fused.path("cpu", torch.float16) == "numba"
+        assert not compiled._kernels().HARDWARE_FP16 and compiled.path("cpu", torch.float16) == "numba"
         raw = random_blocks(Q.Q6_K, (64, 1024), np.random.default_rng(0))
         with np.errstate(all="ignore"):
             want = gguf.quants.dequantize(raw, Q.Q6_K).astype(np.float16)
@@ -182,16 +182,16 @@ def test_without_the_cpus_fp16_instruction_the_kernels_convert_by_ops():
 def test_a_conversion_unlike_torch_keeps_the_torch_path(caplog, monkeypatch):
     """The once-per-process check of the kernels' fp16 cast: where it disagrees with torch's (here: made to),
     fp16 stays on the torch path, with a warning, and other dtypes keep the kernels."""
-    kernels = fused._kernels()
-    fused._converts.cache_clear()
+    kernels = compiled._kernels()
+    compiled._converts.cache_clear()
     monkeypatch.setattr(kernels, "convert", lambda values, out: out.fill(0))
     try:
-        with caplog.at_level(logging.WARNING, logger=fused.__name__):
-            assert fused.path("cpu", torch.float16) == "torch"
+        with caplog.at_level(logging.WARNING, logger=compiled.__name__):
+            assert compiled.path("cpu", torch.float16) == "torch"
         assert "unlike torch" in caplog.text
-        assert fused.path("cpu", torch.float32) == "numba"
+        assert compiled.path("cpu", torch.float32) == "numba"
     finally:
-        fused._converts.cache_clear()
+        compiled._converts.cache_clear()
 
 
 def test_several_threads_give_the_same_bits(monkeypatch):
@@ -201,16 +201,17 @@ def test_several_threads_give_the_same_bits(monkeypatch):
     raw = torch.from_numpy(_edge_blocks(qtype, seed=2)[:37])
     weight, scale = _fp8_cases(torch.float8_e4m3fn, per_row=True)
     packed = torch.randint(0, 256, (133, 64), dtype=torch.uint8, generator=torch.Generator().manual_seed(5))
-    tiled = quant.swizzle_block_scales(
+    tiled = packed_dequant.swizzle_block_scales(
         torch.rand(133, 8, generator=torch.Generator().manual_seed(6)).to(torch.float8_e4m3fn))
 
     def everything():
-        return (dequantize(raw, qtype, shape, torch.float16), quant.dequantize_fp8(weight, scale, torch.bfloat16),
-                quant.dequantize_nvfp4(packed, tiled, torch.tensor(0.5), torch.float32))
+        return (dequantize(raw, qtype, shape, torch.float16),
+                packed_dequant.dequantize_fp8(weight, scale, torch.bfloat16),
+                packed_dequant.dequantize_nvfp4(packed, tiled, torch.tensor(0.5), torch.float32))
 
-    monkeypatch.setattr(fused, "dequant_threads", lambda: 1)
+    monkeypatch.setattr(compiled, "cpu_threads", lambda: 1)
     one = everything()
-    monkeypatch.setattr(fused, "dequant_threads", lambda: 3)
+    monkeypatch.setattr(compiled, "cpu_threads", lambda: 3)
     for got, want in zip(everything(), one):
         _same(got, want)
 
@@ -219,7 +220,7 @@ def test_several_threads_give_the_same_bits(monkeypatch):
 def test_the_vector_quantizers_equal_their_plain_loops(name):
     """The hand-written vector code (the intrinsics in numba_kernels.py) against the same kernel with plain numba
     loops in its place, on the quantizer tests' weights and edge blocks, and on blocks it refuses (its answer)."""
-    kernels = fused._kernels()
+    kernels = compiled._kernels()
     vector, loops = kernels.QUANTIZE[name], kernels.LOOP_QUANTIZE[name]
     refused = np.full((3, 32), 0.5, np.float32)
     refused[0, 3], refused[1, 7], refused[2, 31] = np.nan, -np.inf, 70000.0
@@ -240,17 +241,17 @@ def test_sizes_are_checked_before_any_kernel_reads():
     packed = torch.zeros(128, 32, dtype=torch.uint8)
     scales = torch.zeros(128 * 4 - 1, dtype=torch.uint8).view(torch.float8_e4m3fn)
     with pytest.raises(CorruptFileError, match="block scales"):
-        quant.dequantize_nvfp4(packed, scales, torch.tensor(1.0), torch.float16)
+        packed_dequant.dequantize_nvfp4(packed, scales, torch.tensor(1.0), torch.float16)
     with pytest.raises(CorruptFileError, match="scales"):
-        quant.dequantize_fp8(torch.zeros(4, 8).to(torch.float8_e4m3fn), torch.ones(3), torch.float16)
+        packed_dequant.dequantize_fp8(torch.zeros(4, 8).to(torch.float8_e4m3fn), torch.ones(3), torch.float16)
 
 
 _EVERY_KERNEL_ONCE = """
     import json, numba, torch
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
-    from comfyui_flux2dev.loaders.formats import fused, gguf_quant, quant
+    from comfyui_flux2dev.loaders.formats import compiled, gguf_quant, packed_dequant
     from comfyui_flux2dev.loaders.formats.gguf_dequant import dequantize
-    GGUF, QUANTIZE = fused._kernels().GGUF, fused._kernels().QUANTIZE
+    GGUF, QUANTIZE = compiled._kernels().GGUF, compiled._kernels().QUANTIZE
     for name in GGUF:
         block_size, type_size = GGML_QUANT_SIZES[Q[name]]
         for dtype in (torch.float32, torch.float16, torch.bfloat16):
@@ -258,8 +259,8 @@ _EVERY_KERNEL_ONCE = """
     for name in QUANTIZE:
         for dtype in (torch.float32, torch.bfloat16):
             gguf_quant.quantize(torch.ones(2, 64, dtype=dtype), Q[name])
-    quant.dequantize_fp8(torch.zeros(4, 8).to(torch.float8_e4m3fn), torch.ones(1), torch.float16)
-    kernels = fused._kernels()
+    packed_dequant.dequantize_fp8(torch.zeros(4, 8).to(torch.float8_e4m3fn), torch.ones(1), torch.float16)
+    kernels = compiled._kernels()
     used = {k: v.stats for k, v in vars(kernels).items() if isinstance(v, numba.core.registry.CPUDispatcher)}
     used |= {f"quantize {k}": v.stats for k, v in QUANTIZE.items()} \
         | {f"dequantize {k}": v.stats for k, v in GGUF.items()}
