@@ -6,14 +6,24 @@ from the file. A conversion holds one tensor at a time."""
 from __future__ import annotations
 
 import math
+import shutil
+
+import pytest
 
 from comfyui_flux2dev.devtools.bench.encode_scenarios import encoder_tensors
 from comfyui_flux2dev.devtools.bench.real_size import bench_real_encoder, format_real
 from comfyui_flux2dev.devtools.tiny.geometry import BENCH_MISTRAL
 
 
-def test_an_encode_costs_one_layer_of_own_memory_whatever_the_file(comfy_host, tmp_path):
-    result = bench_real_encoder(str(tmp_path), BENCH_MISTRAL, formats=("bf16", "fp8"), paddings=("comfy",),
+@pytest.fixture
+def folder(tmp_path):
+    """The bench's folder, removed at once: its 7.7 GB would outlive the test in pytest's kept folders."""
+    yield tmp_path / "real"
+    shutil.rmtree(tmp_path / "real", ignore_errors=True)
+
+
+def test_an_encode_costs_one_layer_of_own_memory_whatever_the_file(comfy_host, folder):
+    result = bench_real_encoder(str(folder), BENCH_MISTRAL, formats=("bf16", "fp8"), paddings=("comfy",),
                                 peers=False)
     tensors = encoder_tensors(BENCH_MISTRAL, 1, "bf16")
     layer = sum(d.itemsize * math.prod(s) for name, (d, s, _) in tensors.items() if ".layers.0." in name)
