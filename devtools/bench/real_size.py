@@ -131,12 +131,13 @@ def _written_bf16(folder: str, g: MistralEncoderGeometry, layers: int) -> str:
     return path
 
 
-def _made(folder: str, source: str, fmt: str, anon_limit: int) -> str:
-    """The `fmt` file in `folder`, converted from the bf16 one when missing (the conversion measured, its figures
-    kept in conversions.json)."""
+def _made(folder: str, g: MistralEncoderGeometry, layers: int, fmt: str, anon_limit: int) -> str:
+    """The `fmt` file in `folder`: the bf16 one written, the others converted from it, where missing (each
+    conversion measured, its figures kept in conversions.json)."""
     path = os.path.join(folder, _name(fmt))
     if fmt == BF16 or os.path.isfile(path):
-        return source if fmt == BF16 else path
+        return _written_bf16(folder, g, layers) if fmt == BF16 else path
+    source = _written_bf16(folder, g, layers)
     record = os.path.join(folder, "conversions.json")
     made = json.load(open(record)) if os.path.isfile(record) else {}
     made[fmt] = _step("convert", source, path, CONVERSIONS[fmt][1], what=f"convert to {fmt}", anon_limit=anon_limit)
@@ -159,10 +160,9 @@ def bench_real_encoder(folder: str, g: MistralEncoderGeometry = MISTRAL_SMALL, f
     os.makedirs(folder, exist_ok=True)
     layers = layers_kept(g)
     anon_limit = _memory_available() - _MARGIN
-    source = _written_bf16(folder, g, layers)
     rows, files = [], {}
     for fmt in formats:  # each made just before its rows: a machine may lack the disk for all at once
-        path = _made(folder, source, fmt, anon_limit)
+        path = _made(folder, g, layers, fmt, anon_limit)
         files[fmt] = os.path.getsize(path)
         for padding in paddings:
             evict([path])  # every loader starts from the disk
