@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ...errors import CorruptFileError, UnsupportedFormatError
-from .validate import Field, check_field, open_regular, reading
+from .validate import Field, check_field, mapped_bytes, open_regular
 
 if TYPE_CHECKING:  # for the annotations only: torch and gguf are imported where they are used
     import torch
@@ -102,17 +102,7 @@ class GGUFFile:
     def _bytes(self, offset: int, nbytes: int) -> torch.Tensor:
         if self._closed:
             raise ValueError(f"{self.path} is closed.")
-        import torch
-
-        if not nbytes:
-            return torch.empty(0, dtype=torch.uint8)
-        start = offset - offset % mmap.ALLOCATIONGRANULARITY  # a map starts on the system's boundary
-        # Copy-on-write, as torch wants a writable buffer and nothing written may reach the file; one map per
-        # tensor, as the kernel's commit check refuses a writable map of a whole file larger than the memory.
-        with reading(self.path, "GGUF file"):
-            mapped = mmap.mmap(self._file.fileno(), offset + nbytes - start, access=mmap.ACCESS_COPY, offset=start)
-        # Through numpy, whose buffer export keeps the map open under a live view.
-        return torch.from_numpy(np.frombuffer(mapped, dtype=np.uint8))[offset - start :]
+        return mapped_bytes(self._file, self.path, offset, offset + nbytes, "GGUF file")
 
     def close(self) -> None:
         """Drop this object's hold on the file; tensor views handed out earlier keep their own maps."""

@@ -4,7 +4,6 @@ identify a checkpoint and decide what to read before touching any tensor data.""
 from __future__ import annotations
 
 import math
-import mmap
 import os
 import struct
 from collections import Counter
@@ -12,7 +11,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ...errors import CorruptFileError, UnsupportedFormatError
-from .validate import JSON_LIMITS, describe, open_regular, parse_json, reading
+from .validate import JSON_LIMITS, describe, mapped_bytes, open_regular, parse_json, reading
 
 if TYPE_CHECKING:  # for the annotations only: torch is imported where tensors are read
     import torch
@@ -215,23 +214,13 @@ class SafetensorsFiles:
 
     def view(self, name: str) -> torch.Tensor:
         """Tensor `name` as a view of its bytes mapped from the file, copy-on-write: nothing written to it reaches
-        the file. Each tensor is mapped on its own, and the map goes with its last view: one map of a whole file
-        larger than the machine's memory is refused by the kernel's commit check (Linux and Windows alike)."""
+        the file."""
         info = self._readable(name)
         if info.start % DTYPES[info.dtype][1] or not info.nbytes:  # torch views need aligned elements
             return self.read(name)
-        import numpy as np
-        import torch
-
         path = self._where[name]
-        start = info.start - info.start % mmap.ALLOCATIONGRANULARITY  # a map starts on the system's boundary
-        with reading(path, "safetensors file"), open(path, "rb") as f:
-            if os.fstat(f.fileno()).st_size < info.end:
-                raise CorruptFileError(f"{path} ended inside tensor {name}: it was cut or replaced after its header "
-                                       "was read. Download it again.")
-            # copy-on-write: torch wants a writable buffer; numpy's export keeps the map open under live views
-            mapped = mmap.mmap(f.fileno(), info.end - start, access=mmap.ACCESS_COPY, offset=start)
-        data = torch.from_numpy(np.frombuffer(mapped, dtype=np.uint8))[info.start - start :]
+        with open_regular(path, "safetensors file") as (f, _):
+            data = mapped_bytes(f, path, info.start, info.end, "safetensors file")
         return data.view(torch_dtype(info.dtype)).reshape(info.shape)
 
     def read_bytes(self, name: str) -> bytes:

@@ -16,9 +16,12 @@ import stat
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path, PureWindowsPath
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ...errors import CorruptFileError, ModelNotFoundError
+
+if TYPE_CHECKING:
+    import torch
 
 MiB = 1 << 20
 
@@ -129,6 +132,27 @@ def reading(path: str | os.PathLike, what: str = "file") -> Iterator[None]:
         yield
     except OSError as e:
         raise CorruptFileError(f"{path}: the {what} cannot be read ({e.strerror or type(e).__name__}).") from None
+
+
+def mapped_bytes(file, path: str | os.PathLike, start: int, end: int, what: str) -> torch.Tensor:
+    """Bytes start..end of the open `file` as a uint8 tensor mapped copy-on-write: torch wants a writable buffer,
+    and nothing written may reach the file. One map per tensor: the kernel's commit check refuses a writable map
+    of a whole file larger than the memory (Linux and Windows alike). The map goes with the tensor's last view."""
+    import mmap
+
+    import numpy as np
+    import torch
+
+    if start == end:
+        return torch.empty(0, dtype=torch.uint8)
+    first = start - start % mmap.ALLOCATIONGRANULARITY  # a map starts on the system's boundary
+    with reading(path, what):
+        if os.fstat(file.fileno()).st_size < end:  # touching a map past the end would kill the process (SIGBUS)
+            raise CorruptFileError(f"{path} ended inside a tensor: it was cut or replaced after its header was "
+                                   "read. Download it again.")
+        mapped = mmap.mmap(file.fileno(), end - first, access=mmap.ACCESS_COPY, offset=first)
+    # Through numpy, whose buffer export keeps the map open under a live view.
+    return torch.from_numpy(np.frombuffer(mapped, dtype=np.uint8))[start - first :]
 
 
 def inside(folder: str | os.PathLike, name: str, what: str) -> Path:

@@ -3,6 +3,7 @@ it, each open parses once, and truncated or hostile files fail with the pack's e
 
 from __future__ import annotations
 
+import os
 import struct
 
 import gguf
@@ -139,6 +140,18 @@ def test_every_truncation_fails(tmp_path):
         with pytest.raises(CorruptFileError):
             _open_bytes(tmp_path, GOOD[:cut])
 
+
+
+def test_a_file_cut_after_its_header_fails_at_the_tensor(tmp_path):
+    """A download replaced in place while the file is open: the tensor past the new end is the pack's error,
+    not a process killed for touching a map past the end of its file."""
+    path = tmp_path / "cut.gguf"
+    path.write_bytes(GOOD)
+    with open_gguf(path) as f:
+        os.truncate(path, len(GOOD) - 10)
+        assert f.tensors["a"].data.shape == (256,)
+        with pytest.raises(CorruptFileError, match="ended inside a tensor"):
+            _ = f.tensors["b"].data
 
 HOSTILE = {
     "wrong magic": gguf_bytes(GOOD_KVS, GOOD_INFOS, bytes(290), magic=b"GGML"),

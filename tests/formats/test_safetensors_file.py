@@ -1,6 +1,7 @@
 """The pack's safetensors reader: exact tensors, and a clear error for every damaged header."""
 
 import json
+import os
 import struct
 
 import pytest
@@ -60,3 +61,13 @@ def test_a_truncated_file_is_a_corrupt_file_error(tmp_path):
         (tmp_path / "cut.safetensors").write_bytes(data[:cut])
         with pytest.raises(CorruptFileError):
             SafetensorsFiles([str(tmp_path / "cut.safetensors")])
+
+
+def test_a_file_cut_after_its_header_fails_at_the_tensor(tmp_path):
+    path = tmp_path / "t.safetensors"
+    save_file({"a": torch.ones(64), "b": torch.ones(4096)}, path)
+    files = SafetensorsFiles([str(path)])
+    os.truncate(path, path.stat().st_size - 8)
+    assert torch.equal(files.view("a"), torch.ones(64))
+    with pytest.raises(CorruptFileError, match="ended inside a tensor"):
+        files.view("b")
