@@ -11,19 +11,16 @@ process after evicting the source from the page cache; the transformer conversio
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from ..tiny.geometry import BENCH_MISTRAL, TINY_MISTRAL, test_models_env
+from ..tiny.geometry import BENCH_MISTRAL, TINY_MISTRAL
 from .encode_scenarios import write_encoder
-from .meters import Measured, best, evict, one_thread
+from .meters import Measured, best, evict, in_child, one_thread
 
 # [out, in] of a FLUX.2 [dev] weight (the double blocks' MLP out: 3072 x 12288 would be Klein's; 6144 x 18432 is
 # [dev]'s single-block output); quick: one small one.
@@ -159,16 +156,6 @@ def _child_convert(src: str, out: str, dtype: str) -> dict:
             "read_bytes": m.read_bytes, "seconds": m.seconds}
 
 
-def _in_child(src: str, out: str, dtype: str) -> dict:
-    code = ("import json; from comfyui_flux2dev.devtools.bench import convert_scenarios as s; "
-            f"print(json.dumps(s._child_convert({src!r}, {out!r}, {dtype!r})))")
-    done = subprocess.run([sys.executable, "-P", "-c", code], env={**os.environ, **test_models_env()},
-                          capture_output=True, text=True)
-    if done.returncode:
-        raise RuntimeError(f"bench child (conversion of {src}) failed:\n{done.stderr[-4000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
 # The encoder conversions measured: ComfyUI's single file in bf16 and fp8, and a llama.cpp K preset's GGUF.
 CONVERSIONS = ("bf16", "fp8", "Q4_K_M")
 
@@ -185,7 +172,7 @@ def bench_conversion(quick: bool) -> dict:
         write_encoder(src, g, layers, "bf16")
         for dtype in CONVERSIONS:
             out = os.path.join(tmp, f"out-{dtype}.{'safetensors' if dtype in DTYPES else 'gguf'}")
-            rows.append(_in_child(src, out, dtype))
+            rows.append(in_child("convert_scenarios", "_child_convert", src, out, dtype, what=f"conversion of {src}"))
             os.remove(out)
     return {"geometry": {"width": g.width, "mlp": g.mlp, "vocab": g.vocab, "layers": layers}, "rows": rows}
 

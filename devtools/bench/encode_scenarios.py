@@ -109,7 +109,7 @@ def _child_encode(path: str, cache: str) -> dict:
     from ...host.clip import lazy_clip
     from ...host.clip_weights import release_weights
     from ...loaders.cache.store import ConditioningCache
-    from .meters import _proc_kib
+    from .meters import proc_kib
 
     # Unmeasured: imports, the tokenizer, and the weights' fingerprint (once per file, then remembered).
     first = lazy_clip(path, cache=cache)
@@ -132,7 +132,7 @@ def _child_encode(path: str, cache: str) -> dict:
     released = lazy_clip(path, cache=cache, keep_loaded=False)
     with Measured() as off:
         _encode(released, _PROMPTS[2])
-    rss_left = _proc_kib("VmRSS") * 1024 - off.base_rss
+    rss_left = proc_kib("VmRSS") * 1024 - off.base_rss
     entry = max(e.bytes for e in ConditioningCache(cache).entries())
     return {
         "tokens": int(cond.shape[1]),

@@ -65,9 +65,16 @@ def competing_load(processes: int, memory: bool = False):
             p.wait()
 
 
-def _proc_kib(field: str) -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+def _status_kib(pid: int | str, *fields: str) -> list[int]:
+    """The named fields of /proc/PID/status in KiB, in the order asked (OSError once the process is gone)."""
+    with open(f"/proc/{pid}/status") as f:
+        found = dict(line.split(":", 1) for line in f if line.split(":", 1)[0] in fields)
+    return [int(found[name].split()[0]) for name in fields]
+
+
+def proc_kib(field: str) -> int:
+    """A field of this process's /proc status in KiB (VmRSS, VmHWM, RssAnon, ...)."""
+    return _status_kib("self", field)[0]
 
 
 def _read_bytes() -> int:
@@ -94,7 +101,7 @@ class Measured:
         gc.collect()
         # what the measured code allocates shows as RSS growth, not as reuse of memory an earlier step freed
         return_freed_memory()
-        self.base_rss = _proc_kib("VmRSS") * 1024
+        self.base_rss = proc_kib("VmRSS") * 1024
         try:
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")  # reset VmHWM to the current RSS
@@ -107,19 +114,16 @@ class Measured:
     def __exit__(self, *exc) -> None:
         self.seconds = time.perf_counter() - self.start
         self.read_bytes = _read_bytes() - self.read0
-        self.peak_rss_bytes = _proc_kib("VmHWM") * 1024 - self.base_rss
+        self.peak_rss_bytes = proc_kib("VmHWM") * 1024 - self.base_rss
 
 
 def _status_bytes(pid: int) -> tuple[int, int] | None:
     """(RssAnon, RssFile) of process `pid` in bytes: its own memory and the file pages it maps; None once gone."""
     try:
-        with open(f"/proc/{pid}/status") as f:
-            fields = dict(line.split(":", 1) for line in f if line.startswith(("RssAnon", "RssFile")))
-    except (OSError, ValueError):
+        anon, mapped = _status_kib(pid, "RssAnon", "RssFile")
+    except (OSError, KeyError, ValueError):
         return None
-    if len(fields) < 2:
-        return None
-    return int(fields["RssAnon"].split()[0]) * 1024, int(fields["RssFile"].split()[0]) * 1024
+    return anon * 1024, mapped * 1024
 
 
 _SAMPLE_S = 0.02
@@ -159,12 +163,17 @@ def sampled_child(code: str, *, what: str, anon_limit: int | None = None) -> dic
     return {**figures, "result": json.loads(out.strip().splitlines()[-1])}
 
 
+def sampled_call(module: str, function: str, *args, what: str, anon_limit: int | None = None) -> dict:
+    """sampled_child's figures for `function(*args)` of a bench module (its "result" what the function returns)."""
+    code = (f"import json; from comfyui_flux2dev.devtools.bench import {module} as s; "
+            f"print(json.dumps(s.{function}(*{args!r})))")
+    return sampled_child(code, what=what, anon_limit=anon_limit)
+
+
 def in_child(module: str, function: str, *args, what: str) -> dict:
     """What `function(*args)` of a bench module returns (JSON), run in a fresh process that knows the test models:
     its memory and page faults are its own. `what` names the row in a failure."""
-    code = (f"import json; from comfyui_flux2dev.devtools.bench import {module} as s; "
-            f"print(json.dumps(s.{function}(*{args!r})))")
-    done = sampled_child(code, what=what)
+    done = sampled_call(module, function, *args, what=what)
     if "failed" in done:
         raise RuntimeError(f"bench child ({what}) failed:\n{done['stderr']}")
     return done["result"]

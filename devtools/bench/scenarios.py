@@ -25,11 +25,10 @@ import torch
 
 from ...tokenizers.ladder import bundled_tekken_path
 from ...tokenizers.vocab import byte_level_string
-from ..tiny.geometry import test_models_env
 from ..tiny.gguf_blocks import random_blocks, write_and_close
 from .convert_scenarios import bench_conversion, bench_kquant, bench_quantize, bench_vector_kernels
 from .encode_scenarios import bench_conditioning_cache
-from .meters import Measured, best, competing_load, evict, machine, one_thread, timings
+from .meters import Measured, best, competing_load, evict, in_child, machine, one_thread, timings
 from .upsample_scenarios import bench_upsampling
 
 # Values per benchmarked tensor. The full size (32 MiB of fp16) is still below most FLUX.2 weights
@@ -419,25 +418,6 @@ def _child_gguf_read(path: str) -> dict:
     return {"tensors": tensors, **_gguf_figures(path, m, parse_count() - parses, largest)}
 
 
-CHILD_TASKS = {
-    "tokenizer": _child_tokenizer,
-    "encoder": _child_encoder,
-    "gguf_transformer": _child_gguf_transformer,
-    "gguf_read": _child_gguf_read,
-}
-
-
-def _in_child(task: str, path: str) -> dict:
-    """Run one measurement in a fresh interpreter (tiny test models enabled) and return its result."""
-    code = ("import json; from comfyui_flux2dev.devtools.bench import scenarios as s; "
-            f"print(json.dumps(s.CHILD_TASKS[{task!r}]({path!r})))")
-    env = {**os.environ, **test_models_env()}
-    done = subprocess.run([sys.executable, "-P", "-c", code], env=env, capture_output=True, text=True)
-    if done.returncode:
-        raise RuntimeError(f"bench child {task!r} failed:\n{done.stderr[-4000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
-
-
 def bench_tokenizer() -> dict:
     """Seconds of the first and the second tokenizer resolution of a folder holding tekken.json, in one
     process: the second comes from the cache."""
@@ -445,7 +425,7 @@ def bench_tokenizer() -> dict:
 
     with tempfile.TemporaryDirectory() as tmp:
         write_tekken(tmp)
-        return _in_child("tokenizer", tmp)
+        return in_child("scenarios", "_child_tokenizer", tmp, what="tokenizer")
 
 
 def bench_encoder_load() -> dict:
@@ -455,7 +435,7 @@ def bench_encoder_load() -> dict:
 
     with tempfile.TemporaryDirectory() as tmp:
         write_hf_mistral3(tmp, layers=LAYERS)
-        return _in_child("encoder", tmp)
+        return in_child("scenarios", "_child_encoder", tmp, what="encoder load")
 
 
 def bench_gguf_load(quick: bool) -> dict:
@@ -474,7 +454,8 @@ def bench_gguf_load(quick: bool) -> dict:
         blocks = {f"blocks.{i}.weight": (random_blocks(Q.Q4_K, shape, rng), Q.Q4_K) for i in range(count)}
         write_gguf(synthetic, blocks)
         # The GGUF transformer's own figures at the top level; the synthetic file's under their own key.
-        return {**_in_child("gguf_transformer", tiny), "synthetic_read": _in_child("gguf_read", synthetic)}
+        load = in_child("scenarios", "_child_gguf_transformer", tiny, what="GGUF transformer load")
+        return {**load, "synthetic_read": in_child("scenarios", "_child_gguf_read", synthetic, what="GGUF read")}
 
 
 def bench_refusal(quick: bool) -> dict:
