@@ -43,6 +43,8 @@ def _to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     return comfy.model_management.cast_to(tensor, None, device, non_blocking=non_blocking, copy=False)
 
 
+# Float weights the pack's layers keep as stored: each op casts them to its input's dtype.
+_CAST_PER_OP = (torch.bfloat16, torch.float16, torch.float32)
 _scratch = threading.local()  # .buffer: this thread's scratch, created by its first CPU forward
 
 
@@ -60,10 +62,10 @@ def _scratch_buffer(shape, dtype: torch.dtype) -> torch.Tensor:
 
 
 def forward_weight(stored: torch.Tensor, companions: dict, dtype: torch.dtype, shape) -> torch.Tensor:
-    """A packed weight's values for one forward pass. On the CPU they go into the thread's scratch buffer:
-    a new tensor per layer and step would pay the page faults of 75-230 MB of fresh memory for a FLUX.2
-    layer, which cost about as much as the dequantization itself (a GPU's caching allocator already
-    reuses memory). The result is valid only until the next call on this thread: use it at once and keep
+    """A packed weight's values (or a float weight's, cast) for one forward pass. On the CPU they go into the
+    thread's scratch buffer: a new tensor per layer and step would pay the page faults of 75-230 MB of fresh
+    memory for a FLUX.2 layer, which cost about as much as the dequantization itself (a GPU's caching allocator
+    already reuses memory). The result is valid only until the next call on this thread: use it at once and keep
     no reference. With autograd on, a matmul could keep it for the backward pass: a new tensor then."""
     shape = tuple(int(s) for s in shape)
     reuse = stored.device.type == "cpu" and not torch.is_grad_enabled()
@@ -110,8 +112,10 @@ class PackedLayer:
                 error_msgs.append(f"size mismatch for {key}: the file holds {list(tensor.shape)}, "
                                   f"the model needs {list(needs)}")
                 continue
-            # Packed weights stay as stored; float ones take the model's dtype, as the host's own loading does.
-            tensor = tensor.to(device=placeholder.device, dtype=None if packed else placeholder.dtype)
+            # Packed and bf16/fp16/fp32 weights stay as stored (mapped from the file where it is read so) and are
+            # cast per op: a float32 copy of bf16 weights, as the host makes on the CPU, would double them.
+            kept = packed or tensor.dtype in _CAST_PER_OP
+            tensor = tensor.to(device=placeholder.device, dtype=None if kept else placeholder.dtype)
             setattr(self, name, torch.nn.Parameter(tensor, requires_grad=False))
         for c, tensor in companions.items():
             if c == packing.GGUF_TYPE:
@@ -150,6 +154,8 @@ class PackedLayer:
         if self.companions:
             weight = forward_weight(weight, self._companions(device), self.settings.dequant_dtype or dtype,
                                     self.weight_shape)
+        elif weight.dtype != dtype:  # a float weight kept as stored: cast into the scratch, not a new tensor per op
+            weight = forward_weight(weight, {}, dtype, self.weight_shape)
         weight = self._patched(weight, self.weight_patches(), dtype)
         bias = None if self.bias is None else self._patched(_to_device(self.bias, device),
                                                             compat.patch_functions(self, "bias"), dtype)
@@ -184,8 +190,8 @@ class PackedEmbedding(PackedLayer):
 
 
 def packed_operations(dequant_dtype: torch.dtype | None = None, patch_dtype: torch.dtype = torch.float32):
-    """A fresh comfy.ops class for one load: packed weights (those with companions) stay as stored, float
-    weights load as the model's float tensors."""
+    """A fresh comfy.ops class for one load: packed weights (those with companions) and bf16/fp16/fp32 weights
+    stay as stored; other float weights load as the model's float tensors."""
     ensure_comfy()
     import comfy.ops
 
@@ -215,12 +221,12 @@ def packed_operations(dequant_dtype: torch.dtype | None = None, patch_dtype: tor
 
 
 def _packed_layer(model, key: str):
-    """The layer whose packed weight `key` names, else None."""
+    """The pack's layer whose weight `key` names (packed, or a float weight kept as stored), else None."""
     import comfy.utils
 
     path, _, name = key.rpartition(".")
     layer = comfy.utils.get_attr(model, path) if path else None
-    return layer if isinstance(layer, PackedLayer) and name == "weight" and layer.companions else None
+    return layer if isinstance(layer, PackedLayer) and name == "weight" else None
 
 
 class _LoadedWeight(dict):
@@ -252,8 +258,9 @@ class HookPatch:
 
 
 class PackedPatching:
-    """Mixed into the host's patcher class: where the host would bake a patch into a stored weight, a packed
-    weight gets it as a lazy patch, applied after dequantization; float weights are patched the host's way."""
+    """Mixed into the host's patcher class: where the host would bake a patch into a stored weight, a weight of
+    the pack's layers gets it as a lazy patch, applied after dequantization (or the cast of a float weight kept as
+    stored) in patch_dtype; the host's other weights (norms) are patched the host's way."""
 
     def _packed_layers(self):
         return (m for m in self.model.modules() if isinstance(m, PackedLayer))

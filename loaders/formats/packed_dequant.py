@@ -87,8 +87,8 @@ def dequantize(
     out: torch.Tensor | None = None
 ) -> torch.Tensor:
     """A weight of logical `shape` as `dtype`, whatever its stored format; `companions` holds the tensors
-    stored beside it by suffix (weight_scale, weight_scale_2, weight_gguf_type). A packed weight's values go
-    into `out` where given (a contiguous tensor of that shape, dtype and device) instead of a new tensor."""
+    stored beside it by suffix (weight_scale, weight_scale_2, weight_gguf_type). The values go into `out` where
+    given (a contiguous tensor of that shape, dtype and device) instead of a new tensor."""
     found = _stored_format(weight.dtype, companions)
     if found is not None:
         return DEQUANTIZE[found.label](weight, companions, dtype, tuple(shape), out=out)
@@ -97,7 +97,7 @@ def dequantize(
             f"A {weight.dtype} weight {list(weight.shape)} came without the companions its packing needs "
             f"(given: {', '.join(companions) or 'none'}); it cannot be dequantized. Load the model again."
         )
-    return weight.to(dtype)
+    return weight.to(dtype) if out is None else out.copy_(weight.reshape(out.shape))
 
 
 @functools.cache

@@ -44,3 +44,35 @@ def test_mapped_weights_encode_the_same_bits_as_weights_read_into_memory(comfy_h
     assert not any(_in_file_maps(w, path) for w in weights)
     for a, b in zip(mapped, read):
         assert torch.equal(a, b)
+
+
+TRANSFORMERS = ("diffusion_models/flux2-dev-tiny-fp8-weight_scale.safetensors", "unet/flux2-dev-tiny-Q4_K.gguf")
+
+
+@pytest.mark.parametrize("name", TRANSFORMERS)
+def test_a_transformer_keeps_its_packed_and_bf16_weights_mapped(comfy_host, tiny_root, name, monkeypatch):
+    """Packed weights and the bf16 ones beside them (embedders, modulation: 1.6 GB of [dev]) stay views of the file,
+    cast per op: on the CPU the host would make them float32 copies, doubling them. The output is bit for bit what
+    weights read into memory of their own give."""
+    from comfyui_flux2dev.host.model import load_gguf_model, load_model
+    from comfyui_flux2dev.host.ops import PackedLayer
+    from helpers import flux2_forward
+
+    path = str(tiny_root / name)
+    load = load_gguf_model if path.endswith(".gguf") else load_model
+
+    def forward() -> tuple[torch.Tensor, list[torch.Tensor]]:
+        patcher = load(path)
+        with torch.inference_mode():
+            out = flux2_forward(patcher, torch.device("cpu"))
+        layers = [m for m in patcher.model.diffusion_model.modules() if isinstance(m, PackedLayer)]
+        return out, [m.weight for m in layers]
+
+    mapped, weights = forward()
+    assert all(_in_file_maps(w, path) for w in weights), "every weight of the pack's layers a view of the file"
+    assert any(w.dtype in (torch.bfloat16, torch.float16) for w in weights), "float weights among them"
+    if path.endswith(".safetensors"):
+        monkeypatch.setattr(SafetensorsFiles, "view", SafetensorsFiles.read)
+        read, weights = forward()
+        assert not any(_in_file_maps(w, path) for w in weights)
+        assert torch.equal(mapped, read)
