@@ -46,9 +46,9 @@ def _bench(args) -> None:
     import json
 
     if args.real:
-        from .bench.real_size import bench_real_encoder, format_real
+        from .bench.real_size import bench_real, format_real
 
-        result = bench_real_encoder(args.real)
+        result = bench_real(args.real)
         print(json.dumps(result) if args.json else format_real(result))
         return
     from . import bench
@@ -80,8 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "quantization, a conversion's memory, and prompt upsampling beside transformers' generate")
     where = p.add_mutually_exclusive_group()
     where.add_argument("--quick", action="store_true", help="small sizes, for CI")
-    where.add_argument("--real", metavar="DIR", help="the text encoder at FLUX.2 [dev]'s real size beside the host's "
-                       "and ComfyUI-GGUF's loaders, its files written once into DIR (about 70 GB; takes hours)")
+    where.add_argument("--real", metavar="DIR", help="the text encoder and the transformer at FLUX.2 [dev]'s real size "
+                       "beside the host's and ComfyUI-GGUF's loaders, their files written once into DIR (about 120 GB; "
+                       "takes hours)")
     p.add_argument("--json", action="store_true")
     p.set_defaults(run=_bench)
 

@@ -8,8 +8,9 @@ reads, with random weights of realistic scale, in ComfyUI's single-file form as 
 after checking the disk space), then its fp8 and Q4_K_M GGUF by `flux2dev convert`, measured as they are made.
 Rows: each file encoded by the pack in both padding modes (the reference's 512 tokens and the host's), by the
 host's CLIPLoader (type flux2; safetensors files) and by ComfyUI-GGUF (the GGUF). A loader whose own memory would
-outgrow the machine is stopped first and its row says so. CI runs none of it: tests/devtools/test_real_size.py
-runs the same code on the benchmark encoder (the real width, 3 layers)."""
+outgrow the machine is stopped first and its row says so. Then the transformer's rows (real_transformer.py). CI runs
+none of it: tests/devtools/test_real_size.py runs the same code on the benchmark encoder (the real width, 3 layers)
+and transformer (the real width, one block of each kind)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ import torch
 from ...loaders.models.variants import MISTRAL_SMALL, MistralEncoderGeometry, layers_kept
 from ...tokenizers.prompt import PADDING_MODES
 from .encode_scenarios import _PROMPTS, encoder_tensors, write_encoder
-from .meters import evict, machine, sampled_child
+from .meters import evict, machine, proc_kib, sampled_call
+from .real_transformer import LATENT, TEXT_TOKENS, bench_real_transformer
 
 BF16 = "bf16"
 CONVERSIONS = {"fp8": ("fp8.safetensors", ["--dtype", "fp8"]), "Q4_K_M": ("Q4_K_M.gguf", ["--type", "Q4_K_M"])}
@@ -34,11 +36,6 @@ _HOST_PADDING = "comfy"  # the host's CLIPLoader and ComfyUI-GGUF pad as the hos
 
 def _name(fmt: str) -> str:
     return f"flux2-dev-encoder-{BF16}.safetensors" if fmt == BF16 else f"flux2-dev-encoder-{CONVERSIONS[fmt][0]}"
-
-
-def _anon_bytes() -> int:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("RssAnon:"))
 
 
 def _memory_available() -> int:
@@ -67,7 +64,7 @@ def pack_encode(path: str, padding: str) -> dict:
     from ...host.clip import lazy_clip
 
     clip = lazy_clip(path, padding=padding)
-    return _encoded(clip, _anon_bytes())
+    return _encoded(clip, proc_kib("RssAnon") * 1024)
 
 
 def _flux2_clip_type():
@@ -85,7 +82,7 @@ def host_encode(path: str) -> dict:
     ensure_comfy()
     import comfy.sd
 
-    started = _anon_bytes()
+    started = proc_kib("RssAnon") * 1024
     clip = comfy.sd.load_clip(ckpt_paths=[path], clip_type=_flux2_clip_type())
     return _encoded(clip, started)
 
@@ -97,7 +94,7 @@ def peer_encode(path: str) -> dict:
 
     ensure_comfy()
     loader = comfyui_gguf_nodes().CLIPLoaderGGUF()
-    started = _anon_bytes()
+    started = proc_kib("RssAnon") * 1024
     clip = loader.load_patcher([path], _flux2_clip_type(), loader.load_data([path]))
     return _encoded(clip, started)
 
@@ -111,9 +108,7 @@ def convert(src: str, out: str, options: list[str]) -> dict:
 
 
 def _step(function: str, *args, what: str, anon_limit: int) -> dict:
-    code = (f"import json; from comfyui_flux2dev.devtools.bench import real_size as r; "
-            f"print(json.dumps(r.{function}(*{args!r})))")
-    return sampled_child(code, what=what, anon_limit=anon_limit)
+    return sampled_call("real_size", function, *args, what=what, anon_limit=anon_limit)
 
 
 # --- the files ------------------------------------------------------------------------------------------------
@@ -183,6 +178,13 @@ def bench_real_encoder(folder: str, g: MistralEncoderGeometry = MISTRAL_SMALL, f
     }
 
 
+def bench_real(folder: str) -> dict:
+    """The encoder's rows, then the transformer's (real_transformer.py), each file written just before its rows."""
+    result = bench_real_encoder(folder)
+    result["transformer"] = bench_real_transformer(folder, anon_limit=_memory_available() - _MARGIN, margin=_MARGIN)
+    return result
+
+
 def _gb(n: float) -> str:
     return f"{n / 1e9:.2f}"
 
@@ -193,6 +195,9 @@ def _outcome(row: dict) -> str:
     if "failed" in row:
         return f"fails: {row['failed']}"
     r = row["result"]
+    if "forward_s" in r:
+        return (f"load {r['load_s']:.1f} s (own {_gb(r['anon_loaded_bytes'] - r['anon_before_bytes'])} GB after it), "
+                f"forward {r['forward_s']:.0f} s, output rms {r['rms']:.4f}")
     return f"{r['tokens']} tokens, encode {r['encode_s']:.1f} s, conditioning {r['digest']}"
 
 
@@ -211,4 +216,23 @@ def format_real(result: dict) -> str:
         lines.append(f"| {row['loader']} encode, {row['format']}, {row['padding']} padding | "
                      f"{_gb(result['files'][row['format']])} | {row['seconds']:.0f} | {_gb(row['peak_anon_bytes'])} | "
                      f"{_gb(row['peak_mapped_bytes'])} | {_outcome(row)} |")
+    if "transformer" in result:
+        lines += ["", format_transformer(result["transformer"])]
+    return "\n".join(lines)
+
+
+def format_transformer(result: dict) -> str:
+    """The transformer's rows as a Markdown table."""
+    double, single = result["blocks"]
+    lines = [f"The transformer ({double} double and {single} single blocks): a load and one forward at a "
+             f"{LATENT[2] * 16}x{LATENT[3] * 16} image's latent and {TEXT_TOKENS} text tokens, in float32.", "",
+             "| loader, file | file GB | wall s | peak own (anon) GB | peak mapped GB | outcome |",
+             "|---|---|---|---|---|---|"]
+    for row in result["rows"]:
+        size = _gb(result["files"][row["format"]])
+        if "seconds" not in row:  # not run: its reason
+            lines.append(f"| {row['loader']}, {row['format']} | {size} | | | | {row['failed']} |")
+            continue
+        lines.append(f"| {row['loader']}, {row['format']} | {size} | {row['seconds']:.0f} | "
+                     f"{_gb(row['peak_anon_bytes'])} | {_gb(row['peak_mapped_bytes'])} | {_outcome(row)} |")
     return "\n".join(lines)

@@ -29,13 +29,18 @@ BENCH_MISTRAL = MistralEncoderGeometry(width=5120, heads=32, kv_heads=8, mlp=327
 BENCH_DEV = Flux2Variant("dev", "FLUX.2 [dev] (benchmark encoder, 3 layers)", "Mistral-Small 24B (3 layers)", 5120,
                          (1, 2, 3), 6144, 48, 8, 48, True, True)
 
+# `flux2dev bench --real`'s transformer test: [dev]'s real widths with one block of each kind (1.2 GB as Q4_K_M).
+BENCH_TRANSFORMER = Flux2Variant("dev", "FLUX.2 [dev] (benchmark transformer, 1 + 1 blocks)", "Mistral-Small 24B",
+                                 5120, (10, 20, 30), 6144, 48, 1, 1, True, True)
+
 
 def write_declaration(folder: str | Path) -> Path:
     """The declaration of the test models in `folder`: set FLUX2DEV_TINY_MODELS to this path."""
     path = Path(folder) / DECLARATION
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(declaration_of(TINY_VARIANTS, {TINY_MISTRAL: TINY_VARIANTS[0],
-                                                              BENCH_MISTRAL: BENCH_DEV}), indent=1))
+    declared = declaration_of((*TINY_VARIANTS, BENCH_TRANSFORMER),
+                              {TINY_MISTRAL: TINY_VARIANTS[0], BENCH_MISTRAL: BENCH_DEV})
+    path.write_text(json.dumps(declared, indent=1))
     return path
 
 

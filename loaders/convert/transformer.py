@@ -101,6 +101,22 @@ def tensor_type(key: str, shape: tuple[int, ...], written: Written) -> tuple[Q, 
     return (qtype, None) if rule is None else (rule.stored(qtype), rule.why)
 
 
+def gguf_plan(shapes: dict[str, tuple[int, ...]], qtype: str) -> tuple[list, dict[str, tuple[Q, tuple, int]]]:
+    """The metadata and the tensors ({key: (GGUF type, shape, bytes)}, by name) of a transformer GGUF whose
+    weights are `qtype` (a TYPES name), for gguf_file."""
+    written = TYPES[qtype]
+    layout = {}
+    for key, shape in sorted(shapes.items()):
+        stored = tensor_type(key, shape, written)[0]
+        layout[key] = (stored, shape, quantized_nbytes(stored, shape))
+    metadata = [
+        ("general.architecture", GGUFValueType.STRING, ARCHITECTURE),
+        ("general.quantization_version", GGUFValueType.UINT32, GGML_QUANT_VERSION),
+        ("general.file_type", GGUFValueType.UINT32, int(written.file_type)),
+    ]
+    return metadata, layout
+
+
 def convert_transformer(src: str, out: str, *, qtype: str, force: bool = False,
                         patch: Callable[[TransformerPlan],
                                         Callable[[str, torch.Tensor], torch.Tensor]] | None = None) -> dict:
@@ -114,17 +130,10 @@ def convert_transformer(src: str, out: str, *, qtype: str, force: bool = False,
     plan = plan_transformer(src)
     check_not_source(target, src)
     apply = patch(plan) if patch is not None else None
-    written = TYPES[qtype]
-    types = {key: tensor_type(key, shape, written)[0] for key, (shape, _) in sorted(plan.tensors.items())}
-    layout = {key: (types[key], plan.tensors[key][0], quantized_nbytes(types[key], plan.tensors[key][0]))
-              for key in types}
-    metadata = [
-        ("general.architecture", GGUFValueType.STRING, ARCHITECTURE),
-        ("general.quantization_version", GGUFValueType.UINT32, GGML_QUANT_VERSION),
-        ("general.file_type", GGUFValueType.UINT32, int(written.file_type)),
-    ]
+    file_plan = gguf_plan({key: shape for key, (shape, _) in plan.tensors.items()}, qtype)
+    types = {key: qtype for key, (qtype, _, _) in file_plan[1].items()}
     with output_file(target, force=force) as f:
-        file = gguf_file(f, metadata, layout)
+        file = gguf_file(f, *file_plan)
         for key in progress.tracked(list(types)):
             shape, read = plan.tensors[key]
             weight, companions = packed_dequant.split_entries(read(), key)

@@ -220,7 +220,8 @@ def variant_for_geometry(geometry: TransformerGeometry, layout: KeyLayout) -> Fl
         f"[{geometry.hidden_size}, {geometry.context_in_dim}], {'a' if geometry.guidance else 'no'} guidance embedder, "
         f"{geometry.double_blocks} double and {geometry.single_blocks} single blocks"
     )
-    variant = variant_for_transformer(geometry.context_in_dim, geometry.hidden_size, geometry.guidance)
+    variant = variant_for_transformer(geometry.context_in_dim, geometry.hidden_size, geometry.guidance,
+                                      (geometry.double_blocks, geometry.single_blocks))
     if variant is None:
         known = "; ".join(
             f"{v.name}: hidden {v.hidden_size}, context {v.context_in_dim}, {'with' if v.guidance else 'no'} guidance"

@@ -150,11 +150,13 @@ def known_mistral_encoders() -> tuple[MistralEncoderGeometry, ...]:
     return tuple(_dev_by_encoder())
 
 
-def variant_for_transformer(context_in_dim: int, hidden_size: int, guidance: bool) -> Flux2Variant | None:
-    for v in known_variants():
-        if (v.context_in_dim, v.hidden_size, v.guidance) == (context_in_dim, hidden_size, guidance):
-            return v
-    return None
+def variant_for_transformer(context_in_dim: int, hidden_size: int, guidance: bool,
+                            blocks: tuple[int, int] | None = None) -> Flux2Variant | None:
+    """The variant of these widths; of several (a test row of a real row's widths), the one with these (double,
+    single) block counts where one has them."""
+    found = [v for v in known_variants() if (v.context_in_dim, v.hidden_size, v.guidance) == (context_in_dim,
+                                                                                              hidden_size, guidance)]
+    return next((v for v in found if (v.double_blocks, v.single_blocks) == blocks), found[0] if found else None)
 
 
 def variant_for_conditioning(width: int) -> Flux2Variant | None:

@@ -5,15 +5,17 @@ here rather than converted from bf16 (a minute of CI); a conversion's memory is 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import shutil
 
 import pytest
 
-from comfyui_flux2dev.devtools.bench import real_size
+from comfyui_flux2dev.devtools.bench import real_size, real_transformer
 from comfyui_flux2dev.devtools.bench.encode_scenarios import encoder_tensors, write_encoder
 from comfyui_flux2dev.devtools.bench.real_size import bench_real_encoder, format_real
-from comfyui_flux2dev.devtools.tiny.geometry import BENCH_MISTRAL
+from comfyui_flux2dev.devtools.tiny.geometry import BENCH_MISTRAL, BENCH_TRANSFORMER
+from comfyui_flux2dev.loaders.models.transformer_layout import bfl_tensor_shapes
 
 
 @pytest.fixture
@@ -39,3 +41,28 @@ def test_an_encode_costs_one_layer_of_own_memory_whatever_the_file(comfy_host, f
         assert 0 < grown < layer, (fmt, grown, layer)
         assert row["peak_mapped_bytes"] > result["files"][fmt] / 2, "the weights were read from the map"
     assert "| pack encode, fp8, comfy padding |" in format_real(result)
+
+
+ONE_BLOCK_EACH = dataclasses.replace(real_transformer.FULL, double_blocks=BENCH_TRANSFORMER.double_blocks,
+                                     single_blocks=BENCH_TRANSFORMER.single_blocks)
+
+
+@pytest.mark.one_host
+def test_a_transformer_forward_costs_one_layer_of_own_memory(comfy_host, folder):
+    """The transformer half at the real width with one block of each kind, as Q4_K_M (2.5 GB, most of it the bf16
+    modulation and embedders): the pack's load keeps the weights mapped, bf16 ones too, and a forward holds about one
+    weight dequantized to float32 of its own. The fp8 file and the peers' rows run in the real bench only (a minute
+    more of CI); test_mapped_weights checks that an fp8 transformer's weights stay mapped."""
+    result = real_transformer.bench_real_transformer(str(folder), anon_limit=8 << 30, margin=1 << 30,
+                                                     geometry=ONE_BLOCK_EACH, formats=("Q4_K_M",), peers=False)
+    largest = max(4 * math.prod(s) for s in bfl_tensor_shapes(ONE_BLOCK_EACH, real_transformer.DEV).values())
+    [row] = result["rows"]
+    assert row["loader"] == "pack" and "result" in row, row.get("stderr") or row
+    assert row["result"]["finite"]
+    loaded = row["result"]["anon_loaded_bytes"] - row["result"]["anon_before_bytes"]
+    assert loaded < 256 << 20, loaded  # a float32 copy of the bf16 weights would be 3.2 GB
+    grown = row["peak_anon_bytes"] - row["result"]["anon_before_bytes"]
+    assert 0 < grown < largest + (512 << 20), (grown, largest)  # the scratch and activations, no copy
+    assert row["peak_mapped_bytes"] > result["files"]["Q4_K_M"] / 2, "the weights were read from the map"
+    assert not list(folder.glob("*.partial*"))
+    assert "| pack, Q4_K_M |" in real_size.format_transformer(result)
