@@ -120,7 +120,7 @@ def _cache(args) -> None:
 
 
 def _upsample(args) -> None:
-    from .loaders.models.generation_settings import check_settings
+    from .loaders.upsampler.generation_settings import check_settings
     from .tokenizers.chat import check_prompt
 
     # a bad setting, prompt or image file is refused at once, before torch and the host are imported (upsample
@@ -129,7 +129,7 @@ def _upsample(args) -> None:
     check_prompt(args.prompt)
     images = args.image or []
     if images and args.mode != "text to image":
-        from .loaders.models.images import reference_image
+        from .loaders.upsampler.images import reference_image
 
         images = [reference_image(images)]
     from .host.upsampler import upsample

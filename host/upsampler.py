@@ -2,7 +2,7 @@
 FLUX.2 [dev] was trained on, with the weights of the encoder checkpoint the user already has (Black Forest
 Labs' recommended use of [dev]).
 
-The language model (loaders/models/language_model.py) is built with the pack's packed operations (ops.py), so
+The language model (loaders/upsampler/language_model.py) is built with the pack's packed operations (ops.py), so
 fp8, NVFP4 and GGUF weights stay packed and are expanded one layer at a time, and held by the host's plain
 patcher, so the host moves it to its text-encoder device and off again as it does its own models. The rewritten
 prompt is kept in the conditioning cache folder under everything that decides it: a prompt upsampled before is
@@ -24,10 +24,10 @@ from ..errors import HostError, InputError
 from ..loaders.cache.keys import UpsampleKey
 from ..loaders.cache.store import ConditioningCache, stat_signature, weights_fingerprint
 from ..loaders.models.encoder import EncoderPlan, plan_language_model, read_weights, resolve_plan_tokenizer
-from ..loaders.models.generation_settings import check_settings
-from ..loaders.models.images import MAX_DECODED_PIXELS, reference_image
-from ..loaders.models.language_model import MistralLM, Sampling, generate
-from ..loaders.models.vision import VisionEncoder, VisionPlan, plan_vision, prepare, read_vision_weights
+from ..loaders.upsampler.generation_settings import check_settings
+from ..loaders.upsampler.images import MAX_DECODED_PIXELS, reference_image
+from ..loaders.upsampler.language_model import MistralLM, Sampling, generate
+from ..loaders.upsampler.vision import VisionEncoder, VisionPlan, plan_vision, prepare, read_vision_weights
 from ..tokenizers.chat import EOS_ID, IMAGE_ID, MODES, SYSTEM_MESSAGES, chat_ids, check_prompt, reply_text
 from . import compat, ensure_comfy
 from .clip_model import compute_dtype

@@ -7,7 +7,7 @@ from comfy_api.latest import io
 from ..host import model
 from ..host.menus import chosen_path, model_choices
 from ..loaders.models.node_titles import title
-from .shared import MODEL_TOOLTIP, schema
+from .shared import MODEL_TOOLTIP, dtype_input, schema
 
 
 class Flux2DevGGUFTransformerLoader(io.ComfyNode):
@@ -28,18 +28,14 @@ class Flux2DevGGUFTransformerLoader(io.ComfyNode):
                     "models/diffusion_models or models/unet. Not a text encoder .gguf: those go to "
                     f"{title('Flux2DevEncoderLoader')}.",
                 ),
-                io.Combo.Input(
-                    "dequant_dtype",
-                    options=list(model.DEQUANT_DTYPES),
-                    default="default",
-                    tooltip="The precision each layer's weights are expanded to while sampling. default: the model's "
-                    "own compute precision (best for most); float32 uses more memory for no visible gain.",
+                dtype_input(
+                    "dequant_dtype", model.DEQUANT_DTYPES, "default",
+                    "The precision each layer's weights are expanded to while sampling. default: the model's own "
+                    "compute precision (best for most); float32 uses more memory for no visible gain.",
                 ),
-                io.Combo.Input(
-                    "patch_dtype",
-                    options=list(model.PATCH_DTYPES),
-                    default="float32",
-                    tooltip="The precision LoRAs are added in, on each expanded layer. float32 (the default) is exact; "
+                dtype_input(
+                    "patch_dtype", model.PATCH_DTYPES, "float32",
+                    "The precision LoRAs are added in, on each expanded layer. float32 (the default) is exact; "
                     "bfloat16 or float16 save a little memory with large LoRAs.",
                 ),
             ],

@@ -1,6 +1,8 @@
 """What more than one node shares: the schema's frame (title, search words, menu category) and input and output
 tooltips."""
 
+from comfy_api.latest import io
+
 from ..host.compat import node_schema
 from ..loaders.models.node_titles import NODES
 
@@ -14,6 +16,12 @@ def schema(node_id: str, description: str, inputs: list, outputs: list, category
     title, aliases = NODES[node_id]
     return node_schema(node_id=node_id, display_name=title, search_aliases=list(aliases), category=category,
                        description=description, inputs=inputs, outputs=outputs, is_output_node=is_output_node)
+
+
+def dtype_input(name: str, dtypes: dict, default: str, tooltip: str):
+    """A Combo input of the precisions in `dtypes` (their names, as host/ maps them to torch dtypes)."""
+    return io.Combo.Input(name, options=list(dtypes), default=default, tooltip=tooltip)
+
 
 PADDING_TOOLTIP = (
     "How the prompt's tokens are laid out. reference (the default): as Black Forest Labs' and diffusers' own "

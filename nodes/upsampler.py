@@ -7,7 +7,7 @@ from comfy_api.latest import io, ui
 
 from ..host.compat import fixed_seed_control
 from ..host.menus import chosen_path, model_choices
-from ..loaders.models.generation_settings import LIMITS
+from ..loaders.upsampler.generation_settings import LIMITS
 from ..tokenizers.chat import MODES
 from .shared import CONDITIONING_CATEGORY, schema
 

@@ -64,6 +64,22 @@ def numba_unavailable():
             compiled._converts.cache_clear()
 
 
+def quantizer_paths(without_numba: str, autouse: bool = False):
+    """The fixture `quantizer_path` of a quantizer's tests (assign it to that name in the test module): each test runs
+    with numba's compiled kernels ("numba"), then with numba made impossible to import, on the path that stands in
+    (`without_numba`: "torch" for gguf_quant, "python" for the K-quants' plain port)."""
+
+    @pytest.fixture(autouse=autouse, params=["numba", without_numba])
+    def quantizer_path(request):
+        if request.param == "numba":
+            yield request.param
+            return
+        with numba_unavailable():
+            yield request.param
+
+    return quantizer_path
+
+
 # --- child processes ----------------------------------------------------------------------------------------
 
 

@@ -64,7 +64,7 @@ _TEXT_MODEL = {
 }
 ENCODER_CONFIG = {**_TEXT_MODEL, "text_config": Field(dict, required=False, fields=_TEXT_MODEL)}  # config.json
 # What prompt upsampling reads of a Mistral3 config.json to build its vision tower and projector
-# (loaders/models/vision.py).
+# (loaders/upsampler/vision.py).
 PIXTRAL_CONFIG = {
     "hidden_size": Field(int, lo=1, hi=1 << 16),
     "intermediate_size": Field(int, lo=1, hi=1 << 18),

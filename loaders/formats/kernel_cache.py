@@ -26,6 +26,7 @@ import numba
 from llvmlite import binding
 from numba.core import compiler, config
 from numba.core.caching import NullCache
+from numba.core.dispatcher import Dispatcher
 from numba.core.serialize import dumps
 from numba.misc.appdirs import AppDirs
 
@@ -69,13 +70,23 @@ def keep_on_disk(kernels, source: Path, module_name: str) -> None:
         kernel._cache = KernelCache(kernel.py_func, where)
 
 
+def _closure_value(value):
+    """What a value a kernel closes over adds to its key: a numba function it calls (numba_kernels' block functions)
+    by its name and code, as the kernel itself is keyed (numba's pickle of a dispatcher differs from process to
+    process); any other value (a constant) as it is."""
+    if isinstance(value, Dispatcher):
+        code = value.py_func.__code__
+        return value.py_func.__qualname__, code.co_code, repr(code.co_consts)
+    return value
+
+
 class KernelCache(NullCache):
     """One kernel's entries, one file per signature (numba's cache interface: the dispatcher calls load_overload
     before compiling, save_overload after; the rest does nothing, as in NullCache)."""
 
     def __init__(self, py_func, where: Path | None):
         self._py_func, self._folder = py_func, where
-        closure = tuple(cell.cell_contents for cell in py_func.__closure__ or ())
+        closure = tuple(_closure_value(cell.cell_contents) for cell in py_func.__closure__ or ())
         self._code = (py_func.__qualname__, hashlib.sha256(py_func.__code__.co_code).hexdigest(),
                       hashlib.sha256(dumps(closure) if closure else b"").hexdigest())
 

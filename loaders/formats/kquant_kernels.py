@@ -312,16 +312,22 @@ def q2_k(blocks, out):
         _pack_crumbs(o, 16, L)
 
 
+def _peak(scales):
+    """Q3_K and Q6_K: the first of a block's 16 scales with the largest magnitude, and that magnitude (0, 0 where all
+    are 0)."""
+    peak, magnitude = _F32(0.0), _F32(0.0)
+    for j in range(16):
+        if abs(scales[j]) > magnitude:
+            peak, magnitude = scales[j], abs(scales[j])
+    return peak, magnitude
+
+
 def q3_k(blocks, out):
     L, scales, scratch = np.empty(QK_K, np.int32), np.empty(16, np.float32), np.empty(SCRATCH, np.float32)
     for i in range(blocks.shape[0]):
         x, o = blocks[i], out[i]
-        max_scale, amax = _F32(0.0), _F32(0.0)
         _make_q3_quants(16, 16, 4, x, L, scales, scratch)
-        for j in range(16):
-            scale = abs(scales[j])
-            if scale > amax:
-                amax, max_scale = scale, scales[j]
+        max_scale = _peak(scales)[0]
         for j in range(96, 108):
             o[j] = 0
         if max_scale != _F32(0.0):
@@ -407,51 +413,44 @@ def _q45_k(x, o, nmax, L, scales, mins):
             L[32 * j + ii] = _clamp(_nearest_int((x[32 * j + ii] + dm) / dj), 0, nmax)
 
 
-def q4_k(blocks, out):
+def _q45_kernel(blocks, out, nmax, rmin, nstep):
+    """Q4_K (nmax 15) and Q5_K (nmax 31): blocks searched two at a time (_q45_search), then each one's scales and codes
+    (_q45_k) and its code bytes: Q4_K's codes n + k and n + k + 32 (n = 0, 64, ...) as the low and high nibble of byte
+    16 + n / 2 + k; Q5_K's the same from byte 48, their fifth bits at bits n / 32 and n / 32 + 1 of qh byte 16 + k."""
     codes, values = np.empty(2 * QK_K, np.int32), np.empty(2 * QK_K, np.float32)
     weights = np.empty(2 * QK_K, np.float32)
     scales, mins, scratch = np.empty(16, np.float32), np.empty(16, np.float32), np.empty(SCRATCH, np.float32)
+    qs = 16 if nmax == 15 else 48
     for b in range(blocks.shape[0]):
         if b % 2 == 0:
-            _q45_search(blocks, b, 15, _F32(-1.0), 20, values, weights, codes, scales, mins, scratch)
+            _q45_search(blocks, b, nmax, rmin, nstep, values, weights, codes, scales, mins, scratch)
         h, o = b % 2, out[b]
         L = codes[QK_K * h:QK_K * h + QK_K]
-        _q45_k(blocks[b], o, 15, L, scales[8 * h:8 * h + 8], mins[8 * h:8 * h + 8])
-        for j in range(0, QK_K, 64):
-            for k in range(32):
-                o[16 + j // 2 + k] = np.uint8(L[j + k] | (L[j + k + 32] << 4))
+        _q45_k(blocks[b], o, nmax, L, scales[8 * h:8 * h + 8], mins[8 * h:8 * h + 8])
+        for k in range(32):
+            qh = 0
+            for n in range(0, QK_K, 64):
+                l1, l2 = L[n + k], L[n + k + 32]
+                qh |= ((l1 >> 4) << (n // 32)) | ((l2 >> 4) << (n // 32 + 1))
+                o[qs + n // 2 + k] = np.uint8((l1 & 15) | ((l2 & 15) << 4))
+            if nmax == 31:
+                o[16 + k] = np.uint8(qh)
+
+
+def q4_k(blocks, out):
+    _q45_kernel(blocks, out, 15, _F32(-1.0), 20)
 
 
 def q5_k(blocks, out):
-    codes, values = np.empty(2 * QK_K, np.int32), np.empty(2 * QK_K, np.float32)
-    weights = np.empty(2 * QK_K, np.float32)
-    scales, mins, scratch = np.empty(16, np.float32), np.empty(16, np.float32), np.empty(SCRATCH, np.float32)
-    for b in range(blocks.shape[0]):
-        if b % 2 == 0:
-            _q45_search(blocks, b, 31, _F32(-0.5), 15, values, weights, codes, scales, mins, scratch)
-        h, o = b % 2, out[b]
-        L = codes[QK_K * h:QK_K * h + QK_K]
-        _q45_k(blocks[b], o, 31, L, scales[8 * h:8 * h + 8], mins[8 * h:8 * h + 8])
-        # the fifth bit of codes n + j and n + j + 32 (n = 0, 64, ...) at bits n / 32 and n / 32 + 1 of qh byte j
-        for j in range(32):
-            qh = 0
-            for n in range(0, QK_K, 64):
-                l1, l2 = L[n + j], L[n + j + 32]
-                qh |= ((l1 >> 4) << (n // 32)) | ((l2 >> 4) << (n // 32 + 1))
-                o[48 + n // 2 + j] = np.uint8((l1 & 15) | ((l2 & 15) << 4))
-            o[16 + j] = np.uint8(qh)
+    _q45_kernel(blocks, out, 31, _F32(-0.5), 15)
 
 
 def q6_k(blocks, out):
     L, scales, scratch = np.empty(QK_K, np.int32), np.empty(16, np.float32), np.empty(SCRATCH, np.float32)
     for i in range(blocks.shape[0]):
         x, o = blocks[i], out[i]
-        max_scale, max_abs_scale = _F32(0.0), _F32(0.0)
         _make_qx_quants(16, 16, 32, x, L, scales, scratch)
-        for ib in range(16):
-            scale = scales[ib]
-            if abs(scale) > max_abs_scale:
-                max_abs_scale, max_scale = abs(scale), scale
+        max_scale, max_abs_scale = _peak(scales)
         if max_abs_scale < _GROUP_MAX_EPS:
             for k in range(o.shape[0]):
                 o[k] = 0
@@ -480,9 +479,8 @@ def q6_k(blocks, out):
 KERNELS = {"Q2_K": "q2_k", "Q3_K": "q3_k", "Q4_K": "q4_k", "Q5_K": "q5_k", "Q6_K": "q6_k"}
 # Every function of this module, in the order they call each other (a callee compiled before its callers)
 _FUNCTIONS = ("_bits", "_from_bits", "_nearest_int", "_fp16", "_fp32", "_put_fp16", "_i8", "_clamp", "_peaks",
-              "_qx_sums", "_make_qx_quants", "_make_q3_quants", "_make_qkx2_quants", "_pack_crumbs", "_q45_search",
-              "_q45_k",
-              *KERNELS.values())
+              "_qx_sums", "_make_qx_quants", "_make_q3_quants", "_make_qkx2_quants", "_pack_crumbs", "_peak",
+              "_q45_search", "_q45_k", "_q45_kernel", *KERNELS.values())
 
 
 def compile_all(njit) -> list:

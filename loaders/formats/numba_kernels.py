@@ -159,38 +159,47 @@ def _i8(byte):
 # output's shape, while its indexes use literal offsets: 3-7x the speed of the same code with w literal.
 
 
-@_kernel
-def q8_0(blocks, out, halves):
-    w = out.shape[1]
-    for i in range(blocks.shape[0]):
-        b, o = blocks[i], out[i]
-        d = _f16(b, 0, halves)
-        for k in range(w):
-            _put(o, k, _F32(_i8(b[2 + k])) * d)
+def _gguf(loops):
+    """A type's kernel from the function that dequantizes one of its blocks, block(b, o, w, halves): b its bytes, o
+    its values, w = the block's values // `loops` (the inner loops' trips, from the output's shape as above). The
+    block function is inlined into the one loop over the blocks; `loops` is a constant of the kernel (a closure)."""
+    def wrap(function):
+        block = njit(inline="always")(function)
+
+        @_kernel
+        def kernel(blocks, out, halves):
+            w = out.shape[1] // loops
+            for i in range(blocks.shape[0]):
+                block(blocks[i], out[i], w, halves)
+
+        return kernel
+
+    return wrap
 
 
-@_kernel
-def q4_0(blocks, out, halves):
-    w = out.shape[1] // 2
-    for i in range(blocks.shape[0]):
-        b, o = blocks[i], out[i]
-        d = _f16(b, 0, halves)
-        for k in range(w):
-            q = np.int32(b[2 + k])
-            _put(o, k, d * _F32((q & 15) - 8))
-            _put(o, 16 + k, d * _F32((q >> 4) - 8))
+@_gguf(1)
+def q8_0(b, o, w, halves):
+    d = _f16(b, 0, halves)
+    for k in range(w):
+        _put(o, k, _F32(_i8(b[2 + k])) * d)
 
 
-@_kernel
-def q4_1(blocks, out, halves):
-    w = out.shape[1] // 2
-    for i in range(blocks.shape[0]):
-        b, o = blocks[i], out[i]
-        d, m = _f16(b, 0, halves), _f16(b, 2, halves)
-        for k in range(w):
-            q = np.int32(b[4 + k])
-            _put(o, k, d * _F32(q & 15) + m)
-            _put(o, 16 + k, d * _F32(q >> 4) + m)
+@_gguf(2)
+def q4_0(b, o, w, halves):
+    d = _f16(b, 0, halves)
+    for k in range(w):
+        q = np.int32(b[2 + k])
+        _put(o, k, d * _F32((q & 15) - 8))
+        _put(o, 16 + k, d * _F32((q >> 4) - 8))
+
+
+@_gguf(2)
+def q4_1(b, o, w, halves):
+    d, m = _f16(b, 0, halves), _f16(b, 2, halves)
+    for k in range(w):
+        q = np.int32(b[4 + k])
+        _put(o, k, d * _F32(q & 15) + m)
+        _put(o, 16 + k, d * _F32(q >> 4) + m)
 
 
 @njit
@@ -205,47 +214,38 @@ def _bit16(field, k):
     return np.int32((field >> _U32(k)) & _U32(1)) << 4
 
 
-@_kernel
-def q5_0(blocks, out, halves):
-    w = out.shape[1] // 2
-    for i in range(blocks.shape[0]):
-        b, o = blocks[i], out[i]
-        d, qh = _f16(b, 0, halves), _u32(b, 2)
-        for k in range(w):
-            q = np.int32(b[6 + k])
-            _put(o, k, d * _F32(((q & 15) | _bit16(qh, k)) - 16))
-            _put(o, 16 + k, d * _F32(((q >> 4) | _bit16(qh, 16 + k)) - 16))
+@_gguf(2)
+def q5_0(b, o, w, halves):
+    d, qh = _f16(b, 0, halves), _u32(b, 2)
+    for k in range(w):
+        q = np.int32(b[6 + k])
+        _put(o, k, d * _F32(((q & 15) | _bit16(qh, k)) - 16))
+        _put(o, 16 + k, d * _F32(((q >> 4) | _bit16(qh, 16 + k)) - 16))
 
 
-@_kernel
-def q5_1(blocks, out, halves):
-    w = out.shape[1] // 2
-    for i in range(blocks.shape[0]):
-        b, o = blocks[i], out[i]
-        d, m, qh = _f16(b, 0, halves), _f16(b, 2, halves), _u32(b, 4)
-        for k in range(w):
-            q = np.int32(b[8 + k])
-            _put(o, k, d * _F32((q & 15) | _bit16(qh, k)) + m)
-            _put(o, 16 + k, d * _F32((q >> 4) | _bit16(qh, 16 + k)) + m)
+@_gguf(2)
+def q5_1(b, o, w, halves):
+    d, m, qh = _f16(b, 0, halves), _f16(b, 2, halves), _u32(b, 4)
+    for k in range(w):
+        q = np.int32(b[8 + k])
+        _put(o, k, d * _F32((q & 15) | _bit16(qh, k)) + m)
+        _put(o, 16 + k, d * _F32((q >> 4) | _bit16(qh, 16 + k)) + m)
 
 
-@_kernel
-def q2_k(blocks, out, halves):
-    w = out.shape[1] // 16
-    for i in range(blocks.shape[0]):
-        b, o = blocks[i], out[i]
-        d, dmin = _f16(b, 80, halves), _f16(b, 82, halves)
-        # value at + k (at = h * 128 + j * 32, k < 32): crumb j of byte 16 + h * 32 + k; the scale and min
-        # of its 16 are the nibbles of byte value // 16
-        for h in range(2):
-            for j in range(4):
-                at, qs, shift = h * 128 + j * 32, 16 + h * 32, 2 * j
-                s0, s1 = np.int32(b[at >> 4]), np.int32(b[(at >> 4) + 1])
-                d0, m0 = d * _F32(s0 & 15), dmin * _F32(s0 >> 4)
-                d1, m1 = d * _F32(s1 & 15), dmin * _F32(s1 >> 4)
-                for k in range(w):
-                    _put(o, at + k, d0 * _F32((np.int32(b[qs + k]) >> shift) & 3) - m0)
-                    _put(o, at + 16 + k, d1 * _F32((np.int32(b[qs + 16 + k]) >> shift) & 3) - m1)
+@_gguf(16)
+def q2_k(b, o, w, halves):
+    d, dmin = _f16(b, 80, halves), _f16(b, 82, halves)
+    # value at + k (at = h * 128 + j * 32, k < 32): crumb j of byte 16 + h * 32 + k; the scale and min
+    # of its 16 are the nibbles of byte value // 16
+    for h in range(2):
+        for j in range(4):
+            at, qs, shift = h * 128 + j * 32, 16 + h * 32, 2 * j
+            s0, s1 = np.int32(b[at >> 4]), np.int32(b[(at >> 4) + 1])
+            d0, m0 = d * _F32(s0 & 15), dmin * _F32(s0 >> 4)
+            d1, m1 = d * _F32(s1 & 15), dmin * _F32(s1 >> 4)
+            for k in range(w):
+                _put(o, at + k, d0 * _F32((np.int32(b[qs + k]) >> shift) & 3) - m0)
+                _put(o, at + 16 + k, d1 * _F32((np.int32(b[qs + 16 + k]) >> shift) & 3) - m1)
 
 
 @njit
@@ -256,25 +256,22 @@ def _q3_k_scale(b, s, d):
     return d * _F32(_i8(low | (high << 4)) - 32)
 
 
-@_kernel
-def q3_k(blocks, out, halves):
-    w = out.shape[1] // 16
-    for i in range(blocks.shape[0]):
-        b, o = blocks[i], out[i]
-        d = _f16(b, 108, halves)
-        # value at + k (at = h * 128 + j * 32, k < 32): crumb j of byte 32 + h * 32 + k, minus 4 unless
-        # bit h * 4 + j of hmask byte k is set; scale value // 16
-        for h in range(2):
-            for j in range(4):
-                at, qs, shift, hshift = h * 128 + j * 32, 32 + h * 32, 2 * j, h * 4 + j
-                d0, d1 = _q3_k_scale(b, at >> 4, d), _q3_k_scale(b, (at >> 4) + 1, d)
-                for k in range(w):
-                    q = (np.int32(b[qs + k]) >> shift) & 3
-                    q -= (((np.int32(b[k]) >> hshift) & 1) ^ 1) << 2
-                    _put(o, at + k, d0 * _F32(q))
-                    q = (np.int32(b[qs + 16 + k]) >> shift) & 3
-                    q -= (((np.int32(b[16 + k]) >> hshift) & 1) ^ 1) << 2
-                    _put(o, at + 16 + k, d1 * _F32(q))
+@_gguf(16)
+def q3_k(b, o, w, halves):
+    d = _f16(b, 108, halves)
+    # value at + k (at = h * 128 + j * 32, k < 32): crumb j of byte 32 + h * 32 + k, minus 4 unless
+    # bit h * 4 + j of hmask byte k is set; scale value // 16
+    for h in range(2):
+        for j in range(4):
+            at, qs, shift, hshift = h * 128 + j * 32, 32 + h * 32, 2 * j, h * 4 + j
+            d0, d1 = _q3_k_scale(b, at >> 4, d), _q3_k_scale(b, (at >> 4) + 1, d)
+            for k in range(w):
+                q = (np.int32(b[qs + k]) >> shift) & 3
+                q -= (((np.int32(b[k]) >> hshift) & 1) ^ 1) << 2
+                _put(o, at + k, d0 * _F32(q))
+                q = (np.int32(b[qs + 16 + k]) >> shift) & 3
+                q -= (((np.int32(b[16 + k]) >> hshift) & 1) ^ 1) << 2
+                _put(o, at + 16 + k, d1 * _F32(q))
 
 
 @njit
@@ -289,57 +286,47 @@ def _k4_scales(b, j, d, dmin):
     return d * _F32(sc), dmin * _F32(mn)
 
 
-@_kernel
-def q4_k(blocks, out, halves):
-    w = out.shape[1] // 8
-    for i in range(blocks.shape[0]):
-        b, o = blocks[i], out[i]
-        d, dmin = _f16(b, 0, halves), _f16(b, 2, halves)
-        # value g * 64 + k: low nibble of byte 16 + g * 32 + k; value g * 64 + 32 + k: its high nibble
-        for g in range(4):
-            d0, m0 = _k4_scales(b, 2 * g, d, dmin)
-            d1, m1 = _k4_scales(b, 2 * g + 1, d, dmin)
+@njit(inline="always")
+def _k4(b, o, w, halves, qs, fifth):
+    """Q4_K (fifth False) and Q5_K: value g * 64 + k is the low nibble of byte qs + g * 32 + k, value g * 64 + 32 + k
+    its high nibble; Q5_K's fifth bit of value v is bit v // 32 of qh byte 16 + v % 32. `fifth` is a constant of the
+    caller, so Q4_K's code has no trace of it."""
+    d, dmin = _f16(b, 0, halves), _f16(b, 2, halves)
+    for g in range(4):
+        d0, m0 = _k4_scales(b, 2 * g, d, dmin)
+        d1, m1 = _k4_scales(b, 2 * g + 1, d, dmin)
+        for k in range(w):
+            q = np.int32(b[qs + g * 32 + k])
+            qh = np.int32(b[16 + k]) >> (2 * g) if fifth else np.int32(0)
+            _put(o, g * 64 + k, d0 * _F32((q & 15) | ((qh & 1) << 4)) - m0)
+            _put(o, g * 64 + 32 + k, d1 * _F32((q >> 4) | ((qh & 2) << 3)) - m1)
+
+
+@_gguf(8)
+def q4_k(b, o, w, halves):
+    _k4(b, o, w, halves, 16, False)
+
+
+@_gguf(8)
+def q5_k(b, o, w, halves):
+    _k4(b, o, w, halves, 48, True)
+
+
+@_gguf(16)
+def q6_k(b, o, w, halves):
+    d = _f16(b, 208, halves)
+    # value at + k (at = h * 128 + j * 32, k < 32): nibble j // 2 of ql byte h * 64 + (j % 2) * 32 + k,
+    # crumb j of qh byte 128 + h * 32 + k as bits 4-5, minus 32; scale: int8 byte 192 + value // 16
+    for h in range(2):
+        for j in range(4):
+            at, ql, qh = h * 128 + j * 32, h * 64 + (j & 1) * 32, 128 + h * 32
+            lshift, hshift = 4 * (j >> 1), 2 * j
+            d0, d1 = d * _F32(_i8(b[192 + (at >> 4)])), d * _F32(_i8(b[193 + (at >> 4)]))
             for k in range(w):
-                q = np.int32(b[16 + g * 32 + k])
-                _put(o, g * 64 + k, d0 * _F32(q & 15) - m0)
-                _put(o, g * 64 + 32 + k, d1 * _F32(q >> 4) - m1)
-
-
-@_kernel
-def q5_k(blocks, out, halves):
-    w = out.shape[1] // 8
-    for i in range(blocks.shape[0]):
-        b, o = blocks[i], out[i]
-        d, dmin = _f16(b, 0, halves), _f16(b, 2, halves)
-        # as Q4_K (nibbles from byte 48), with bit value // 32 of qh byte 16 + value % 32 as the fifth bit
-        for g in range(4):
-            d0, m0 = _k4_scales(b, 2 * g, d, dmin)
-            d1, m1 = _k4_scales(b, 2 * g + 1, d, dmin)
-            for k in range(w):
-                q = np.int32(b[48 + g * 32 + k])
-                qh = np.int32(b[16 + k]) >> (2 * g)
-                _put(o, g * 64 + k, d0 * _F32((q & 15) | ((qh & 1) << 4)) - m0)
-                _put(o, g * 64 + 32 + k, d1 * _F32((q >> 4) | ((qh & 2) << 3)) - m1)
-
-
-@_kernel
-def q6_k(blocks, out, halves):
-    w = out.shape[1] // 16
-    for i in range(blocks.shape[0]):
-        b, o = blocks[i], out[i]
-        d = _f16(b, 208, halves)
-        # value at + k (at = h * 128 + j * 32, k < 32): nibble j // 2 of ql byte h * 64 + (j % 2) * 32 + k,
-        # crumb j of qh byte 128 + h * 32 + k as bits 4-5, minus 32; scale: int8 byte 192 + value // 16
-        for h in range(2):
-            for j in range(4):
-                at, ql, qh = h * 128 + j * 32, h * 64 + (j & 1) * 32, 128 + h * 32
-                lshift, hshift = 4 * (j >> 1), 2 * j
-                d0, d1 = d * _F32(_i8(b[192 + (at >> 4)])), d * _F32(_i8(b[193 + (at >> 4)]))
-                for k in range(w):
-                    q = ((np.int32(b[ql + k]) >> lshift) & 15) | (((np.int32(b[qh + k]) >> hshift) & 3) << 4)
-                    _put(o, at + k, d0 * _F32(q - 32))
-                    q = ((np.int32(b[ql + 16 + k]) >> lshift) & 15) | (((np.int32(b[qh + 16 + k]) >> hshift) & 3) << 4)
-                    _put(o, at + 16 + k, d1 * _F32(q - 32))
+                q = ((np.int32(b[ql + k]) >> lshift) & 15) | (((np.int32(b[qh + k]) >> hshift) & 3) << 4)
+                _put(o, at + k, d0 * _F32(q - 32))
+                q = ((np.int32(b[ql + 16 + k]) >> lshift) & 15) | (((np.int32(b[qh + 16 + k]) >> hshift) & 3) << 4)
+                _put(o, at + 16 + k, d1 * _F32(q - 32))
 
 
 # The IQ4 code book (kvalues_iq4nl in ggml) as two int64 words of eight int8 values each: a code's value is
@@ -355,34 +342,28 @@ def _iq4(q):
     return _F32(_i8((word >> ((q & 7) * 8)) & 255))
 
 
-@_kernel
-def iq4_nl(blocks, out, halves):
-    w = out.shape[1] // 2
-    for i in range(blocks.shape[0]):
-        b, o = blocks[i], out[i]
-        d = _f16(b, 0, halves)
+@_gguf(2)
+def iq4_nl(b, o, w, halves):
+    d = _f16(b, 0, halves)
+    for k in range(w):
+        q = np.int32(b[2 + k])
+        _put(o, k, d * _iq4(q & 15))
+        _put(o, 16 + k, d * _iq4(q >> 4))
+
+
+@_gguf(16)
+def iq4_xs(b, o, w, halves):
+    d = _f16(b, 0, halves)
+    high = np.int32(b[2]) | (np.int32(b[3]) << 8)
+    # sub-block j: scale from nibble j % 2 of byte 4 + j // 2 and crumb j of bytes 2-3, minus 32;
+    # value j * 32 + k: low nibble of byte 8 + j * 16 + k (k < 16), high nibble for k >= 16
+    for j in range(8):
+        low = (np.int32(b[4 + (j >> 1)]) >> (4 * (j & 1))) & 15
+        dl = d * _F32(_i8(low | (((high >> (2 * j)) & 3) << 4)) - 32)
         for k in range(w):
-            q = np.int32(b[2 + k])
-            _put(o, k, d * _iq4(q & 15))
-            _put(o, 16 + k, d * _iq4(q >> 4))
-
-
-@_kernel
-def iq4_xs(blocks, out, halves):
-    w = out.shape[1] // 16
-    for i in range(blocks.shape[0]):
-        b, o = blocks[i], out[i]
-        d = _f16(b, 0, halves)
-        high = np.int32(b[2]) | (np.int32(b[3]) << 8)
-        # sub-block j: scale from nibble j % 2 of byte 4 + j // 2 and crumb j of bytes 2-3, minus 32;
-        # value j * 32 + k: low nibble of byte 8 + j * 16 + k (k < 16), high nibble for k >= 16
-        for j in range(8):
-            low = (np.int32(b[4 + (j >> 1)]) >> (4 * (j & 1))) & 15
-            dl = d * _F32(_i8(low | (((high >> (2 * j)) & 3) << 4)) - 32)
-            for k in range(w):
-                q = np.int32(b[8 + j * 16 + k])
-                _put(o, j * 32 + k, dl * _iq4(q & 15))
-                _put(o, j * 32 + 16 + k, dl * _iq4(q >> 4))
+            q = np.int32(b[8 + j * 16 + k])
+            _put(o, j * 32 + k, dl * _iq4(q & 15))
+            _put(o, j * 32 + 16 + k, dl * _iq4(q >> 4))
 
 
 # GGUF type name -> kernel

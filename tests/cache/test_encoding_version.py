@@ -16,7 +16,7 @@ import pytest
 
 from comfyui_flux2dev.host import clip_model, upsampler
 from comfyui_flux2dev.loaders.cache.keys import ENCODING_VERSION, GENERATION_VERSION
-from comfyui_flux2dev.loaders.models import images, language_model, vision
+from comfyui_flux2dev.loaders.upsampler import images, language_model, vision
 from comfyui_flux2dev.tokenizers import chat, prompt
 
 # One row per version in loaders/cache/keys.py: what it stands for, the code it guards (functions and classes:

@@ -16,16 +16,9 @@ from comfyui_flux2dev.loaders.formats import compiled, quant_rows, steps
 from comfyui_flux2dev.loaders.formats.gguf_quant import quantize
 from comfyui_flux2dev.loaders.formats.gguf_types import LEGACY_TYPES, WRITE_TYPES
 from comfyui_flux2dev.loaders.formats.quant_rows import NotQuantizable
-from helpers import numba_unavailable
+from helpers import quantizer_paths
 
-
-@pytest.fixture(autouse=True, params=["numba", "torch"])
-def quantizer_path(request):
-    if request.param == "numba":
-        yield request.param
-        return
-    with numba_unavailable():
-        yield request.param
+quantizer_path = quantizer_paths("torch", autouse=True)
 
 
 @pytest.mark.parametrize("qtype", [q for q in LEGACY_TYPES if q != Q.F32], ids=lambda q: q.name)

@@ -19,16 +19,9 @@ from comfyui_flux2dev.loaders.formats import compiled, kquants, steps
 from comfyui_flux2dev.loaders.formats.gguf_types import BY_TYPE, K_TYPES
 from comfyui_flux2dev.loaders.formats.kquants import quantize
 from comfyui_flux2dev.loaders.formats.quant_rows import NotQuantizable, quantized_nbytes
-from helpers import numba_unavailable, time_bound
+from helpers import quantizer_paths, time_bound
 
-
-@pytest.fixture(params=["numba", "python"])
-def quantizer_path(request):
-    if request.param == "numba":
-        yield request.param
-        return
-    with numba_unavailable():
-        yield request.param
+quantizer_path = quantizer_paths("python")
 
 
 def _blocks(*rows) -> np.ndarray:

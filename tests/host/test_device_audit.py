@@ -195,8 +195,8 @@ def test_a_gguf_layer_keeps_its_type_as_a_number_wherever_it_moves(comfy_host):
 
 
 def _language_model(device=None):
-    from comfyui_flux2dev.loaders.models.language_model import MistralLM
     from comfyui_flux2dev.loaders.models.variants import MistralEncoderGeometry
+    from comfyui_flux2dev.loaders.upsampler.language_model import MistralLM
 
     g = MistralEncoderGeometry(width=32, heads=4, kv_heads=2, mlp=64, vocab=100, head_dim=8, layers=(2,))
     torch.manual_seed(3)

@@ -21,11 +21,6 @@ from comfyui_flux2dev.loaders.models.pipeline import (
 from comfyui_flux2dev.loaders.models.variants import VARIANTS
 
 
-@pytest.fixture(scope="module")
-def pipelines(tiny_part):
-    return tiny_part("diffusers")
-
-
 def refusal(call, *args) -> str:
     """The message of the VariantMismatchError `call(*args)` raises."""
     with pytest.raises(VariantMismatchError) as e:
@@ -33,19 +28,19 @@ def refusal(call, *args) -> str:
     return str(e.value)
 
 
-def test_pipelines_are_found_and_identified(pipelines, tmp_path):
-    root, entries = pipelines
+def test_pipelines_are_found_and_identified(tiny_pipelines, tmp_path):
+    root, entries = tiny_pipelines
     assert pipeline_class(tmp_path) is None
     for entry in entries:
         assert pipeline_class(root / entry["path"]) in ("Flux2Pipeline", "Flux2KleinPipeline")
         assert describe_pipeline(root / entry["path"]).variant.key == entry["variant"]
 
 
-def test_tiny_pipelines_load_in_diffusers(pipelines):
+def test_tiny_pipelines_load_in_diffusers(tiny_pipelines):
     from diffusers import AutoencoderKLFlux2, Flux2KleinPipeline, Flux2Transformer2DModel
     from transformers import Mistral3ForConditionalGeneration
 
-    root, _ = pipelines
+    root, _ = tiny_pipelines
     for variant in TINY_VARIANTS[1:]:
         pipe = Flux2KleinPipeline.from_pretrained(str(root / f"flux2-{variant.key}-tiny-pipeline"), dtype=torch.float32)
         assert pipe.text_encoder.config.hidden_size == variant.encoder_width
@@ -57,8 +52,8 @@ def test_tiny_pipelines_load_in_diffusers(pipelines):
     assert encoder.config.text_config.hidden_size == TINY_VARIANTS[0].encoder_width
 
 
-def test_klein_pipeline_is_refused_as_dev_encoder_before_any_weight_is_read(pipelines, tmp_path):
-    root, _ = pipelines
+def test_klein_pipeline_is_refused_as_dev_encoder_before_any_weight_is_read(tiny_pipelines, tmp_path):
+    root, _ = tiny_pipelines
     klein = tmp_path / "FLUX.2-klein-4B"
     shutil.copytree(root / "flux2-klein-4b-tiny-pipeline", klein)
     for weights in (klein / "text_encoder").glob("*.safetensors"):
@@ -86,8 +81,8 @@ def test_klein_refusal_on_real_dimensions(variant):
     assert {7680: "klein-4b", 12288: "klein-9b"}[variant.context_in_dim] == variant.key
 
 
-def test_a_pipeline_that_contradicts_itself_says_which_part_says_what(pipelines, tmp_path):
-    root, _ = pipelines
+def test_a_pipeline_that_contradicts_itself_says_which_part_says_what(tiny_pipelines, tmp_path):
+    root, _ = tiny_pipelines
     mixed = tmp_path / "mixed"
     shutil.copytree(root / "flux2-klein-4b-tiny-pipeline", mixed)
     shutil.rmtree(mixed / "transformer")
@@ -133,10 +128,10 @@ def test_other_pipelines_are_not_flux2(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def registered(comfy_host, pipelines):
+def registered(comfy_host, tiny_pipelines):
     import folder_paths
 
-    root, _ = pipelines
+    root, _ = tiny_pipelines
     folder_paths.add_model_folder_path("diffusers", str(root))
     return root
 

@@ -17,13 +17,8 @@ from comfyui_flux2dev.loaders.models.transformer_layout import (
 from helpers import fp8_weights
 
 
-@pytest.fixture(scope="module")
-def tiny(tiny_part):
-    return tiny_part("diffusion_models")
-
-
-def entries_of(tiny, **match):
-    return [e for e in tiny[1] if all(e[k] == v for k, v in match.items())]
+def entries_of(part, **match):
+    return [e for e in part[1] if all(e[k] == v for k, v in match.items())]
 
 
 def diffusers_reference(folder):
@@ -80,12 +75,12 @@ def bfl_to_diffusers(bfl):
 
 
 @pytest.mark.parametrize("variant", TINY_VARIANTS, ids=lambda v: v.key)
-def test_tiny_files_are_what_they_claim(tiny, variant):
+def test_tiny_files_are_what_they_claim(tiny_transformers, variant):
     from safetensors.torch import load_file
 
-    root, _ = tiny
-    (bfl,) = entries_of(tiny, variant=variant.key, layout="BFL", format="bf16")
-    (folder,) = entries_of(tiny, variant=variant.key, layout="diffusers")
+    root, _ = tiny_transformers
+    (bfl,) = entries_of(tiny_transformers, variant=variant.key, layout="BFL", format="bf16")
+    (folder,) = entries_of(tiny_transformers, variant=variant.key, layout="diffusers")
     ref = diffusers_reference(root / folder["path"])
     assert (root / folder["path"] / "diffusion_pytorch_model.safetensors.index.json").is_file()  # sharded
     assert ref.config.joint_attention_dim == variant.context_in_dim and ref.config.guidance_embeds == variant.guidance
@@ -96,14 +91,14 @@ def test_tiny_files_are_what_they_claim(tiny, variant):
         assert torch.equal(converted[key], expected[key]), key
 
 
-def test_fp8_files_hold_the_bf16_model_quantized(tiny):
+def test_fp8_files_hold_the_bf16_model_quantized(tiny_transformers):
     from safetensors.torch import load_file
 
-    root, _ = tiny
-    (bf16,) = entries_of(tiny, variant="dev", layout="BFL", format="bf16")
+    root, _ = tiny_transformers
+    (bf16,) = entries_of(tiny_transformers, variant="dev", layout="BFL", format="bf16")
     exact = {k: v.float() for k, v in load_file(str(root / bf16["path"])).items()}
     for spelling in FP8_SPELLINGS:
-        (entry,) = [e for e in entries_of(tiny, format="fp8-scaled") if spelling in e["path"]]
+        (entry,) = [e for e in entries_of(tiny_transformers, format="fp8-scaled") if spelling in e["path"]]
         stored = load_file(str(root / entry["path"]))
         assert any(k.endswith(f".{FP8_SPELLINGS[spelling][0]}") for k in stored)
         assert stored["double_blocks.0.img_attn.qkv.weight"].dtype == torch.float8_e4m3fn
@@ -115,12 +110,12 @@ def test_fp8_files_hold_the_bf16_model_quantized(tiny):
 
 @pytest.mark.parametrize("layout", ["BFL", "diffusers"])
 @pytest.mark.parametrize("variant", TINY_VARIANTS, ids=lambda v: v.key)
-def test_model_matches_diffusers(comfy_host, tiny, variant, layout, device):
+def test_model_matches_diffusers(comfy_host, tiny_transformers, variant, layout, device):
     from comfyui_flux2dev.host.model import load_model
 
-    root, _ = tiny
-    (entry,) = entries_of(tiny, variant=variant.key, layout=layout, format="bf16")
-    (folder,) = entries_of(tiny, variant=variant.key, layout="diffusers")
+    root, _ = tiny_transformers
+    (entry,) = entries_of(tiny_transformers, variant=variant.key, layout=layout, format="bf16")
+    (folder,) = entries_of(tiny_transformers, variant=variant.key, layout="diffusers")
     patcher = load_model(root / entry["path"], dtype=torch.float32)
     assert patcher.model.diffusion_model.params.num_heads == variant.num_heads
     expected = reference_output(diffusers_reference(root / folder["path"]), variant, device)
@@ -130,15 +125,15 @@ def test_model_matches_diffusers(comfy_host, tiny, variant, layout, device):
 
 
 @pytest.mark.parametrize("spelling", list(FP8_SPELLINGS))
-def test_fp8_model_matches_diffusers_on_dequantized_weights(comfy_host, tiny, spelling, device):
+def test_fp8_model_matches_diffusers_on_dequantized_weights(comfy_host, tiny_transformers, spelling, device):
     from diffusers import Flux2Transformer2DModel
 
     from comfyui_flux2dev.host.model import load_model
 
-    root, _ = tiny
+    root, _ = tiny_transformers
     variant = next(v for v in TINY_VARIANTS if v.key == "dev")
-    (entry,) = [e for e in entries_of(tiny, format="fp8-scaled") if spelling in e["path"]]
-    (folder,) = entries_of(tiny, variant="dev", layout="diffusers")
+    (entry,) = [e for e in entries_of(tiny_transformers, format="fp8-scaled") if spelling in e["path"]]
+    (folder,) = entries_of(tiny_transformers, variant="dev", layout="diffusers")
     ref = Flux2Transformer2DModel.from_config(Flux2Transformer2DModel.load_config(str(root / folder["path"])))
     ref.load_state_dict(bfl_to_diffusers(fp8_weights(root / entry["path"], spelling)), strict=True)
     patcher = load_model(root / entry["path"], dtype=torch.float32)
@@ -174,24 +169,24 @@ def test_a_flux1_transformer_is_named():
         geometry_from_shapes(shapes)
 
 
-def test_a_truncated_transformer_is_refused_before_reading(tiny, tmp_path):
+def test_a_truncated_transformer_is_refused_before_reading(tiny_transformers, tmp_path):
     from safetensors.torch import load_file, save_file
 
-    root, _ = tiny
-    (entry,) = entries_of(tiny, variant="dev", layout="BFL", format="bf16")
+    root, _ = tiny_transformers
+    (entry,) = entries_of(tiny_transformers, variant="dev", layout="BFL", format="bf16")
     sd = {k: v for k, v in load_file(str(root / entry["path"])).items() if not k.startswith("single_blocks.1.")}
     save_file(sd, str(tmp_path / "cut.safetensors"))
     with pytest.raises(MissingWeightsError, match=r"has 2 double and 2 single blocks\. The file is incomplete"):
         identify_transformer(tmp_path / "cut.safetensors")
 
 
-def test_a_missing_tensor_is_never_zero_filled(comfy_host, tiny, tmp_path):
+def test_a_missing_tensor_is_never_zero_filled(comfy_host, tiny_transformers, tmp_path):
     from safetensors.torch import load_file, save_file
 
     from comfyui_flux2dev.host.model import load_model
 
-    root, _ = tiny
-    (entry,) = entries_of(tiny, variant="klein-4b", layout="BFL", format="bf16")
+    root, _ = tiny_transformers
+    (entry,) = entries_of(tiny_transformers, variant="klein-4b", layout="BFL", format="bf16")
     sd = load_file(str(root / entry["path"]))
     del sd["double_blocks.0.txt_mlp.2.weight"]
     save_file(sd, str(tmp_path / "holed.safetensors"))

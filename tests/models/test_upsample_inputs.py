@@ -15,8 +15,8 @@ from PIL import Image, ImageFile
 
 from comfyui_flux2dev import cli
 from comfyui_flux2dev.errors import CorruptFileError, InputError, WrongModelError
-from comfyui_flux2dev.loaders.models.images import MAX_DECODED_PIXELS, MAX_PIXELS, REDUCING_GAP
-from comfyui_flux2dev.loaders.models.vision import VisionPlan, prepare
+from comfyui_flux2dev.loaders.upsampler.images import MAX_DECODED_PIXELS, MAX_PIXELS, REDUCING_GAP
+from comfyui_flux2dev.loaders.upsampler.vision import VisionPlan, prepare
 
 BOUNDS = {  # a command line's setting -> the words of its refusal
     ("--temperature", "nan"): "temperature is nan; it must be a number from 0.0 to 2.0.",

@@ -12,7 +12,7 @@ import pytest
 
 from comfyui_flux2dev.devtools.workflows import node
 from comfyui_flux2dev.errors import GraphError
-from comfyui_flux2dev.loaders.models.generation_settings import LIMITS
+from comfyui_flux2dev.loaders.upsampler.generation_settings import LIMITS
 from helpers import run_flux2dev
 
 MODEL = "hf-mistral3/"  # the tiny whole model, as the node's menu lists it

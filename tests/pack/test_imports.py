@@ -95,6 +95,7 @@ LAYERS = (
     ("loaders.formats",),  # bytes in, tensors out: no knowledge of models
     ("tokenizers",),
     ("loaders.models",),
+    ("loaders.upsampler",),  # prompt upsampling: the language model, the vision tower, the images, the settings
     ("loaders.cache",),
     ("loaders.convert",),  # writing files: above the models it reads and the content digest of the cache
     ("loaders",),  # the package's own __init__

@@ -109,7 +109,7 @@ def test_text_to_image_ids_equal_the_processors_for_the_corpus(tokenizer, proces
 
 @pytest.mark.parametrize("size", [(40, 30), (128, 128), (300, 200), (97, 513)])
 def test_edit_ids_and_pixels_equal_the_processors(tokenizer, processor, size):
-    from comfyui_flux2dev.loaders.models.vision import VisionPlan, prepare
+    from comfyui_flux2dev.loaders.upsampler.vision import VisionPlan, prepare
 
     rng = np.random.default_rng(sum(size))
     image = Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8))

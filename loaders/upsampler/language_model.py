@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from .variants import MistralEncoderGeometry
+from ..models.variants import MistralEncoderGeometry
 
 
 class RMSNorm(torch.nn.Module):

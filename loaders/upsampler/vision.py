@@ -22,7 +22,7 @@ from ...tokenizers.chat import ImageGrid
 from ..formats import packing
 from ..formats.files import PIXTRAL_CONFIG, VISION_CONFIG
 from ..formats.validate import checked
-from .encoder import EncoderPlan
+from ..models.encoder import EncoderPlan
 from .images import joined
 
 PARTS = ("vision_tower.", "multi_modal_projector.")  # transformers' module names in Mistral3's model
