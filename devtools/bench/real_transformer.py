@@ -76,58 +76,52 @@ def _pieces(shape: tuple[int, ...], nbytes: int):
     return [(r * nbytes // rows, min(per_piece, rows - r) * nbytes // rows) for r in range(0, rows, per_piece)]
 
 
-def _write(path: str, tensor_file, kinds: dict[str, tuple[object, tuple[int, ...], int]]) -> None:
-    """A fresh file at `path` laid out by `tensor_file(f)`, each tensor ({name: (kind, shape, bytes)}) written
-    from its kind's pool; kind None: ones (norm scales), kind "scale": the fp8 weights' scale."""
+def _write(path: str, tensor_file, fills: dict[str, tuple[object, tuple[int, ...], int]]) -> None:
+    """A fresh file at `path` laid out by `tensor_file(f)`, each tensor ({name: (fill, shape, bytes)}) written from
+    its fill's pool, or as its fill where that is a tensor (a constant of the tensor's dtype)."""
     from ...loaders.formats.files import new_file
 
     with new_file(path) as f:
         file = tensor_file(f)
-        for name, (kind, shape, nbytes) in kinds.items():
-            if kind is None or kind == "scale":
-                value = torch.ones(shape) if kind is None else torch.tensor(WEIGHT_RMS / _FP8_RMS)
-                file.write(name, value.to({4: torch.float32, 2: torch.bfloat16}[nbytes // max(1, value.numel())]))
+        for name, (fill, shape, nbytes) in fills.items():
+            if isinstance(fill, torch.Tensor):
+                file.write(name, fill.expand(shape))
                 continue
             for at, count in _pieces(shape, nbytes):
-                file.write(name, _pool(kind)[:count], at)
+                file.write(name, _pool(fill)[:count], at)
         file.finish()
 
 
-def write_gguf(path: str, shapes: dict[str, tuple[int, ...]]) -> None:
+def _gguf_plan(shapes: dict[str, tuple[int, ...]]):
+    """(the GGUF's layout for gguf_file, its tensors' fills)."""
     from gguf import GGMLQuantizationType as Q
 
     from ...loaders.convert.tensor_files import gguf_file
     from ...loaders.convert.transformer import gguf_plan
 
     metadata, layout = gguf_plan(shapes, PRESET)
-    kinds = {key: ({Q.F32: None, Q.BF16: "bf16"}.get(qtype, qtype), shape, nbytes)
+    fills = {key: ({Q.F32: torch.ones(()), Q.BF16: "bf16"}.get(qtype, qtype), shape, nbytes)
              for key, (qtype, shape, nbytes) in layout.items()}
-    _write(path, lambda f: gguf_file(f, metadata, layout), kinds)
+    return (lambda f: gguf_file(f, metadata, layout)), fills
 
 
-def write_fp8(path: str, shapes: dict[str, tuple[int, ...]]) -> None:
+def _fp8_plan(shapes: dict[str, tuple[int, ...]]):
+    """(the scaled fp8 file's layout for safetensors_file, its tensors' fills)."""
     from ...loaders.convert.tensor_files import safetensors_file
 
-    tensors, kinds = {"scaled_fp8": (torch.float8_e4m3fn, (0,))}, {}
+    tensors, fills = {"scaled_fp8": (torch.float8_e4m3fn, (0,))}, {}
     for key, shape in shapes.items():
         if _is_block_weight(key, shape):
-            tensors[key] = (torch.float8_e4m3fn, shape)
-            kinds[key] = ("fp8", shape, math.prod(shape))
+            tensors[key], fills[key] = (torch.float8_e4m3fn, shape), ("fp8", shape, math.prod(shape))
             scale = key.removesuffix(".weight") + ".scale_weight"
-            tensors[scale], kinds[scale] = (torch.float32, ()), ("scale", (), 4)
+            tensors[scale], fills[scale] = (torch.float32, ()), (torch.tensor(WEIGHT_RMS / _FP8_RMS), (), 4)
         else:
-            tensors[key] = (torch.bfloat16, shape)
-            kinds[key] = ("bf16" if len(shape) > 1 else None, shape, 2 * math.prod(shape))
-    _write(path, lambda f: safetensors_file(f, tensors), kinds)
+            fill = "bf16" if len(shape) > 1 else torch.ones((), dtype=torch.bfloat16)
+            tensors[key], fills[key] = (torch.bfloat16, shape), (fill, shape, 2 * math.prod(shape))
+    return (lambda f: safetensors_file(f, tensors)), fills
 
 
-def file_bytes(shapes: dict[str, tuple[int, ...]], fmt: str) -> int:
-    """The size of the `fmt` file of these tensors (within a few KB: headers and padding left out)."""
-    if fmt == "fp8":
-        return sum(math.prod(s) * (1 if _is_block_weight(k, s) else 2) for k, s in shapes.items())
-    from ...loaders.convert.transformer import gguf_plan
-
-    return sum(nbytes for _, _, nbytes in gguf_plan(shapes, PRESET)[1].values())
+PLANS = {"Q4_K_M": _gguf_plan, "fp8": _fp8_plan}
 
 
 def made(folder: str, fmt: str, geometry: TransformerGeometry, margin: int) -> str:
@@ -135,11 +129,11 @@ def made(folder: str, fmt: str, geometry: TransformerGeometry, margin: int) -> s
     path = os.path.join(folder, FILES[fmt])
     if os.path.isfile(path):
         return path
-    shapes = bfl_tensor_shapes(geometry, DEV)
-    size, free = file_bytes(shapes, fmt), shutil.disk_usage(folder).free
+    tensor_file, fills = PLANS[fmt](bfl_tensor_shapes(geometry, DEV))
+    size, free = sum(nbytes for _, _, nbytes in fills.values()), shutil.disk_usage(folder).free
     if free < size + margin:
         raise RuntimeError(f"{folder} has {free / 1e9:.1f} GB free; the {fmt} transformer takes {size / 1e9:.1f} GB.")
-    (write_gguf if fmt == "Q4_K_M" else write_fp8)(path, shapes)
+    _write(path, tensor_file, fills)
     return path
 
 

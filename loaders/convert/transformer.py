@@ -130,10 +130,10 @@ def convert_transformer(src: str, out: str, *, qtype: str, force: bool = False,
     plan = plan_transformer(src)
     check_not_source(target, src)
     apply = patch(plan) if patch is not None else None
-    file_plan = gguf_plan({key: shape for key, (shape, _) in plan.tensors.items()}, qtype)
-    types = {key: qtype for key, (qtype, _, _) in file_plan[1].items()}
+    metadata, layout = gguf_plan({key: shape for key, (shape, _) in plan.tensors.items()}, qtype)
+    types = {key: stored for key, (stored, _, _) in layout.items()}
     with output_file(target, force=force) as f:
-        file = gguf_file(f, *file_plan)
+        file = gguf_file(f, metadata, layout)
         for key in progress.tracked(list(types)):
             shape, read = plan.tensors[key]
             weight, companions = packed_dequant.split_entries(read(), key)

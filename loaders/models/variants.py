@@ -154,8 +154,8 @@ def variant_for_transformer(context_in_dim: int, hidden_size: int, guidance: boo
                             blocks: tuple[int, int] | None = None) -> Flux2Variant | None:
     """The variant of these widths; of several (a test row of a real row's widths), the one with these (double,
     single) block counts where one has them."""
-    found = [v for v in known_variants() if (v.context_in_dim, v.hidden_size, v.guidance) == (context_in_dim,
-                                                                                              hidden_size, guidance)]
+    widths = (context_in_dim, hidden_size, guidance)
+    found = [v for v in known_variants() if (v.context_in_dim, v.hidden_size, v.guidance) == widths]
     return next((v for v in found if (v.double_blocks, v.single_blocks) == blocks), found[0] if found else None)
 
 
