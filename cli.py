@@ -225,13 +225,13 @@ def _convert_transformer(args) -> None:
     _check_output(args, ".gguf")
     plan_transformer(args.path)  # the source refused from its headers, before torch is imported (planned again)
     bake = None
-    if args.loras:  # each LoRA is checked against the transformer's headers here, before torch is imported
-        from .loaders.convert.lora import check_loras
+    if args.loras:  # each LoRA is judged against the transformer's headers here, before torch is imported
+        from .loaders.models.lora_plan import check_loras
 
-        checked = check_loras([path for path, _ in args.loras], args.path)
+        check_loras(args.loras, args.path)
         from .host.lora_bake import LoraBake
 
-        bake = LoraBake([(lora, strength) for lora, (_, strength) in zip(checked, args.loras)])
+        bake = LoraBake(args.loras)
     from .loaders.convert.transformer import convert_transformer
 
     with _progress("writing the transformer, tensors"):

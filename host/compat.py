@@ -66,6 +66,8 @@ REQUIRED = (
     ("the host's LoRA arithmetic, applied to a weight", "comfy.lora:calculate_weight"),
     ("reading a LoRA's tensors into patches, from the pack's map of where its layers land", "comfy.lora:load_lora"),
     ("a LoRA's patches added to a MODEL", "comfy.model_patcher:ModelPatcher.add_patches"),
+    ("the host's weight adapters, which the pack's own adapter extends where the host's arithmetic is not the "
+     "trainer's", "comfy.weight_adapter.base:WeightAdapterBase.calculate_weight"),
     ("a LoRA's patches added to a CLIP", "comfy.sd:CLIP.add_patches"),
     ("loading a model onto the device the host computes on", "comfy.model_management:load_models_gpu"),
     ("a model's weight dtype", "comfy.model_base:BaseModel.get_dtype"),
@@ -312,53 +314,54 @@ def unet_keys_as_loaded(model_config, state_dict: dict) -> set[str]:
 
 
 @contextlib.contextmanager
-def keys_the_host_logs_missing(message: str):
-    """Collect the keys the host reports missing while building a model, where it only logs them (its VAE:
-    "Missing VAE keys [...]") after its own key conversion, and then goes on with uninitialised weights."""
-    found: list[str] = []
-
-    class Collect(logging.Handler):
-        def emit(self, record):
-            text = record.getMessage()
-            if text.startswith(message):
-                found.extend(ast.literal_eval(text[len(message):].strip()))
-
+def _host_records(parse, suppress: bool):
+    """What `parse` (message -> a list of values, or None to pass it by) takes from each message the host logs at
+    WARNING or above inside the block, collected into one list; those it takes are kept out of the log where
+    `suppress`."""
+    found: list = []
     root = logging.getLogger()
-    handler, level = Collect(logging.WARNING), root.level
-    root.addHandler(handler)
-    if level > logging.WARNING:  # a user's --verbose ERROR would drop the record before any handler
+    level = root.level
+
+    class Collect(logging.Filter):
+        def filter(self, record) -> bool:
+            taken = parse(record.getMessage()) if record.levelno >= logging.WARNING else None
+            if taken is None:
+                return record.levelno >= level
+            found.extend(taken)
+            return not suppress and record.levelno >= level
+
+    collect = Collect()
+    root.addFilter(collect)
+    if level > logging.WARNING:  # a user's --verbose ERROR would drop the record before the filter sees it
         root.setLevel(logging.WARNING)
     try:
         yield found
     finally:
-        root.removeHandler(handler)
+        root.removeFilter(collect)
         root.setLevel(level)
+
+
+def keys_the_host_logs_missing(message: str):
+    """Collect the keys the host reports missing while building a model, where it only logs them (its VAE:
+    "Missing VAE keys [...]") after its own key conversion, and then goes on with uninitialised weights."""
+    return _host_records(
+        lambda text: ast.literal_eval(text[len(message):].strip()) if text.startswith(message) else None, False)
 
 
 # What the host's LoRA reader logs for each tensor of a LoRA it did not read (comfy.lora.load_lora).
 LORA_KEY_NOT_LOADED = "lora key not loaded: "
 
 
-@contextlib.contextmanager
-def lora_keys_not_loaded():
-    """Collect the LoRA tensors the host's reader logs as not read inside the block, instead of logging them: the
-    pack's report names them."""
-    found: set[str] = set()
+def lora_keys_not_loaded(messages: list[str]) -> set[str]:
+    """The LoRA tensors the host's reader said it did not read, among `messages` (from host_warnings)."""
+    return {m[len(LORA_KEY_NOT_LOADED):] for m in messages if m.startswith(LORA_KEY_NOT_LOADED)}
 
-    class Collect(logging.Filter):
-        def filter(self, record) -> bool:
-            text = record.getMessage()
-            if text.startswith(LORA_KEY_NOT_LOADED):
-                found.add(text[len(LORA_KEY_NOT_LOADED):])
-                return False
-            return True
 
-    collect = Collect()
-    logging.root.addFilter(collect)
-    try:
-        yield found
-    finally:
-        logging.root.removeFilter(collect)
+def host_warnings():
+    """Collect what the host logs as a warning or an error inside the block, instead of logging it: its LoRA reader
+    names the tensors it did not read, and its weight adapters a patch they could not apply (leaving the weight as
+    it was); the pack reports them, or raises its own error with them."""
+    return _host_records(lambda text: [text], True)
 
 
 @contextlib.contextmanager

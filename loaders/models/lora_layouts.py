@@ -1,8 +1,8 @@
 """Where each layer of a FLUX.2 LoRA lands, in every layout trainers publish: the transformer's layers under BFL
 names (ComfyUI, kohya, LyCORIS) or diffusers names (diffusers, ai-toolkit, fal, OneTrainer, LyCORIS), diffusers'
 separate q, k and v as slices of BFL's fused weights, and the Mistral encoder's layers under Hugging Face or kohya
-names. Plain name logic over the model's own weight names and shapes, without torch: the host's LoRA reader gets
-the map this makes (host/lora.py), and the bake of `convert transformer --lora` the same."""
+names. Plain name logic over the model's own weight names and shapes, without torch; what each tensor of a LoRA does
+is lora_plan.py's to judge."""
 
 from __future__ import annotations
 
@@ -34,35 +34,16 @@ SPELLINGS = tuple(sorted((
     ("", ENCODER),
 ), key=lambda spelling: -len(spelling[0])))
 
-# The (up, down) endings of the LoRA pairs the host's reader takes, longest first so that no ending is taken for a
-# shorter one it ends with; the layer's name is what comes before.
-PAIRS = tuple(sorted((
-    (".lora_up.weight", ".lora_down.weight"),  # kohya, generic
-    ("_lora.up.weight", "_lora.down.weight"),  # diffusers (old)
-    (".lora_B.weight", ".lora_A.weight"),  # PEFT / diffusers
-    (".lora.up.weight", ".lora.down.weight"),  # diffusers
-    (".lora_B", ".lora_A"),  # mochi
-    (".lora_linear_layer.up.weight", ".lora_linear_layer.down.weight"),  # transformers
-    (".lora_B.default.weight", ".lora_A.default.weight"),  # PEFT adapters named "default"
-), key=lambda pair: -len(pair[0])))
-
-# The endings of every tensor of a layer that the host's weight adapters read (LoRA, LoCon, DoRA, LoHa, LoKr, full
-# and difference weights), longest first: what comes before is the layer's name.
-PARTS = tuple(sorted((
-    *(end for pair in PAIRS for end in pair), ".lora_mid.weight", ".alpha", ".dora_scale", ".reshape_weight",
-    ".lokr_w1", ".lokr_w2", ".lokr_w1_a", ".lokr_w1_b", ".lokr_w2_a", ".lokr_w2_b", ".lokr_t2",  # LoKr
-    ".hada_w1_a", ".hada_w1_b", ".hada_w2_a", ".hada_w2_b", ".hada_t1", ".hada_t2",  # LoHa
-    ".diff", ".diff_b", ".set_weight", ".w_norm", ".b_norm",  # full weights and differences
-), key=len, reverse=True))
-
-BIAS_PARTS = (".diff_b", ".b_norm")  # parts the host adds to the layer's bias, not its weight
-
 # Other model families whose LoRAs FLUX.2 users meet: the layers only they have (in kohya's underscore form; a
-# LoRA naming them is for that family), and their width.
+# LoRA naming them is for that family), and their width (None: more than one).
 OTHER_FAMILIES = (
     ("FLUX.1", re.compile(r"(^|_)(img|txt)_mod_lin|blocks_\d+_modulation_lin|norm1(_context)?_linear|ff_net_0_proj"
                           r"|proj_mlp"), 3072),
+    ("Stable Diffusion or SDXL", re.compile(r"(^|_)(text_model_encoder_layers|input_blocks|middle_block|output_blocks|"
+                                            r"down_blocks_\d+_attentions|up_blocks_\d+_attentions)_"), None),
 )
+# The layers of a Mistral text encoder a LoRA names (kohya's underscore form): attention, MLP, embeddings.
+MISTRAL_LAYER = re.compile(r"(^|_)(layers_\d+_(self_attn_[qkvo]_proj|mlp_(gate|up|down)_proj)|embed_tokens)(_|$)")
 
 WEIGHT_ENDINGS = (".weight", ".scale")  # a norm's weight is .scale in ComfyUI 0.3.75's FLUX.2, .weight later
 
@@ -77,14 +58,6 @@ class Target:
     model: str
     rows: tuple[int, int] | None = None
     swap_halves: bool = False
-
-
-def split_part(name: str) -> tuple[str, str] | None:
-    """(layer, part) of a LoRA tensor's name, or None where its ending is no part a weight adapter reads."""
-    for part in PARTS:
-        if name.endswith(part) and len(name) > len(part):
-            return name[: -len(part)], part
-    return None
 
 
 def _flat(name: str) -> str:
@@ -135,49 +108,29 @@ def encoder_targets(keys, prefix: str) -> dict[str, Target]:
     return targets
 
 
-@dataclass
-class LoraPlan:
-    """Where a LoRA's layers land: layer name -> Target, each layer's tensor names, and the tensors that land
-    nowhere (their layer names no weight of the models given, or their ending is no part an adapter reads)."""
-
-    layers: dict[str, Target]
-    tensors: dict[str, list[str]]
-    unplaced: list[str]
+def lookups(targets: Mapping[str, Mapping[str, Target]]) -> dict[str, dict[str, Target]]:
+    """Each model's targets (model word -> transformer_targets or encoder_targets) under dotted and kohya names."""
+    return {model: {**{_flat(name): target for name, target in found.items()}, **found}
+            for model, found in targets.items()}
 
 
-def plan(names, targets: dict[str, dict[str, Target]]) -> LoraPlan:
-    """Where the LoRA tensors `names` land, among `targets` (model word -> transformer_targets or encoder_targets;
-    a model not given is not looked in)."""
-    lookups = {}
-    for model, found in targets.items():
-        lookups[model] = {**{_flat(name): target for name, target in found.items()}, **found}
-    out = LoraPlan({}, {}, [])
-    for name in sorted(names):
-        split = split_part(name)
-        target = None if split is None else _target(split[0], lookups)
-        if target is None:
-            out.unplaced.append(name)
-            continue
-        out.layers[split[0]] = target
-        out.tensors.setdefault(split[0], []).append(name)
-    return out
-
-
-def _target(layer: str, lookups: dict[str, dict[str, Target]]) -> Target | None:
+def locate(layer: str, found: Mapping[str, Mapping[str, Target]]) -> tuple[str, Target] | None:
+    """(the trainer's prefix, the Target) of a LoRA layer's name among `found` (from lookups; a model not given is
+    not looked in), or None where it names no weight of them."""
     for prefix, model in SPELLINGS:
-        if model in lookups and layer.startswith(prefix):
-            found = lookups[model].get(layer[len(prefix):])
-            if found is not None:
-                return found
+        if model in found and layer.startswith(prefix):
+            target = found[model].get(layer[len(prefix):])
+            if target is not None:
+                return prefix, target
     return None
 
 
-def names_model(names, model: str) -> bool:
-    """Whether any of the LoRA tensors `names` is spelled as a trainer spells a layer of `model` alone (by its
-    prefix)."""
-    shared = {prefix for prefix, of in SPELLINGS if of != model}
-    prefixes = tuple(prefix for prefix, of in SPELLINGS if of == model and prefix not in shared)
-    return any(name.startswith(prefixes) for name in names)
+def names_encoder_layers(names) -> bool:
+    """Whether any of the LoRA tensors `names` names a layer of a Mistral text encoder, in a spelling only encoders'
+    layers are given (HF/PEFT or kohya)."""
+    shared = {prefix for prefix, of in SPELLINGS if of != ENCODER}
+    prefixes = tuple(prefix for prefix, of in SPELLINGS if of == ENCODER and prefix not in shared)
+    return any(name.startswith(prefixes) and MISTRAL_LAYER.search(_flat(name)) for name in names)
 
 
 def other_family(names) -> str | None:

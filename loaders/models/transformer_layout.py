@@ -306,18 +306,6 @@ def bfl_shapes(path: str | Path) -> tuple[Flux2Variant, dict[str, tuple[int, ...
                      for key, names, _ in diffusers_plan(shapes, geometry)}
 
 
-def module_names(keys) -> set[str]:
-    """The module names of a transformer's weights (`keys`, BFL), in BFL and in diffusers spelling: the names a
-    LoRA's layers are spelled after."""
-    names = {key[: -len(".weight")] for key in keys if key.endswith(".weight")}
-    blocks = max(_count_blocks(keys, BFL.double_prefix), _count_blocks(keys, BFL.single_prefix))
-    for bfl_key, sources, _ in DIFFUSERS_TO_BFL:
-        for n in range(blocks) if "{n}" in bfl_key else (0,):
-            if bfl_key.format(n=n) in keys:
-                names.update(source.format(n=n).removesuffix(".weight") for source in sources)
-    return names
-
-
 def check_architecture(gfile: GGUFFile) -> None:
     arch = gfile.architecture
     kind = gguf_kind(arch)

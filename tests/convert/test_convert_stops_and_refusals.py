@@ -195,15 +195,16 @@ def _loras(folder: Path) -> dict[str, tuple[Path, str]]:
     # shaped like the transformer's qkv weights, named after a text encoder's layers
     names = _pair("lora_te_text_model_encoder_layers_0_self_attn_qkv", 3 * HIDDEN, HIDDEN)
     cases = {
-        "klein": (klein, "patches no weight of this FLUX.2 [dev] (tiny test model) transformer: none of its 3 "
-                         "layer(s) is shaped for it (they take inputs of width 128, 384, 512"),
-        "diffusers-shapes": (diffusers, "patches no weight of this FLUX.2 [dev]"),
+        "klein": (klein, "patches nothing here: none of its 6 tensors lands on the transformer (its layers take "
+                         "inputs of width 128, this transformer's are 256; it is for another model: FLUX.2 Klein 4B"),
+        "diffusers-shapes": (diffusers, "patches nothing here: none of its 2 tensors lands on the transformer (its "
+                                        "layers take inputs of width 100"),
         "alpha-string": (alpha, f"the LoRA's {qkv}.alpha is U8 [4], not one number"),
-        "up-alone": (up_alone, f"holds {qkv}.lora_up.weight but not its other half {qkv}.lora_down.weight"),
-        "down-alone": (down_alone, f"holds {qkv}.lora_down.weight but not its other half {qkv}.lora_up.weight"),
-        "ranks": (ranks, "are not of one rank"),
-        "names": (names, "none of its 1 layer(s) is named after one "
-                         "(lora_te_text_model_encoder_layers_0_self_attn_qkv)"),
+        "up-alone": (up_alone, f"layer {qkv} holds {qkv}.lora_up.weight but no down beside it"),
+        "down-alone": (down_alone, f"layer {qkv} holds {qkv}.lora_down.weight but no up beside it"),
+        "ranks": (ranks, "its up [768, 4] and down [8, 256] are not of one rank"),
+        "names": (names, "none of its 2 tensors lands on the transformer (it is a LoRA of Stable Diffusion or SDXL)"),
+        "strength": (_pair(qkv, 3 * HIDDEN, HIDDEN), "is nan; a LoRA's strength is a number from -100 to 100"),
     }
     out = {}
     for name, (tensors, said) in cases.items():
@@ -217,7 +218,8 @@ def _loras(folder: Path) -> dict[str, tuple[Path, str]]:
 def test_bad_loras_are_refused_in_one_line_before_torch_is_imported(tiny_root, tmp_path):
     out = tmp_path / "out.gguf"
     for name, (lora, said) in _loras(tmp_path).items():
-        argv = ["convert", "transformer", str(tiny_root / TRANSFORMER), str(out), "--type", "Q8_0", "--lora", str(lora)]
+        argv = ["convert", "transformer", str(tiny_root / TRANSFORMER), str(out), "--type", "Q8_0", "--lora", str(lora),
+                *(["--strength", "nan"] if name == "strength" else [])]
         stdout, stderr = _python(COMFY_IMPORTED.format(argv=argv)).communicate(timeout=120)
         lines = stderr.splitlines()
         assert len(lines) == 1 and lines[0].startswith("flux2dev convert transformer: "), (name, stderr)

@@ -209,7 +209,7 @@ def test_a_baked_lora_is_the_dense_weight_plus_its_product_then_quantized(comfy_
     alpha), and diffusers' transformer.* names whose q, k and v land in slices of the fused qkv weight."""
     from safetensors.torch import save_file
 
-    from comfyui_flux2dev.host.lora_bake import lora_patch
+    from comfyui_flux2dev.host.lora_bake import LoraBake
 
     first = {**_lora_pair("diffusion_model.double_blocks.0.img_attn.qkv", "lora_up", "lora_down", 3 * HIDDEN, HIDDEN,
                           1, alpha=2),
@@ -221,7 +221,7 @@ def test_a_baked_lora_is_the_dense_weight_plus_its_product_then_quantized(comfy_
     save_file(second, str(tmp_path / "second.safetensors"))
     out = tmp_path / "baked.gguf"
     convert_transformer(str(tiny_root / SOURCES["bfl"][0]), str(out), qtype="Q8_0",
-                        patch=lora_patch([(str(tmp_path / "first.safetensors"), 0.7),
+                        patch=LoraBake([(str(tmp_path / "first.safetensors"), 0.7),
                                           (str(tmp_path / "second.safetensors"), -1.5)]))
 
     want = {k: torch.from_numpy(v.copy()) for k, v in dense["bfl"].items()}
@@ -251,41 +251,42 @@ def test_a_baked_lora_is_the_dense_weight_plus_its_product_then_quantized(comfy_
 def test_a_lora_of_another_model_is_refused(comfy_host, tiny_root, tmp_path):
     from safetensors.torch import save_file
 
-    from comfyui_flux2dev.host.lora_bake import lora_patch
+    from comfyui_flux2dev.host.lora_bake import LoraBake
 
     save_file(_lora_pair("lora_unet_input_blocks_1_1_proj_in", "lora_up", "lora_down", 320, 320, 4),
               str(tmp_path / "sdxl.safetensors"))
-    with pytest.raises(WrongModelError, match="patches no weight of this FLUX.2 \\[dev\\]"):
+    with pytest.raises(WrongModelError, match="patches nothing here: .*it is a LoRA of Stable Diffusion or SDXL"):
         convert_transformer(str(tiny_root / SOURCES["bfl"][0]), str(tmp_path / "out.gguf"), qtype="Q4_0",
-                            patch=lora_patch([(str(tmp_path / "sdxl.safetensors"), 1.0)]))
+                            patch=LoraBake([(str(tmp_path / "sdxl.safetensors"), 1.0)]))
     assert not (tmp_path / "out.gguf").exists()
 
 
-def test_a_bake_says_which_layers_it_applied_and_refuses_a_lora_that_applies_to_nothing(comfy_host, tiny_root,
-                                                                                         converted, tmp_path):
-    """Of one LoRA: a layer that fits its weight, one shaped for another weight, one of a text encoder. Of
-    another: a single layer whose shape fits some weight of the transformer, but not its own."""
+def test_a_bake_says_which_layers_it_applied_and_refuses_a_lora_that_misfits(comfy_host, tiny_root, converted,
+                                                                            tmp_path):
+    """Of one LoRA: a layer that fits its weight, one of a text encoder, one whose factors multiply to zero. Of
+    another: a layer shaped for another weight, refused before a byte is written."""
     from safetensors.torch import save_file
 
-    from comfyui_flux2dev.host.lora_bake import lora_patch, summary
+    from comfyui_flux2dev.host.lora_bake import LoraBake, summary
 
     up, down = "lora_up", "lora_down"
-    mixed = {**_lora_pair("diffusion_model.double_blocks.0.img_attn.qkv", up, down, 3 * HIDDEN, HIDDEN, 1),
-             **_lora_pair("diffusion_model.double_blocks.1.img_attn.qkv", up, down, 3 * HIDDEN, 128, 2),
-             **_lora_pair("lora_te_text_model_encoder_layers_0_mlp_fc1", up, down, HIDDEN, HIDDEN, 3)}
+    zero = {**_lora_pair("diffusion_model.double_blocks.1.img_attn.qkv", up, down, 3 * HIDDEN, HIDDEN, 2)}
+    zero["diffusion_model.double_blocks.1.img_attn.qkv.lora_up.weight"].zero_()
+    mixed = {**_lora_pair("diffusion_model.double_blocks.0.img_attn.qkv", up, down, 3 * HIDDEN, HIDDEN, 1), **zero,
+             **_lora_pair("lora_te_model_layers_0_mlp_up_proj", up, down, HIDDEN, HIDDEN, 3)}
     save_file(mixed, str(tmp_path / "mixed.safetensors"))
-    bake = lora_patch([(str(tmp_path / "mixed.safetensors"), 1.0)])
+    bake = LoraBake([(str(tmp_path / "mixed.safetensors"), 1.0)])
     out = tmp_path / "baked.gguf"
     convert_transformer(str(tiny_root / SOURCES["bfl"][0]), str(out), qtype="Q8_0", patch=bake)
     (baked,) = bake.baked
     qkv0, qkv1, te = ("diffusion_model.double_blocks.0.img_attn.qkv", "diffusion_model.double_blocks.1.img_attn.qkv",
-                      "lora_te_text_model_encoder_layers_0_mlp_fc1")
-    assert baked.report.applied == {"transformer": [f"{qkv0}.lora_down.weight", f"{qkv0}.lora_up.weight"]}
+                      "lora_te_model_layers_0_mlp_up_proj")
+    assert baked.report.applied == {"transformer": [f"{qkv0}.lora_up.weight", f"{qkv0}.lora_down.weight"]}
     assert summary(baked) == (
-        f"LoRA {tmp_path / 'mixed.safetensors'} (strength 1): 2 of 6 LoRA tensors applied (2 to the transformer); "
-        f"2 not applied, naming no layer of the FLUX.2 transformer or its text encoder given: {te}.lora_down.weight, "
-        f"{te}.lora_up.weight; 2 not applied, shaped unlike the weight their layer names: {qkv1}.lora_down.weight, "
-        f"{qkv1}.lora_up.weight")
+        f"LoRA {tmp_path / 'mixed.safetensors'} (strength 1): 2 of 6 LoRA tensors applied, changing 1 weight of the "
+        f"transformer; 2 not applied, naming no layer of the FLUX.2 transformer or its text encoder given: "
+        f"{te}.lora_down.weight, {te}.lora_up.weight; 2 not applied, that change nothing here (factors that multiply "
+        f"to zero, or a change below float32's precision): {qkv1}.lora_down.weight, {qkv1}.lora_up.weight")
     found, plain = _tensors(str(out)), _tensors(converted[("bfl", "Q8_0")])
     patched = "double_blocks.0.img_attn.qkv.weight"
     assert not np.array_equal(found[patched][1], plain[patched][1])
@@ -293,10 +294,9 @@ def test_a_bake_says_which_layers_it_applied_and_refuses_a_lora_that_applies_to_
 
     save_file(_lora_pair("diffusion_model.double_blocks.0.img_attn.proj", up, down, 3 * HIDDEN, HIDDEN, 4),
               str(tmp_path / "misfit.safetensors"))
-    said = (r"none of its 2 tensors lands on the transformer \(its layers are shaped unlike the weights they "
-            r"name[^\n]*\n0 of 2 LoRA tensors applied\n2 not applied, shaped unlike the weight their layer names: "
-            r"diffusion_model\.double_blocks\.0\.img_attn")
+    said = (r"none of its 2 tensors lands on the transformer \(its layers are shaped unlike the weights they name: a "
+            r"LoRA of another model, or written wrongly\)")
     with pytest.raises(WrongModelError, match=said):
         convert_transformer(str(tiny_root / SOURCES["bfl"][0]), str(tmp_path / "out.gguf"), qtype="Q8_0",
-                            patch=lora_patch([(str(tmp_path / "misfit.safetensors"), 1.0)]))
+                            patch=LoraBake([(str(tmp_path / "misfit.safetensors"), 1.0)]))
     assert not (tmp_path / "out.gguf").exists()

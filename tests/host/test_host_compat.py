@@ -97,13 +97,29 @@ def test_the_hosts_lora_reader_logs_each_tensor_it_did_not_read(comfy_host):
     """The LoRA node counts what the host's reader left by its log line for each such tensor."""
     import comfy.lora
 
-    from comfyui_flux2dev.host.compat import lora_keys_not_loaded
+    from comfyui_flux2dev.host.compat import host_warnings, lora_keys_not_loaded
 
     lora = {"read.lora_up.weight": torch.ones(2, 1), "read.lora_down.weight": torch.ones(1, 2),
             "left.diff": torch.ones(1)}
-    with lora_keys_not_loaded() as left:
+    with host_warnings() as messages:
         patches = comfy.lora.load_lora(lora=lora, to_load={"read": "model.weight"})
-    assert list(patches) == ["model.weight"] and left == {"left.diff"}
+    assert list(patches) == ["model.weight"] and lora_keys_not_loaded(messages) == {"left.diff"}
+
+
+def test_the_hosts_weight_adapters_log_a_patch_they_cannot_apply(comfy_host):
+    """The pack measures each LoRA layer's change through the host's arithmetic, and raises its own error with what
+    the host logs where an adapter fails (it logs, and leaves the weight as it was)."""
+    import comfy.lora
+
+    from comfyui_flux2dev.host.compat import host_warnings
+
+    patches = comfy.lora.load_lora(lora={"x.lora_up.weight": torch.ones(3, 1), "x.lora_down.weight": torch.ones(1, 2)},
+                                   to_load={"x": "model.weight"})
+    weight = torch.zeros(2, 2)
+    with host_warnings() as messages:
+        out = comfy.lora.calculate_weight([(1.0, patches["model.weight"], 1.0, None, None)], weight.clone(),
+                                          "model.weight")
+    assert torch.equal(out, weight) and len(messages) == 1 and "model.weight" in messages[0]
 
 
 def test_every_host_name_the_pack_uses_is_probed_in_compat():

@@ -207,9 +207,9 @@ def test_every_tensor_of_each_layout_lands_as_the_loras_own_math(models, places,
     patched, clip, report = load_lora(dense, None, path, 1.0, 1.0)
     assert clip is None
     assert (report.applied_count, report.total, report.not_applied) == (len(tensors), len(tensors), {})
-    assert report.summary() == f"{len(tensors)} of {len(tensors)} LoRA tensors applied ({len(tensors)} to the " \
-        "transformer)"
     want = _expected_weights(bfl, expected)
+    assert report.summary() == f"{len(tensors)} of {len(tensors)} LoRA tensors applied, changing {len(expected)} " \
+        "weights of the transformer"
     patched.patch_model(device_to=CPU)
     try:
         got = {k.removesuffix(".weight") + ".scale" if "norm" in k and k.endswith(".weight") else k: v.clone()
@@ -239,7 +239,7 @@ def test_strength_scales_and_the_input_model_is_untouched(models, places, tmp_pa
     before = _forward(model)
     half = _forward(load_lora(model, None, path, 0.5, 1.0)[0])
     reference = _forward(dense_model({k: v + 0.5 * expected.get(k, 0) for k, v in bfl.items()}))
-    assert (half - reference).abs().max().item() <= 1e-5
+    assert torch.allclose(half, reference, rtol=1e-6, atol=1e-5), (half - reference).abs().max().item()
     assert torch.equal(_forward(model), before)
     assert load_lora(model, None, path, 0.0, 1.0)[0] is model  # strength 0: the MODEL as it came
 
@@ -269,7 +269,8 @@ def test_text_encoder_layers_land_on_the_clip_as_the_hosts_own_spelling_does(com
     model, _ = models["Q8_0"]
     same_model, patched, report = load_lora(model, clip, _save(ours, tmp_path / "te.safetensors"), 1.0, 0.8)
     assert same_model is model  # nothing of it patches the transformer
-    assert report.summary() == f"{len(ours)} of {len(ours)} LoRA tensors applied ({len(ours)} to the text encoder)"
+    assert report.summary() == f"{len(ours)} of {len(ours)} LoRA tensors applied, changing {len(ENCODER_LAYERS)} " \
+        "weights of the text encoder"
     _, expected = comfy_host.load_lora_for_models(None, clip, hosts, 0.0, 0.8)
     tokens = clip.tokenize("a red fox in the snow")
     want = expected.encode_from_tokens(tokens)
@@ -284,25 +285,42 @@ def test_tensors_that_land_nowhere_are_named(models, tmp_path):
     lora = tiny_lora(model)
     lora["diffusion_model.double_blocks.7.img_attn.qkv.lora_up.weight"] = torch.zeros(768, 4)  # no block 7
     lora["diffusion_model.double_blocks.7.img_attn.qkv.lora_down.weight"] = torch.zeros(4, 256)
-    lora["diffusion_model.double_blocks.1.img_attn.proj.lora_up.weight"] = torch.zeros(768, 4)  # shaped for qkv
-    lora["diffusion_model.double_blocks.1.img_attn.proj.lora_down.weight"] = torch.zeros(4, 256)
     lora["text_encoders.mistral3_24b.transformer.model.layers.0.mlp.up_proj.lora_up.weight"] = torch.zeros(8, 4)
     lora["text_encoders.mistral3_24b.transformer.model.layers.0.mlp.up_proj.lora_down.weight"] = torch.zeros(4, 8)
-    lora["diffusion_model.img_in.alpha"] = torch.tensor(1.0)  # no pair beside it
+    lora["diffusion_model.guidance_in.in_layer.alpha"] = torch.tensor(1.0)  # no pair beside it
     lora["diffusion_model.txt_in.diff_b"] = torch.zeros(256)  # FLUX.2's layers have no bias
+    lora["diffusion_model.img_in.lora_B.weight"] = torch.zeros(256, 2)  # a pair that multiplies to zero
+    lora["diffusion_model.img_in.lora_A.weight"] = torch.ones(2, 128)
+    lora["diffusion_model.txt_in.something_else"] = torch.zeros(3)  # no adapter's part
     _, _, report = load_lora(model, None, _save(lora, tmp_path / "some.safetensors"), 1.0, 1.0)
     assert report.applied_count + sum(map(len, report.not_applied.values())) == report.total
     assert report.summary() == (
-        "9 of 17 LoRA tensors applied (9 to the transformer)\n"
+        "9 of 18 LoRA tensors applied, changing 3 weights of the transformer\n"
+        "1 not applied, of no kind of adapter ComfyUI applies: diffusion_model.txt_in.something_else\n"
         "4 not applied, naming no layer of the FLUX.2 transformer or its text encoder given: "
         "diffusion_model.double_blocks.7.img_attn.qkv.lora_down.weight, "
         "diffusion_model.double_blocks.7.img_attn.qkv.lora_up.weight, "
         "text_encoders.mistral3_24b.transformer.model.layers.0.mlp.up_proj.lora_down.weight ...\n"
-        "2 not applied, shaped unlike the weight their layer names: "
-        "diffusion_model.double_blocks.1.img_attn.proj.lora_down.weight, "
-        "diffusion_model.double_blocks.1.img_attn.proj.lora_up.weight\n"
-        "2 not applied, that change no weight (an alpha without its pair, a bias difference where FLUX.2 has no "
-        "bias): diffusion_model.img_in.alpha, diffusion_model.txt_in.diff_b")
+        "1 not applied, an alpha or DoRA magnitude without the factors it scales: "
+        "diffusion_model.guidance_in.in_layer.alpha\n"
+        "1 not applied, bias differences, where FLUX.2 and its text encoder have no bias: "
+        "diffusion_model.txt_in.diff_b\n"
+        "2 not applied, that change nothing here (factors that multiply to zero, or a change below float32's "
+        "precision): diffusion_model.img_in.lora_A.weight, diffusion_model.img_in.lora_B.weight")
+
+
+def test_a_layer_shaped_for_another_weight_is_refused_naming_it(models, tmp_path):
+    from comfyui_flux2dev.host.lora import load_lora
+
+    model, _ = models["dense"]
+    lora = tiny_lora(model)
+    lora["diffusion_model.double_blocks.1.img_attn.proj.lora_up.weight"] = torch.zeros(768, 4)  # shaped for qkv
+    lora["diffusion_model.double_blocks.1.img_attn.proj.lora_down.weight"] = torch.zeros(4, 256)
+    with pytest.raises(WrongModelError, match=r"the LoRA's diffusion_model\.double_blocks\.1\.img_attn\.proj\."
+                                              r"lora_down\.weight makes a difference of shape \[768, 256\], but the "
+                                              r"weight it names \(diffusion_model\.double_blocks\.1\.img_attn\.proj"
+                                              r"\.weight\) is \[256, 256\]"):
+        load_lora(model, None, _save(lora, tmp_path / "misfit.safetensors"), 1.0, 1.0)
 
 
 def _pair(name: str, out: int, inputs: int) -> dict:
@@ -310,14 +328,17 @@ def _pair(name: str, out: int, inputs: int) -> dict:
 
 
 @pytest.mark.parametrize("lora, said", (
-    ({**_pair("lora_unet_input_blocks_1_1_proj_in", 320, 320)},
+    ({**_pair("lora_unet_input_blocks_1_1_proj_in", 320, 320)}, "it is a LoRA of Stable Diffusion or SDXL"),
+    ({**_pair("lora_te1_text_model_encoder_layers_0_self_attn_q_proj", 768, 768)},
+     "it is a LoRA of Stable Diffusion or SDXL"),
+    ({**_pair("lora_unet_some_block_proj", 32, 32)},
      "its layers name no weight of a FLUX.2 transformer or of FLUX.2 \\[dev\\]'s Mistral text encoder"),
     ({**_pair("diffusion_model.double_blocks.0.img_mod.lin", 6 * 3072, 3072),
       **_pair("diffusion_model.double_blocks.0.img_attn.qkv", 3 * 3072, 3072)}, "it is a LoRA of FLUX.1"),
     ({**_pair("transformer.transformer_blocks.0.norm1.linear", 1536, 256)}, "it is a LoRA of FLUX.1"),
     ({**_pair("diffusion_model.double_blocks.0.img_attn.qkv", 3 * 128, 128)},
      "its layers take inputs of width 128, this transformer's are 256; it is for another model: FLUX.2 Klein 4B"),
-), ids=("sdxl", "flux1-bfl", "flux1-diffusers", "klein"))
+), ids=("sdxl", "sdxl-text-encoder", "nothing-known", "flux1-bfl", "flux1-diffusers", "klein"))
 def test_a_lora_that_patches_nothing_is_refused_saying_what_it_is_for(models, lora, said, tmp_path):
     from comfyui_flux2dev.host.lora import load_lora
 
@@ -343,5 +364,5 @@ def test_a_damaged_lora_is_refused_before_a_tensor_is_read(models, tmp_path):
 
     lora = _pair("diffusion_model.double_blocks.0.img_attn.qkv", 768, 256)
     del lora["diffusion_model.double_blocks.0.img_attn.qkv.lora_down.weight"]
-    with pytest.raises(CorruptFileError, match="not its other half"):
+    with pytest.raises(CorruptFileError, match="qkv.lora_up.weight but no down beside it"):
         load_lora(models["dense"][0], None, _save(lora, tmp_path / "half.safetensors"), 1.0, 1.0)
