@@ -533,11 +533,11 @@ def _what_it_is_for(header: LoraHeader, plan: LoraPlan, misfits: list, shapes) -
     hidden_size = next((shape[0] for key, shape in shapes.get(TRANSFORMER, {}).items()
                         if key.endswith("img_in.weight")), None)
     widths = Counter(header.infos[name].shape[-1] for name, _ in misfits if name.endswith(DOWNS))
-    if not widths:
-        return "its layers are shaped unlike the weights they name"
-    width = widths.most_common(1)[0][0]
-    if width == hidden_size:
-        return "its layers are shaped unlike the weights they name: a LoRA of another model, or written wrongly"
+    width = widths.most_common(1)[0][0] if widths else None
+    if width is None or width == hidden_size:
+        name, problem = misfits[0]
+        return f"its layers are shaped unlike the weights they name, {name} {problem}: a LoRA of another model, or " \
+               "written wrongly"
     from .variants import known_variants
 
     models = [v.name for v in known_variants() if v.hidden_size == width]

@@ -12,11 +12,9 @@ import pytest
 import torch
 
 from comfyui_flux2dev.errors import CorruptFileError, WrongModelError
-from helpers import dense_model, flux2_forward, fp8_weights, gguf_weights, tiny_lora
+from helpers import dense_model, tiny_lora
+from lora_models import CPU, PACKED, forward, patched_weights, save
 
-CPU = torch.device("cpu")
-TRANSFORMER = "diffusion_models/flux2-dev-tiny.safetensors"
-FP8 = "diffusion_models/flux2-dev-tiny-fp8-weight_scale.safetensors"
 ENCODER = "text_encoders/mistral_3_small_flux2_bf16.safetensors"
 
 # One layer of each kind the transformer has, in BFL names and in diffusers names.
@@ -109,33 +107,6 @@ def _adapter(kind: str, name: str, weight: torch.Tensor, g: torch.Generator) -> 
     return {name + ".diff": diff}, diff
 
 
-def _bfl_weights(path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    return {k: v.float() for k, v in load_file(str(path)).items()}
-
-
-@pytest.fixture(scope="module")
-def places(tiny_root):
-    """Each diffusers weight -> (BFL key, the flat positions in it its values come from), traced through diffusers'
-    own converter on a BFL state dict whose every value is its own global position."""
-    from diffusers.loaders.single_file_utils import convert_flux2_transformer_checkpoint_to_diffusers
-
-    bfl = _bfl_weights(tiny_root / TRANSFORMER)
-    probe, owner, start = {}, {}, 0
-    for key, t in bfl.items():
-        probe[key] = torch.arange(start, start + t.numel(), dtype=torch.float64).reshape(t.shape)
-        owner[key] = start
-        start += t.numel()
-    starts = sorted((s, k) for k, s in owner.items())
-    out = {}
-    for name, values in convert_flux2_transformer_checkpoint_to_diffusers(dict(probe)).items():
-        flat = values.reshape(-1).long()
-        key = next(k for s, k in reversed(starts) if s <= flat[0].item())
-        out[name.removesuffix(".weight")] = (key, flat - owner[key])
-    return out
-
-
 def _layout_lora(layout, bfl: dict[str, torch.Tensor], places) -> tuple[dict, dict]:
     """(the LoRA's tensors, the expected difference of each BFL weight, or a function of the weight)."""
     _, names, spelling, kind = layout
@@ -162,46 +133,13 @@ def _expected_weights(bfl: dict, expected: dict) -> dict:
     return {k: v + (expected[k](v) if callable(expected.get(k)) else expected.get(k, 0)) for k, v in bfl.items()}
 
 
-@pytest.fixture(scope="module")
-def models(tiny_root, tiny_part, comfy_host):
-    """name -> (a FLUX.2 [dev] MODEL, the float32 BFL weights it computes with)."""
-    from comfyui_flux2dev.host.model import load_gguf_model, load_model
-
-    root, entries = tiny_part("unet")
-    ggufs = {e["format"].removeprefix("gguf-"): root / e["path"] for e in entries if e["variant"] == "dev"}
-    bfl = _bfl_weights(tiny_root / TRANSFORMER)
-    return {
-        "dense": (dense_model(bfl), bfl),
-        "safetensors": (load_model(str(tiny_root / TRANSFORMER), dtype=torch.float32), bfl),
-        "fp8": (load_model(str(tiny_root / FP8), dtype=torch.float32), fp8_weights(tiny_root / FP8)),
-        **{fmt: (load_gguf_model(str(ggufs[fmt]), dtype=torch.float32), gguf_weights(ggufs[fmt]))
-           for fmt in ("Q8_0", "Q4_K")},
-    }
-
-
-def _forward(patcher) -> torch.Tensor:
-    patcher.patch_model(device_to=CPU)
-    try:
-        with torch.no_grad():
-            return flux2_forward(patcher, CPU)
-    finally:
-        patcher.unpatch_model(device_to=CPU)
-
-
-def _save(tensors: dict, path) -> str:
-    from safetensors.torch import save_file
-
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path))
-    return str(path)
-
-
 @pytest.mark.parametrize("layout", LAYOUTS, ids=lambda layout: layout[0])
 def test_every_tensor_of_each_layout_lands_as_the_loras_own_math(models, places, layout, tmp_path):
     from comfyui_flux2dev.host.lora import load_lora
 
     bfl = models["dense"][1]
     tensors, expected = _layout_lora(layout, bfl, places)
-    path = _save(tensors, tmp_path / f"{layout[0]}.safetensors")
+    path = save(tensors, tmp_path / f"{layout[0]}.safetensors")
     # The dense model's patched weights, one by one (on 0.33 the norms' keys end in .weight, not .scale).
     dense, _ = models["dense"]
     patched, clip, report = load_lora(dense, None, path, 1.0, 1.0)
@@ -210,22 +148,17 @@ def test_every_tensor_of_each_layout_lands_as_the_loras_own_math(models, places,
     want = _expected_weights(bfl, expected)
     assert report.summary() == f"{len(tensors)} of {len(tensors)} LoRA tensors applied, changing {len(expected)} " \
         "weights of the transformer"
-    patched.patch_model(device_to=CPU)
-    try:
-        got = {k.removesuffix(".weight") + ".scale" if "norm" in k and k.endswith(".weight") else k: v.clone()
-               for k, v in patched.model.diffusion_model.state_dict().items()}
-    finally:
-        patched.unpatch_model(device_to=CPU)
+    got = patched_weights(patched)
     for key, value in want.items():
         assert (got[key] - value).abs().max().item() <= 1e-5, key
     changed = [k for k in want if not torch.equal(want[k], bfl[k])]
     assert len(changed) == len(expected)
     # Packed models: the forward pass against a dense model with the expected weights.
-    for name in ("safetensors", "fp8", "Q8_0", "Q4_K"):
+    for name in PACKED:
         model, weights = models[name]
-        out = _forward(load_lora(model, None, path, 1.0, 0.0)[0])
-        reference = _forward(dense_model(_expected_weights(weights, expected)))
-        assert (out - _forward(model)).abs().max() > 1e-3, name  # the LoRA counts
+        out = forward(load_lora(model, None, path, 1.0, 0.0)[0])
+        reference = forward(dense_model(_expected_weights(weights, expected)))
+        assert (out - forward(model)).abs().max() > 1e-3, name  # the LoRA counts
         # float32 rounding grows with the output, which DoRA's rescaled columns make large
         assert torch.allclose(out, reference, rtol=1e-6, atol=1e-5), (name, (out - reference).abs().max().item())
 
@@ -235,12 +168,12 @@ def test_strength_scales_and_the_input_model_is_untouched(models, places, tmp_pa
 
     model, bfl = models["Q4_K"]
     tensors, expected = _layout_lora(LAYOUTS[3], models["dense"][1], places)
-    path = _save(tensors, tmp_path / "lora.safetensors")
-    before = _forward(model)
-    half = _forward(load_lora(model, None, path, 0.5, 1.0)[0])
-    reference = _forward(dense_model({k: v + 0.5 * expected.get(k, 0) for k, v in bfl.items()}))
+    path = save(tensors, tmp_path / "lora.safetensors")
+    before = forward(model)
+    half = forward(load_lora(model, None, path, 0.5, 1.0)[0])
+    reference = forward(dense_model({k: v + 0.5 * expected.get(k, 0) for k, v in bfl.items()}))
     assert torch.allclose(half, reference, rtol=1e-6, atol=1e-5), (half - reference).abs().max().item()
-    assert torch.equal(_forward(model), before)
+    assert torch.equal(forward(model), before)
     assert load_lora(model, None, path, 0.0, 1.0)[0] is model  # strength 0: the MODEL as it came
 
 
@@ -267,7 +200,7 @@ def test_text_encoder_layers_land_on_the_clip_as_the_hosts_own_spelling_does(com
         hosts.update({f"text_encoders.mistral3_24b.transformer.model.{layer}.lora_B.weight": up,
                       f"text_encoders.mistral3_24b.transformer.model.{layer}.lora_A.weight": down})
     model, _ = models["Q8_0"]
-    same_model, patched, report = load_lora(model, clip, _save(ours, tmp_path / "te.safetensors"), 1.0, 0.8)
+    same_model, patched, report = load_lora(model, clip, save(ours, tmp_path / "te.safetensors"), 1.0, 0.8)
     assert same_model is model  # nothing of it patches the transformer
     assert report.summary() == f"{len(ours)} of {len(ours)} LoRA tensors applied, changing {len(ENCODER_LAYERS)} " \
         "weights of the text encoder"
@@ -292,7 +225,7 @@ def test_tensors_that_land_nowhere_are_named(models, tmp_path):
     lora["diffusion_model.img_in.lora_B.weight"] = torch.zeros(256, 2)  # a pair that multiplies to zero
     lora["diffusion_model.img_in.lora_A.weight"] = torch.ones(2, 128)
     lora["diffusion_model.txt_in.something_else"] = torch.zeros(3)  # no adapter's part
-    _, _, report = load_lora(model, None, _save(lora, tmp_path / "some.safetensors"), 1.0, 1.0)
+    _, _, report = load_lora(model, None, save(lora, tmp_path / "some.safetensors"), 1.0, 1.0)
     assert report.applied_count + sum(map(len, report.not_applied.values())) == report.total
     assert report.summary() == (
         "9 of 18 LoRA tensors applied, changing 3 weights of the transformer\n"
@@ -320,7 +253,7 @@ def test_a_layer_shaped_for_another_weight_is_refused_naming_it(models, tmp_path
                                               r"lora_down\.weight makes a difference of shape \[768, 256\], but the "
                                               r"weight it names \(diffusion_model\.double_blocks\.1\.img_attn\.proj"
                                               r"\.weight\) is \[256, 256\]"):
-        load_lora(model, None, _save(lora, tmp_path / "misfit.safetensors"), 1.0, 1.0)
+        load_lora(model, None, save(lora, tmp_path / "misfit.safetensors"), 1.0, 1.0)
 
 
 def _pair(name: str, out: int, inputs: int) -> dict:
@@ -343,7 +276,7 @@ def test_a_lora_that_patches_nothing_is_refused_saying_what_it_is_for(models, lo
     from comfyui_flux2dev.host.lora import load_lora
 
     with pytest.raises(WrongModelError, match=said):
-        load_lora(models["dense"][0], None, _save(lora, tmp_path / "other.safetensors"), 1.0, 1.0)
+        load_lora(models["dense"][0], None, save(lora, tmp_path / "other.safetensors"), 1.0, 1.0)
 
 
 def test_text_encoder_layers_without_a_clip_and_a_model_of_another_family_are_refused(comfy_host, models, tmp_path):
@@ -351,7 +284,7 @@ def test_text_encoder_layers_without_a_clip_and_a_model_of_another_family_are_re
 
     from comfyui_flux2dev.host.lora import load_lora
 
-    lora = _save(_pair("text_encoder.model.layers.0.self_attn.q_proj", 64, 64), tmp_path / "te.safetensors")
+    lora = save(_pair("text_encoder.model.layers.0.self_attn.q_proj", 64, 64), tmp_path / "te.safetensors")
     with pytest.raises(WrongModelError, match="its layers are the text encoder's: connect the FLUX.2 \\[dev\\] CLIP"):
         load_lora(models["dense"][0], None, lora, 1.0, 1.0)
     other = comfy.model_patcher.ModelPatcher(torch.nn.Linear(2, 2), load_device=CPU, offload_device=CPU)
@@ -365,4 +298,4 @@ def test_a_damaged_lora_is_refused_before_a_tensor_is_read(models, tmp_path):
     lora = _pair("diffusion_model.double_blocks.0.img_attn.qkv", 768, 256)
     del lora["diffusion_model.double_blocks.0.img_attn.qkv.lora_down.weight"]
     with pytest.raises(CorruptFileError, match="qkv.lora_up.weight but no down beside it"):
-        load_lora(models["dense"][0], None, _save(lora, tmp_path / "half.safetensors"), 1.0, 1.0)
+        load_lora(models["dense"][0], None, save(lora, tmp_path / "half.safetensors"), 1.0, 1.0)
