@@ -5,9 +5,10 @@ from __future__ import annotations
 from comfy_api.latest import io, ui
 
 from ..host.menus import chosen_path, model_choices
+from ..loaders.models.lora_plan import STRENGTH_LIMIT
 from .shared import CLIP_TOOLTIP, MODEL_TOOLTIP, schema
 
-STRENGTH = {"default": 1.0, "min": -100.0, "max": 100.0, "step": 0.01}  # the host's LoRA loader's range
+STRENGTH = {"default": 1.0, "min": -STRENGTH_LIMIT, "max": STRENGTH_LIMIT, "step": 0.01}
 
 
 class Flux2DevLoraLoader(io.ComfyNode):
@@ -17,10 +18,11 @@ class Flux2DevLoraLoader(io.ComfyNode):
             "Flux2DevLoraLoader",
             "A FLUX.2 LoRA from models/loras on a FLUX.2 MODEL (ComfyUI's own or this pack's: safetensors, fp8, "
             "NVFP4 or GGUF) and, where it holds text-encoder layers, on the FLUX.2 [dev] CLIP. It reads every layout "
-            "trainers publish (ComfyUI/BFL, diffusers and PEFT as ai-toolkit and fal write them, kohya, OneTrainer, "
-            "LyCORIS LoKr, LoHa and full weights) and shows how many of the LoRA's tensors it applied, naming any it "
-            "could not place, where ComfyUI's own LoRA loaders drop what they cannot place with a line in the log. A "
-            "LoRA that patches nothing here (one of FLUX.1 or Klein) is refused.",
+            "trainers publish (ComfyUI/BFL, diffusers and PEFT with the alpha and DoRA in their metadata, kohya, "
+            "OneTrainer, LyCORIS) at the scale each was trained at, and shows how many of the LoRA's tensors it "
+            "applied and how many weights they changed, measured after patching, naming any it did not apply, where "
+            "ComfyUI's own LoRA loaders drop what they cannot place with a line in the log. A LoRA that patches "
+            "nothing here (one of FLUX.1, SDXL or Klein), or a damaged one, is refused.",
             [
                 io.Model.Input("model", tooltip="The FLUX.2 transformer the LoRA patches."),
                 io.Clip.Input("clip", optional=True, tooltip="The FLUX.2 [dev] text encoder, for a LoRA that also "
