@@ -180,12 +180,14 @@ def test_strength_scales_and_the_input_model_is_untouched(models, places, tmp_pa
 ENCODER_LAYERS = ("layers.0.self_attn.q_proj", "layers.1.mlp.down_proj", "layers.29.self_attn.o_proj")
 
 
-@pytest.mark.parametrize("spelling", ("text_encoder.model.language_model.{}", "text_encoder.model.{}",
-                                      "base_model.model.model.{}", "lora_te_model_{flat}"))
+@pytest.mark.parametrize("spelling, dora", (("text_encoder.model.language_model.{}", False),
+                                            ("text_encoder.model.{}", False), ("base_model.model.model.{}", False),
+                                            ("lora_te_model_{flat}", False), ("lora_te_model_{flat}", True)))
 def test_text_encoder_layers_land_on_the_clip_as_the_hosts_own_spelling_does(comfy_host, tiny_root, models,
-                                                                             spelling, tmp_path):
+                                                                             spelling, dora, tmp_path):
     """Hugging Face/PEFT and kohya names of the Mistral encoder's layers, against the host's own LoRA loader given
-    the same layers in its own spelling (text_encoders.mistral3_24b.transformer.model.<layer>)."""
+    the same layers in its own spelling (text_encoders.mistral3_24b.transformer.model.<layer>); with DoRA per column
+    (where the host's arithmetic is LyCORIS's) the lazy CLIP reads its weights to measure the change on them."""
     from comfyui_flux2dev.host.clip import load_clip
     from comfyui_flux2dev.host.lora import load_lora
 
@@ -196,9 +198,12 @@ def test_text_encoder_layers_land_on_the_clip_as_the_hosts_own_spelling_does(com
         rows, columns = clip.cond_stage_model.get_submodule(f"mistral3_24b.transformer.model.{layer}").weight.shape
         up, down = torch.randn(rows, 4, generator=g) * 0.2, torch.randn(4, columns, generator=g) * 0.2
         name = spelling.format(layer, flat=_underscored(layer))
-        ours.update({f"{name}.lora_B.weight": up, f"{name}.lora_A.weight": down})
-        hosts.update({f"text_encoders.mistral3_24b.transformer.model.{layer}.lora_B.weight": up,
-                      f"text_encoders.mistral3_24b.transformer.model.{layer}.lora_A.weight": down})
+        magnitude = {".dora_scale": 1 + torch.rand(1, columns, generator=g)} if dora else {}
+        ours.update({f"{name}.lora_B.weight": up, f"{name}.lora_A.weight": down,
+                     **{name + end: t for end, t in magnitude.items()}})
+        host = f"text_encoders.mistral3_24b.transformer.model.{layer}"
+        hosts.update({f"{host}.lora_B.weight": up, f"{host}.lora_A.weight": down,
+                      **{host + end: t for end, t in magnitude.items()}})
     model, _ = models["Q8_0"]
     same_model, patched, report = load_lora(model, clip, save(ours, tmp_path / "te.safetensors"), 1.0, 0.8)
     assert same_model is model  # nothing of it patches the transformer
