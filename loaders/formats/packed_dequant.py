@@ -304,7 +304,8 @@ def _check_group(inputs: int, group: int, what: str) -> None:
 
 def _unrotate(v: torch.Tensor, group: int) -> None:
     """Rows v [n, inputs] (float32) back from ConvRot's basis, in place: each group of `group` inputs times the
-    transposed Hadamard matrix, as the host's _rotate_weight (the matrix is its own inverse)."""
+    transposed Hadamard matrix, as the host's _rotate_weight (the matrix is its own inverse). A matmul, on every
+    thread (steps.py): 2 x group float32 operations a value, most of a ConvRot weight's dequantization on the CPU."""
     h = _hadamard(group, v.device)
     v.copy_(torch.matmul(v.view(v.shape[0], -1, group), h.T).view(v.shape))
 
@@ -323,13 +324,13 @@ def dequantize_int8(
     out = output(out, weight.shape, dtype, weight.device)
 
     def fill(chunk: slice, v: torch.Tensor) -> None:
-        v.copy_(weight[chunk])
-        v.mul_(scale[chunk] if per_row else scale)
+        with few_threads(weight.device):
+            v.copy_(weight[chunk])
+            v.mul_(scale[chunk] if per_row else scale)
         if convrot_group is not None:
             _unrotate(v, convrot_group)
 
-    with few_threads(weight.device):
-        fill_by_rows(out, fill)
+    fill_by_rows(out, fill)
     return out
 
 
@@ -400,12 +401,12 @@ def dequantize_convrot_w4a4(
     out = output(out, (rows, inputs), dtype, packed.device)
 
     def fill(chunk: slice, v: torch.Tensor) -> None:
-        _nibbles(packed, pairs, chunk, v)
-        v.mul_(scale[chunk])
+        with few_threads(packed.device):
+            _nibbles(packed, pairs, chunk, v)
+            v.mul_(scale[chunk])
         _unrotate(v, convrot_group)
 
-    with few_threads(packed.device):
-        fill_by_rows(out, fill)
+    fill_by_rows(out, fill)
     return out
 
 
@@ -443,12 +444,12 @@ def dequantize_w4a8(
     out = output(out, (rows, inputs), dtype, device)
 
     def fill(chunk: slice, v: torch.Tensor) -> None:
-        _nibbles(packed, pairs, chunk, v)
-        v.view(v.shape[0], groups, group).mul_(s_rel[chunk].unsqueeze(-1))
-        v.round_().clamp_(-127, 127)  # the host's int8 grid
-        v.mul_(s_channel[chunk])
+        with few_threads(device):
+            _nibbles(packed, pairs, chunk, v)
+            v.view(v.shape[0], groups, group).mul_(s_rel[chunk].unsqueeze(-1))
+            v.round_().clamp_(-127, 127)  # the host's int8 grid
+            v.mul_(s_channel[chunk])
         _unrotate(v, convrot_group)
 
-    with few_threads(device):
-        fill_by_rows(out, fill)
+    fill_by_rows(out, fill)
     return out
