@@ -60,6 +60,9 @@ KITCHEN = {
                      {"format": "asym_w4a8_int8", "group_size": 32, "convrot_groupsize": BLOCK}, True),
     "w4a8-asymmetric": ("AsymW4A8Int8Layout", {"group_size": 16, "convrot_groupsize": BLOCK, "symmetric": False},
                         {"format": "asym_w4a8_int8", "group_size": 16, "convrot_groupsize": BLOCK}, False),
+    # 6-bit codes under the same word, from comfy-kitchen releases newer than ComfyUI 0.33's
+    "w6a8": ("AsymW4A8Int8Layout", {"group_size": 16, "convrot_groupsize": BLOCK, "bits": 6},
+             {"format": "asym_w4a8_int8", "group_size": 16, "convrot_groupsize": BLOCK}, False),
 }
 # What comfy-kitchen quantizes in the tiny models: a few layers (the rest stays bf16, as in mixed files), the
 # embedding too in one file. Every linear of the tiny models would cost seconds for W4A8's codebooks.
@@ -96,6 +99,17 @@ def convert_to_quant(sources: dict[str, Path], folder: Path) -> dict[tuple[str, 
 
 def _declaration(conf: dict) -> torch.Tensor:
     return torch.tensor(list(json.dumps(conf).encode()), dtype=torch.uint8)
+
+
+def kitchen_writes(mode: str) -> bool:
+    """Whether this comfy-kitchen's layout takes every argument of `mode` (an older one would ignore what it does not
+    know: 6-bit W4A8 came after ComfyUI 0.33's)."""
+    import inspect
+
+    import comfy_kitchen.tensor
+
+    layout, arguments, _, _ = KITCHEN[mode]
+    return set(arguments) <= set(inspect.signature(getattr(comfy_kitchen.tensor, layout).quantize).parameters)
 
 
 def kitchen(part: str, base: dict[str, torch.Tensor], mode: str) -> dict[str, torch.Tensor]:

@@ -85,6 +85,9 @@ class PackedFormat:
     optional: tuple[str, ...] = ()  # companions read where the file has them
     flag: str | None = None  # the declaration's true/false field that picks this row among rows of one format word
     settings: tuple[Setting, ...] = ()  # what its declaration carries, in PACKING's order
+    # (weight name, its stored shape, its companions' stored shapes by stored suffix, its declaration) -> what is
+    # wrong with a weight its declaration names this format, or None: checks the headers alone can make
+    check: Callable[[str, Shape, dict[str, Shape], dict], str | None] | None = None
 
     @property
     def stored_companions(self) -> tuple[str, ...]:
@@ -134,12 +137,24 @@ INT8_CONVROT = PackedFormat("int8-convrot", ("I8",), ("weight_scale", PACKING), 
                             declared=("int8_tensorwise",), rank=2, flag="convrot", settings=(CONVROT_GROUP,))
 CONVROT_W4A4 = PackedFormat("convrot-w4a4", ("I8",), ("weight_scale", PACKING), WEIGHT_SCALE, _halved,
                             declared=("convrot_w4a4",), logical_shape=_doubled, rank=2, settings=(CONVROT_GROUP,))
+def _w4a8_check(name: str, stored: Shape, companions: dict[str, Shape], declaration: dict) -> str | None:
+    """W4A8's codes are 4 bits (ComfyUI 0.33's comfy-kitchen); newer comfy-kitchen also writes 6-bit ones under the
+    same word, told by the inputs weight_s_rel's groups cover."""
+    s_rel, group = companions.get("weight_s_rel"), _declared(declaration, W4A8_GROUP.name, W4A8_GROUP.default)
+    if s_rel is None or len(s_rel) != 2 or len(stored) != 2 or s_rel[1] * group == stored[1] * 2:
+        return None
+    return (f"{name} stores {stored[1]} bytes a row for {s_rel[1] * group} inputs ({s_rel[1]} groups of {group} in "
+            f"its weight_s_rel): codes of {stored[1] * 8 / (s_rel[1] * group):g} bits, where ComfyUI reads 4-bit W4A8 "
+            "(comfy-kitchen's 6-bit codes are newer than ComfyUI 0.33). Use a 4-bit W4A8 file, another format or a "
+            "bf16 file.")
+
+
 W4A8 = PackedFormat(
     "w4a8", ("I8",), ("weight_s_rel", "weight_s_channel", PACKING),
     {"weight_s_rel": "weight_s_rel", "weight_s_channel": "weight_s_channel", "weight_codebook": "weight_codebook",
      "input_scale": None}, _halved,
     declared=("asym_w4a8_int8",), logical_shape=_doubled, rank=2, optional=("weight_codebook",),
-    settings=(W4A8_GROUP, CONVROT_GROUP),
+    settings=(W4A8_GROUP, CONVROT_GROUP), check=_w4a8_check,
 )
 FORMATS = (FP8_SCALED, NVFP4, MXFP8, INT8, INT8_CONVROT, CONVROT_W4A4, W4A8, GGUF)
 BY_LABEL = {f.label: f for f in FORMATS}
@@ -319,6 +334,10 @@ def stored_tensors(files) -> StoredTensors:
                 f"{name} is a {packed.label} weight of shape {list(info.shape)}; {packed.label} weights have "
                 f"{packed.rank} dimensions. The file is damaged; download it again."
             )
+        beside = {s: files.infos[f"{layer}.{s}"].shape for s in packed.spellings if f"{layer}.{s}" in files.infos}
+        problem = packed.check(name, info.shape, beside, declaration) if packed.check else None
+        if problem:
+            raise UnsupportedFormatError(problem)
         if PACKING in packed.companions:
             inputs = packed.logical_shape(info.shape)[-1]
             packings[name] = (FORMATS.index(packed), *declared_settings(name, packed, declaration, inputs))

@@ -63,13 +63,14 @@ def written(tiny_root, tmp_path_factory) -> dict[tuple[str, str, str], object]:
              for (part, mode), path in quant_writers.convert_to_quant(sources, folder).items()}
     for part, source in sources.items():
         base = _load(source)
-        for mode in quant_writers.KITCHEN:
+        for mode in filter(quant_writers.kitchen_writes, quant_writers.KITCHEN):
             files[part, "comfy-kitchen", mode] = folder / f"{part}-kitchen-{mode}.safetensors"
             save_file(quant_writers.kitchen(part, base, mode), str(files[part, "comfy-kitchen", mode]))
         files[part, "comfy-kitchen", "nvfp4-pre_quant_scale"] = folder / f"{part}-kitchen-pre_quant_scale.safetensors"
         save_file(quant_writers.with_pre_quant_scale(base, PRE_QUANT_LAYER[part]),
                   str(files[part, "comfy-kitchen", "nvfp4-pre_quant_scale"]))
-    assert set(files) == set(CASES)
+    assert set(files) == {case for case in CASES if case[1] != "comfy-kitchen" or case[2] not in quant_writers.KITCHEN
+                          or quant_writers.kitchen_writes(case[2])}
     return files
 
 
@@ -195,9 +196,14 @@ def test_what_no_release_reads_is_refused_naming_layer_and_format(written, case)
     from comfyui_flux2dev.loaders.models.inspect import inspect_path
 
     part, writer, mode = case
+    if case not in written:
+        pytest.skip(f"this comfy-kitchen does not write {mode}")
     stored = _load(written[case])
     layer = sorted(_declared(stored))[0]
-    if mode == "w4a8-asymmetric":
+    if mode == "w6a8":
+        said = (rf"^{layer}\.weight stores \d+ bytes a row for \d+ inputs \(\d+ groups of 16 in its weight_s_rel\): "
+                r"codes of 6 bits, where ComfyUI reads 4-bit W4A8")
+    elif mode == "w4a8-asymmetric":
         said = (rf"^{layer}\.weight_correction: the layer is asymmetric W4A8 .* which ComfyUI 0\.33 loads without "
                 r"its zero points.* use a symmetric W4A8 file")
     else:
