@@ -272,3 +272,7 @@ def test_settings_a_format_cannot_have_are_refused(tmp_path, bases):
     with pytest.raises(CorruptFileError, match=rf"^{layer}\.weight's comfy_quant gives convrot_groupsize 48; "
                                                r"int8-convrot needs a power of 4 \(16, 64, 256, \.\.\.\) that divides"):
         load_transformer(tmp_path / "odd.safetensors")
+
+
+def test_every_format_row_has_its_dequantizer():
+    assert set(packed_dequant.DEQUANTIZE) == {f.label for f in packing.FORMATS}
