@@ -116,6 +116,18 @@ def _doubled(shape: Shape) -> Shape:
     return (*shape[:-1], shape[-1] * 2)
 
 
+def _w4a8_check(name: str, stored: Shape, companions: dict[str, Shape], declaration: dict) -> str | None:
+    """W4A8's codes are 4 bits (ComfyUI 0.33's comfy-kitchen); newer comfy-kitchen also writes 6-bit ones under the
+    same word, told by the inputs weight_s_rel's groups cover."""
+    s_rel, group = companions.get("weight_s_rel"), _declared(declaration, W4A8_GROUP.name, W4A8_GROUP.default)
+    if s_rel is None or len(s_rel) != 2 or len(stored) != 2 or s_rel[1] * group == stored[1] * 2:
+        return None
+    return (f"{name} stores {stored[1]} bytes a row for {s_rel[1] * group} inputs ({s_rel[1]} groups of {group} in "
+            f"its weight_s_rel): codes of {stored[1] * 8 / (s_rel[1] * group):g} bits, where ComfyUI reads 4-bit W4A8 "
+            "(comfy-kitchen's 6-bit codes are newer than ComfyUI 0.33). Use a 4-bit W4A8 file, another format or a "
+            "bf16 file.")
+
+
 WEIGHT_SCALE = {"weight_scale": "weight_scale", "input_scale": None}
 
 GGUF = PackedFormat("gguf", ("U8",), (GGUF_TYPE,), {}, _gguf_stored_shape)
@@ -137,18 +149,6 @@ INT8_CONVROT = PackedFormat("int8-convrot", ("I8",), ("weight_scale", PACKING), 
                             declared=("int8_tensorwise",), rank=2, flag="convrot", settings=(CONVROT_GROUP,))
 CONVROT_W4A4 = PackedFormat("convrot-w4a4", ("I8",), ("weight_scale", PACKING), WEIGHT_SCALE, _halved,
                             declared=("convrot_w4a4",), logical_shape=_doubled, rank=2, settings=(CONVROT_GROUP,))
-def _w4a8_check(name: str, stored: Shape, companions: dict[str, Shape], declaration: dict) -> str | None:
-    """W4A8's codes are 4 bits (ComfyUI 0.33's comfy-kitchen); newer comfy-kitchen also writes 6-bit ones under the
-    same word, told by the inputs weight_s_rel's groups cover."""
-    s_rel, group = companions.get("weight_s_rel"), _declared(declaration, W4A8_GROUP.name, W4A8_GROUP.default)
-    if s_rel is None or len(s_rel) != 2 or len(stored) != 2 or s_rel[1] * group == stored[1] * 2:
-        return None
-    return (f"{name} stores {stored[1]} bytes a row for {s_rel[1] * group} inputs ({s_rel[1]} groups of {group} in "
-            f"its weight_s_rel): codes of {stored[1] * 8 / (s_rel[1] * group):g} bits, where ComfyUI reads 4-bit W4A8 "
-            "(comfy-kitchen's 6-bit codes are newer than ComfyUI 0.33). Use a 4-bit W4A8 file, another format or a "
-            "bf16 file.")
-
-
 W4A8 = PackedFormat(
     "w4a8", ("I8",), ("weight_s_rel", "weight_s_channel", PACKING),
     {"weight_s_rel": "weight_s_rel", "weight_s_channel": "weight_s_channel", "weight_codebook": "weight_codebook",
