@@ -2,8 +2,8 @@
 
 The weights come from loaders/models/encoder.py in the host's MistralForCausalLM names; the model is the host's
 pruned FLUX.2 encoder with the pack's masking (clip_model.py), the pack's tokenizer (clip_tokenizer.py), and
-the pack's packed ops and patcher (ops.py), which keep fp8 / NVFP4 / GGUF weights packed, dequantize them per
-layer at run time and apply LoRAs to the dequantized weights.
+the pack's packed ops and patcher (ops.py), which keep quantized weights (comfy_quant formats, GGUF) packed,
+dequantize them per layer at run time and apply LoRAs to the dequantized weights.
 
 The CLIP is lazy: it is built from the checkpoint's headers and tokenizer alone, and reads the weights
 (clip_weights.py) on the first prompt the conditioning cache (clip_cache.py, loaders/cache/) does not hold.

@@ -1,7 +1,7 @@
 """FLUX.2 transformers (safetensors files and folders, and GGUF files) as the host's MODEL, built from the
 pack's own geometry detection, with the wiring guard: conditioning of the wrong width stops the sampler at
 setup, naming both sides, instead of failing deep in the first step with a matmul error. Packed weights (scaled
-fp8, GGUF blocks) stay as stored; host/ops.py dequantizes them per layer."""
+fp8, the other comfy_quant formats, GGUF blocks) stay as stored; host/ops.py dequantizes them per layer."""
 
 from __future__ import annotations
 
@@ -97,7 +97,7 @@ def build_model(
     disable_dynamic: bool = False,
     device: torch.device | None = None,
 ):
-    """A host MODEL (ModelPatcher) from a loaded transformer. Packed weights (scaled fp8, GGUF blocks: a
+    """A host MODEL (ModelPatcher) from a loaded transformer. Packed weights (comfy_quant formats, GGUF blocks: a
     weight with companions beside it) stay as stored and are dequantized per layer by the pack's ops, with
     dequant_dtype and patch_dtype as their settings (host/ops.py); float models get the host's own ops. The
     patcher is the class the host's own loaders would use now (disable_dynamic: the plain one). With `device`

@@ -1,11 +1,12 @@
 """Packed weights inside the host's models: Linear, Conv and Embedding weights stay as stored (fp8 with
-its scale, NVFP4, GGUF blocks) and are dequantized per layer, on the device of the layer's input, at each
-forward. Encoder (CLIP) and transformer (MODEL) loads share these layers.
+its scale, NVFP4, MXFP8, INT8, W4A4, W4A8, GGUF blocks) and are dequantized per layer, on the device of the
+layer's input, at each forward. Encoder (CLIP) and transformer (MODEL) loads share these layers.
 
 A state dict hands a packed weight over as "<layer>.weight" (the stored tensor) plus its companions
-("<layer>.weight_scale", ".weight_scale_2", ".weight_gguf_type": loaders.packing.COMPANIONS); every packed
-weight goes through the one dequantizer, loaders.formats.packed_dequant.dequantize. On the CPU a forward
-dequantizes into the thread's scratch buffer (forward_weight), not a new tensor.
+("<layer>.weight_scale", ".weight_scale_2", ".weight_packing", ".weight_gguf_type" ...:
+loaders.packing.COMPANIONS); every packed weight goes through the one dequantizer,
+loaders.formats.packed_dequant.dequantize. On the CPU a forward dequantizes into the thread's scratch buffer
+(forward_weight), not a new tensor.
 
 - packed_operations(...) -> a comfy.ops-style class for custom_operations, fresh per load so one load's
   settings never reach another;
@@ -118,18 +119,18 @@ class PackedLayer:
             tensor = tensor.to(device=placeholder.device, dtype=None if kept else placeholder.dtype)
             setattr(self, name, torch.nn.Parameter(tensor, requires_grad=False))
         for c, tensor in companions.items():
-            if c == packing.GGUF_TYPE:
-                # A number, not weight memory, read here once: as a buffer the host would move it with the weights
-                # (to the GPU), and every forward would then wait for the GPU to read it back.
-                setattr(self, c, int(tensor))
+            if c in (packing.GGUF_TYPE, packing.PACKING):
+                # Numbers, not weight memory, read here once: as a buffer the host would move them with the weights
+                # (to the GPU), and every forward would then wait for the GPU to read them back.
+                setattr(self, c, int(tensor) if c == packing.GGUF_TYPE else packing.packing_values({c: tensor}))
             else:
                 self.register_buffer(c, tensor.to(self.weight.device))
         self.companions = tuple(companions)
 
     def _companions(self, device: torch.device) -> dict:
-        """The companions on `device` (scales move as the weight does; the GGUF type stays a number)."""
+        """The companions on `device` (scales move as the weight does; the GGUF type and the packing stay numbers)."""
         values = {c: getattr(self, c) for c in self.companions}
-        return {c: v if isinstance(v, int) else _to_device(v, device) for c, v in values.items()}
+        return {c: v if isinstance(v, (int, tuple)) else _to_device(v, device) for c, v in values.items()}
 
     def _dequantized(self, stored: torch.Tensor, shape, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
         """A new tensor of the weight's values (the host keeps it, or a forward returns it)."""

@@ -16,18 +16,20 @@ class Flux2DevEncoderLoader(io.ComfyNode):
         return schema(
             "Flux2DevEncoderLoader",
             "The Mistral-Small text encoder of FLUX.2 [dev] from models/text_encoders, in any layout: a ComfyUI file "
-            "(bf16, fp8, NVFP4), a .gguf quantization, a Hugging Face, diffusers text_encoder/ or Mistral native "
-            "folder. Pick this one for an encoder file or folder of its own; for the encoder inside a whole diffusers "
-            f"pipeline folder use {title('Flux2DevEncoderSource')}. Only headers and the tokenizer "
-            "are read here; the weights are read on the first prompt the conditioning cache does not hold.",
+            "(bf16, or any quantization ComfyUI reads: fp8, NVFP4, MXFP8, INT8, W4A4, W4A8), a .gguf quantization, a "
+            "Hugging Face, diffusers text_encoder/ or Mistral native folder. Pick this one for an encoder file or "
+            f"folder of its own; for the encoder inside a whole diffusers pipeline folder use "
+            f"{title('Flux2DevEncoderSource')}. Only headers and the tokenizer are read here; the weights are read on "
+            "the first prompt the conditioning cache does not hold.",
             [
                 io.Combo.Input(
                     "encoder",
                     options=list(model_choices("encoder")),
                     tooltip="The Mistral-Small text encoder of FLUX.2 [dev], from models/text_encoders (or "
-                    "models/clip): a single file such as mistral_3_small_flux2_bf16.safetensors or its fp8 / NVFP4 "
-                    "versions, a .gguf quantization, or a folder (Hugging Face, diffusers text_encoder/, Mistral "
-                    "native; shown with a trailing /). Not the Qwen3 encoder of FLUX.2 Klein.",
+                    "models/clip): a single file such as mistral_3_small_flux2_bf16.safetensors or a quantized one "
+                    "(fp8, NVFP4, MXFP8, INT8, W4A4, W4A8), a .gguf quantization, or a folder (Hugging Face, "
+                    "diffusers text_encoder/, Mistral native; shown with a trailing /). Not the Qwen3 encoder of "
+                    "FLUX.2 Klein.",
                 ),
                 io.Combo.Input("padding", options=list(PADDING_MODES), default=PADDING_MODES[0],
                                tooltip=PADDING_TOOLTIP),

@@ -16,8 +16,8 @@ class Flux2DevLoraLoader(io.ComfyNode):
     def define_schema(cls):
         return schema(
             "Flux2DevLoraLoader",
-            "A FLUX.2 LoRA from models/loras on a FLUX.2 MODEL (ComfyUI's own or this pack's: safetensors, fp8, "
-            "NVFP4 or GGUF) and, where it holds text-encoder layers, on the FLUX.2 [dev] CLIP. It reads every layout "
+            "A FLUX.2 LoRA from models/loras on a FLUX.2 MODEL (ComfyUI's own or this pack's: bf16, every comfy_quant "
+            "format, GGUF) and, where it holds text-encoder layers, on the FLUX.2 [dev] CLIP. It reads every layout "
             "trainers publish (ComfyUI/BFL, diffusers and PEFT with the alpha and DoRA in their metadata, kohya, "
             "OneTrainer, LyCORIS) at the scale each was trained at, and shows how many of the LoRA's tensors it "
             "applied and how many weights they changed, measured after patching, naming any it did not apply, where "

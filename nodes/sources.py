@@ -80,7 +80,8 @@ class Flux2DevTransformerSource(io.ComfyNode):
         return schema(
             "Flux2DevTransformerSource",
             "A FLUX.2 transformer ([dev], Klein 4B or Klein 9B: the weights say which) from a .safetensors file in "
-            "models/diffusion_models (BFL keys, bf16 or scaled fp8, such as flux2_dev_fp8mixed.safetensors) or a "
+            "models/diffusion_models (BFL keys: bf16, or any quantization ComfyUI reads, such as "
+            "flux2_dev_fp8mixed.safetensors, flux2-dev-nvfp4.safetensors or an MXFP8, INT8, W4A4 or W4A8 file) or a "
             "pipeline folder in models/diffusers (diffusers transformer/, sharded or not). For .gguf files use "
             f"{title('Flux2DevGGUFTransformerLoader')}. Conditioning from another variant's text encoder is refused "
             "when sampling starts.",

@@ -149,7 +149,7 @@ def is_cast(dense: torch.Tensor, entries: dict, name: str) -> bool:
     from .encoder import fp8_cast
 
     weight, companions = packed_dequant.split_entries(entries, name)
-    if "weight_scale" in companions and weight.dtype in packed_dequant.FP8_DTYPES:
+    if packed_dequant.format_of(weight.dtype, companions) is packing.FP8_SCALED:
         scale = companions["weight_scale"].to(torch.float32)
         cast = fp8_cast(dense, scale.reshape(-1, 1) if scale.numel() > 1 else scale.reshape(()), weight.dtype)
         return torch.equal(cast.view(torch.uint8), weight.view(torch.uint8))

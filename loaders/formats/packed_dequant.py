@@ -2,8 +2,10 @@
 headers without torch), one function a format, and the state-dict entries of GGUF tensors.
 
 The loaders keep packed weights as stored, each with its companions under the host's suffixes, and the
-host's layers (host/ops.py) call `dequantize` per layer at run time, so a fp8 model costs fp8 memory. On the
-CPU, fp8 and NVFP4 go through the one-pass kernels (compiled.py) where numba runs, with the same bits.
+host's layers (host/ops.py) call `dequantize` per layer at run time, so a fp8 model costs fp8 memory. Each format
+does ComfyUI 0.33's float32 operations (comfy-kitchen's reference functions, comfy/quant_ops.py's layouts) in the
+same order, chunk by chunk into the output. On the CPU, fp8 and NVFP4 go through the one-pass kernels
+(compiled.py) where numba runs, with the same bits.
 """
 
 from __future__ import annotations
@@ -14,15 +16,33 @@ import torch
 
 from ...errors import CorruptFileError, UnsupportedFormatError
 from . import compiled
-from .packing import FORMATS, FP8_SCALED, GGUF, GGUF_TYPE, NVFP4, Shape, stored_format
+from .packing import (
+    CONVROT_W4A4,
+    FORMATS,
+    FP8_SCALED,
+    GGUF,
+    GGUF_TYPE,
+    INT8,
+    INT8_CONVROT,
+    MXFP8,
+    NVFP4,
+    W4A8,
+    PackedFormat,
+    Shape,
+    settings,
+    stored_format,
+)
 from .safetensors_file import SAFETENSORS_DTYPES, torch_dtype
 from .steps import few_threads, fill_by_rows, output
 
 FP8_DTYPES = tuple(torch_dtype(d) for d in FP8_SCALED.dtypes)
 NVFP4_BLOCK = 16
+MXFP8_BLOCK = 32
 
 # The 16 E2M1 code points, indexed by the 4-bit code (sign in bit 3).
 _E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+# ConvRot's regular 4x4 Hadamard matrix; the size-n one is its Kronecker power, divided by sqrt(n).
+_HADAMARD_4 = ((1, 1, 1, -1), (1, 1, -1, 1), (1, -1, 1, 1), (-1, 1, 1, 1))
 
 
 def _gguf_dequantize(weight: torch.Tensor, companions: dict, dtype: torch.dtype, shape: Shape,
@@ -38,11 +58,60 @@ def _fp8_dequantize(weight: torch.Tensor, companions: dict, dtype: torch.dtype, 
 
 def _nvfp4_dequantize(weight: torch.Tensor, companions: dict, dtype: torch.dtype, shape: Shape,
                       out=None) -> torch.Tensor:
-    return dequantize_nvfp4(weight, companions["weight_scale"], companions["weight_scale_2"], dtype, out=out)
+    pre_quant_scale = companions.get("pre_quant_scale")
+    if pre_quant_scale is None:
+        return dequantize_nvfp4(weight, companions["weight_scale"], companions["weight_scale_2"], dtype, out=out)
+    # The host multiplies the layer's input by it; the same product, on the weight's columns, in float32.
+    values = dequantize_nvfp4(weight, companions["weight_scale"], companions["weight_scale_2"], torch.float32)
+    if pre_quant_scale.numel() != values.shape[1]:
+        raise CorruptFileError(
+            f"An NVFP4 weight of {values.shape[1]} inputs has a pre_quant_scale of {pre_quant_scale.numel()} values; "
+            "it needs one per input. The file is damaged; download it again."
+        )
+    values.mul_(pre_quant_scale.to(device=weight.device, dtype=torch.float32).reshape(1, -1))
+    return values.to(dtype) if out is None else out.copy_(values)
+
+
+def _mxfp8_dequantize(weight: torch.Tensor, companions: dict, dtype: torch.dtype, shape: Shape,
+                      out=None) -> torch.Tensor:
+    return dequantize_mxfp8(weight, companions["weight_scale"], dtype, out=out)
+
+
+def _int8_dequantize(weight: torch.Tensor, companions: dict, dtype: torch.dtype, shape: Shape,
+                     out=None) -> torch.Tensor:
+    return dequantize_int8(weight, companions["weight_scale"], dtype, out=out)
+
+
+def _int8_convrot_dequantize(weight: torch.Tensor, companions: dict, dtype: torch.dtype, shape: Shape,
+                             out=None) -> torch.Tensor:
+    (group,) = settings(companions)
+    return dequantize_int8(weight, companions["weight_scale"], dtype, convrot_group=group, out=out)
+
+
+def _convrot_w4a4_dequantize(weight: torch.Tensor, companions: dict, dtype: torch.dtype, shape: Shape,
+                             out=None) -> torch.Tensor:
+    (group,) = settings(companions)
+    return dequantize_convrot_w4a4(weight, companions["weight_scale"], group, dtype, out=out)
+
+
+def _w4a8_dequantize(weight: torch.Tensor, companions: dict, dtype: torch.dtype, shape: Shape,
+                     out=None) -> torch.Tensor:
+    group, convrot_group = settings(companions)
+    return dequantize_w4a8(weight, companions["weight_s_rel"], companions["weight_s_channel"],
+                           companions.get("weight_codebook"), group, convrot_group, dtype, out=out)
 
 
 # format label -> (weight, companions, dtype, shape, out=None) -> values
-DEQUANTIZE = {FP8_SCALED.label: _fp8_dequantize, NVFP4.label: _nvfp4_dequantize, GGUF.label: _gguf_dequantize}
+DEQUANTIZE = {
+    FP8_SCALED.label: _fp8_dequantize,
+    NVFP4.label: _nvfp4_dequantize,
+    MXFP8.label: _mxfp8_dequantize,
+    INT8.label: _int8_dequantize,
+    INT8_CONVROT.label: _int8_convrot_dequantize,
+    CONVROT_W4A4.label: _convrot_w4a4_dequantize,
+    W4A8.label: _w4a8_dequantize,
+    GGUF.label: _gguf_dequantize,
+}
 
 
 def split_entries(entries: dict[str, torch.Tensor], key: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -50,7 +119,7 @@ def split_entries(entries: dict[str, torch.Tensor], key: str) -> tuple[torch.Ten
     return entries[key], {k.rpartition(".")[2]: v for k, v in entries.items() if k != key}
 
 
-def _stored_format(weight_dtype: torch.dtype, companions):
+def format_of(weight_dtype: torch.dtype, companions) -> PackedFormat | None:
     """The format of a stored weight from its torch dtype and the companions beside it (what the loader kept)."""
     return stored_format(SAFETENSORS_DTYPES.get(str(weight_dtype)), companions)
 
@@ -76,9 +145,9 @@ def from_gguf(key: str, tensor) -> dict[str, torch.Tensor]:
 
 def stored_shape(shape, weight_dtype: torch.dtype, companions) -> tuple[int, ...]:
     """The shape a weight of logical `shape` is stored in, given its dtype and companions: GGUF rows of
-    whole blocks, NVFP4 two values a byte, fp8 and plain weights one value an element."""
+    whole blocks, 4-bit formats two values a byte, the others and plain weights one value an element."""
     shape = tuple(int(s) for s in shape)
-    found = _stored_format(weight_dtype, companions)
+    found = format_of(weight_dtype, companions)
     return found.stored_shape(shape, companions) if found else shape
 
 
@@ -86,11 +155,16 @@ def dequantize(
     weight: torch.Tensor, companions: dict[str, torch.Tensor], dtype: torch.dtype, shape,
     out: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """A weight of logical `shape` as `dtype`, whatever its stored format; `companions` holds the tensors
-    stored beside it by suffix (weight_scale, weight_scale_2, weight_gguf_type). The values go into `out` where
-    given (a contiguous tensor of that shape, dtype and device) instead of a new tensor."""
-    found = _stored_format(weight.dtype, companions)
+    """A weight of logical `shape` as `dtype`, whatever its stored format; `companions` holds the tensors stored
+    beside it by suffix (weight_scale, weight_scale_2, weight_packing, weight_gguf_type ...). The values go into
+    `out` where given (a contiguous tensor of that shape, dtype and device) instead of a new tensor."""
+    found = format_of(weight.dtype, companions)
     if found is not None:
+        if found is not GGUF and SAFETENSORS_DTYPES.get(str(weight.dtype)) not in found.dtypes:
+            raise UnsupportedFormatError(
+                f"A {found.label} weight {list(weight.shape)} came as {weight.dtype}; {found.label} weights are stored "
+                f"as {', '.join(found.dtypes)}. Load the model again."
+            )
         return DEQUANTIZE[found.label](weight, companions, dtype, tuple(shape), out=out)
     if any(SAFETENSORS_DTYPES.get(str(weight.dtype)) in f.dtypes for f in FORMATS):
         raise UnsupportedFormatError(
@@ -175,6 +249,7 @@ def dequantize_nvfp4(
         )
     out = output(out, (rows, cols), dtype, packed.device)
     tensor_scale = tensor_scale.to(device=packed.device, dtype=torch.float32)
+    block_scales = _as_bytes_of(block_scales, torch.float8_e4m3fn, "NVFP4 block scales")
     if compiled.nvfp4(packed, block_scales, tensor_scale, _E2M1, out):
         return out
     scales = unswizzle_block_scales(block_scales, rows, cols // NVFP4_BLOCK)
@@ -187,4 +262,194 @@ def dequantize_nvfp4(
 
     with few_threads(packed.device):
         fill_by_rows(out, fill)
+    return out
+
+
+def _as_bytes_of(scales: torch.Tensor, dtype: torch.dtype, what: str) -> torch.Tensor:
+    """One-byte scales as `dtype`: files store them so or as uint8 (ComfyUI views either as `dtype`)."""
+    if scales.dtype == dtype:
+        return scales
+    if scales.dtype not in (torch.uint8, torch.float8_e4m3fn, torch.float8_e8m0fnu):
+        raise CorruptFileError(f"The {what} are stored as {scales.dtype}; they are one byte each ({dtype} or uint8). "
+                               "The file is damaged; download it again.")
+    return scales.view(dtype)
+
+
+def _scale_of_rows(scale: torch.Tensor, rows: int, device: torch.device, what: str,
+                   shapes: tuple[tuple[int, ...], ...]) -> torch.Tensor:
+    """A float32 scale [n, 1] for broadcasting over `rows` rows (n is 1 or `rows`), stored in one of `shapes`."""
+    if tuple(scale.shape) not in shapes:
+        expected = " or ".join(str(list(s)) for s in shapes)
+        raise CorruptFileError(f"A {what} of {rows} rows has a scale of shape {list(scale.shape)}; it needs "
+                               f"{expected}. The file is damaged; download it again.")
+    return scale.to(device=device, dtype=torch.float32).reshape(-1, 1)
+
+
+@functools.cache
+def _hadamard(size: int, device: torch.device) -> torch.Tensor:
+    """ConvRot's normalized regular Hadamard matrix of `size` (a power of 4), float32: its entries are +-2^-k,
+    exact."""
+    h4 = torch.tensor(_HADAMARD_4, dtype=torch.float32, device="cpu")
+    h = h4
+    while h.shape[0] < size:
+        h = torch.kron(h, h4)
+    return (h / size**0.5).to(device)
+
+
+def _check_group(inputs: int, group: int, what: str) -> None:
+    if group < 4 or group & (group - 1) or (group.bit_length() - 1) % 2 or inputs % group:
+        raise CorruptFileError(f"A {what} of {inputs} inputs is rotated in groups of {group}; ConvRot groups are a "
+                               "power of 4 that divides the inputs. The file is damaged; download it again.")
+
+
+def _unrotate(v: torch.Tensor, group: int) -> None:
+    """Rows v [n, inputs] (float32) back from ConvRot's basis, in place: each group of `group` inputs times the
+    transposed Hadamard matrix, as the host's _rotate_weight (the matrix is its own inverse). A matmul, on every
+    thread (steps.py): 2 x group float32 operations a value, most of a ConvRot weight's dequantization on the CPU."""
+    h = _hadamard(group, v.device)
+    v.copy_(torch.matmul(v.view(v.shape[0], -1, group), h.T).view(v.shape))
+
+
+def dequantize_int8(
+    weight: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, *, convrot_group: int | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """float32(int8 weight) * float32(scale), one scale or one per row ([rows, 1]), then back from ConvRot's basis
+    where `convrot_group` is given; cast to `dtype` (into `out`)."""
+    rows, inputs = weight.shape
+    scale = _scale_of_rows(scale, rows, weight.device, "INT8 weight", ((), (1,), (1, 1), (rows, 1)))
+    if convrot_group is not None:
+        _check_group(inputs, convrot_group, "ConvRot INT8 weight")
+    per_row = scale.shape[0] > 1
+    out = output(out, weight.shape, dtype, weight.device)
+
+    def fill(chunk: slice, v: torch.Tensor) -> None:
+        with few_threads(weight.device):
+            v.copy_(weight[chunk])
+            v.mul_(scale[chunk] if per_row else scale)
+        if convrot_group is not None:
+            _unrotate(v, convrot_group)
+
+    fill_by_rows(out, fill)
+    return out
+
+
+@functools.cache
+def _e8m0_book(device: torch.device) -> torch.Tensor:
+    """E8M0 byte -> its float32 value, 2^(byte - 127), by the host's bit construction (byte 0 is 0, 255 infinite)."""
+    powers = (torch.arange(256, dtype=torch.int32, device="cpu") << 23).view(torch.float32)
+    powers[0] = 0.0
+    return powers.to(device)
+
+
+def dequantize_mxfp8(
+    weight: torch.Tensor, block_scales: torch.Tensor, dtype: torch.dtype, *, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """float32(float8_e4m3fn weight) * 2^(block scale - 127), one E8M0 scale per 32 inputs in 128x4 tiles; cast
+    to `dtype` (into `out`)."""
+    rows, inputs = weight.shape
+    tiled = -(-rows // 128) * 128 * -(-inputs // MXFP8_BLOCK // 4) * 4
+    if inputs % MXFP8_BLOCK or block_scales.numel() != tiled or weight.dtype != torch.float8_e4m3fn:
+        raise CorruptFileError(
+            f"An MXFP8 weight [{rows}, {inputs}] ({weight.dtype}) came with {block_scales.numel()} block scales; it "
+            f"needs float8_e4m3fn values and {tiled} scales (one per {MXFP8_BLOCK} values, in 128x4 tiles). The file "
+            "is damaged; download it again."
+        )
+    scales = _as_bytes_of(block_scales, torch.uint8, "MXFP8 block scales")
+    plain = unswizzle_block_scales(scales, rows, inputs // MXFP8_BLOCK)
+    codes, book, powers = weight.view(torch.uint8), _fp8_book(weight.dtype, weight.device), _e8m0_book(weight.device)
+    out = output(out, weight.shape, dtype, weight.device)
+
+    def fill(chunk: slice, v: torch.Tensor) -> None:
+        torch.index_select(book, 0, codes[chunk].reshape(-1).int(), out=v.view(-1))
+        v.view(v.shape[0], -1, MXFP8_BLOCK).mul_(powers[plain[chunk].int()].unsqueeze(-1))
+
+    with few_threads(weight.device):
+        fill_by_rows(out, fill)
+    return out
+
+
+@functools.cache
+def _nibble_pairs(values: tuple[float, ...], device: torch.device) -> torch.Tensor:
+    """byte -> the float32 values of its low nibble (the even element) and its high nibble, side by side in one
+    float64 slot, each nibble's value from `values` (16): one gather yields two neighbouring values."""
+    book, codes = torch.tensor(values, dtype=torch.float32, device="cpu"), torch.arange(256, device="cpu")
+    return torch.stack((book[codes & 0x0F], book[codes >> 4]), dim=1).view(torch.float64).reshape(256).to(device)
+
+
+_SIGNED_NIBBLES = tuple(float(n - 16 if n >= 8 else n) for n in range(16))  # two's complement 4-bit values
+_W4A8_CODES = tuple(float(n - 8) for n in range(16))  # W4A8's codes without a codebook
+
+
+def _nibbles(packed: torch.Tensor, pairs: torch.Tensor, chunk: slice, v: torch.Tensor) -> None:
+    """The values of rows `chunk` of 4-bit codes (int8 [rows, inputs/2]) into v [n, inputs] through `pairs`."""
+    torch.index_select(pairs, 0, packed[chunk].view(torch.uint8).reshape(-1).int(),
+                       out=v.view(torch.float64).view(-1))
+
+
+def dequantize_convrot_w4a4(
+    packed: torch.Tensor, scale: torch.Tensor, convrot_group: int, dtype: torch.dtype, *,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Signed 4-bit values (int8 [rows, inputs/2], the even element in the low nibble) * float32(row scale), back
+    from ConvRot's basis; cast to `dtype` (into `out`)."""
+    rows, half = packed.shape
+    inputs = half * 2
+    scale = _scale_of_rows(scale, rows, packed.device, "ConvRot W4A4 weight", ((rows,), (rows, 1)))
+    _check_group(inputs, convrot_group, "ConvRot W4A4 weight")
+    pairs = _nibble_pairs(_SIGNED_NIBBLES, packed.device)
+    out = output(out, (rows, inputs), dtype, packed.device)
+
+    def fill(chunk: slice, v: torch.Tensor) -> None:
+        with few_threads(packed.device):
+            _nibbles(packed, pairs, chunk, v)
+            v.mul_(scale[chunk])
+        _unrotate(v, convrot_group)
+
+    fill_by_rows(out, fill)
+    return out
+
+
+def dequantize_w4a8(
+    packed: torch.Tensor, s_rel: torch.Tensor, s_channel: torch.Tensor, codebook: torch.Tensor | None,
+    group: int, convrot_group: int, dtype: torch.dtype, *, out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """W4A8: each unsigned 4-bit code (the even element in the low nibble) through the codebook (or code - 8),
+    times its group's float32(s_rel), rounded to an integer in [-127, 127], times float32(s_channel) of its row,
+    back from ConvRot's basis; cast to `dtype` (into `out`)."""
+    rows, half = packed.shape
+    inputs = half * 2
+    groups = inputs // group if group else 0
+    if (inputs % 16 or not group or inputs % group or tuple(s_rel.shape) != (rows, groups)
+            or tuple(s_channel.shape) != (rows,) or (codebook is not None and tuple(codebook.shape) != (16,))):
+        raise CorruptFileError(
+            f"A W4A8 weight [{rows}, {inputs}] in groups of {group} came with weight_s_rel {list(s_rel.shape)}, "
+            f"weight_s_channel {list(s_channel.shape)}"
+            + ("" if codebook is None else f" and weight_codebook {list(codebook.shape)}")
+            + f"; it needs [{rows}, {groups}], [{rows}] and 16 codebook values, with 16 and the group dividing the "
+            "inputs. The file is damaged (or holds 6-bit codes, which ComfyUI 0.33 does not read)."
+        )
+    _check_group(inputs, convrot_group, "W4A8 weight")
+    device = packed.device
+    if s_rel.dtype == torch.uint8:
+        s_rel = s_rel.view(torch.float8_e4m3fn)
+    s_rel = s_rel.to(device=device, dtype=torch.float32)
+    s_channel = s_channel.to(device=device, dtype=torch.float32).reshape(-1, 1)
+    if codebook is None:
+        pairs = _nibble_pairs(_W4A8_CODES, device)
+    else:  # made for this weight's codebook: 256 pairs
+        book = codebook.to(device=device, dtype=torch.float32)
+        codes = torch.arange(256, device=device)
+        pairs = torch.stack((book[codes & 0x0F], book[codes >> 4]), dim=1).view(torch.float64).reshape(256)
+    out = output(out, (rows, inputs), dtype, device)
+
+    def fill(chunk: slice, v: torch.Tensor) -> None:
+        with few_threads(device):
+            _nibbles(packed, pairs, chunk, v)
+            v.view(v.shape[0], groups, group).mul_(s_rel[chunk].unsqueeze(-1))
+            v.round_().clamp_(-127, 127)  # the host's int8 grid
+            v.mul_(s_channel[chunk])
+        _unrotate(v, convrot_group)
+
+    fill_by_rows(out, fill)
     return out

@@ -25,6 +25,7 @@ DTYPES = {
     "F64": ("fp64", 8, "float64"),
     "F8_E4M3": ("float8_e4m3fn", 1, "float8_e4m3fn"),
     "F8_E5M2": ("float8_e5m2", 1, "float8_e5m2"),
+    "F8_E8M0": ("float8_e8m0fnu", 1, "float8_e8m0fnu"),  # MXFP8's block scales, as torch saves them
     "U8": ("uint8", 1, "uint8"),
     "I8": ("int8", 1, "int8"),
     "I32": ("int32", 4, "int32"),

@@ -119,7 +119,9 @@ def _planned(path: str, reading: Reading) -> EncoderPlan:
 def _is_read(host: str, layer: int | None, kept: int, reading: Reading) -> bool:
     if layer is not None:
         return layer < kept
-    return host == EMBED or (reading.head and host.startswith((FINAL_NORM, LM_HEAD + ".")))
+    if host.startswith(EMBED.removesuffix("weight")):  # the embeddings, and the companions of their packing
+        return True
+    return reading.head and host.startswith((FINAL_NORM, LM_HEAD + "."))
 
 
 def _plan(path: str, layout, checkpoint, reading: Reading) -> EncoderPlan:

@@ -58,8 +58,8 @@ def host_name(stored: str, scheme: KeyScheme) -> tuple[str | None, int | None]:
     if suffix not in SUFFIXES:
         return None, None
     mapped = SUFFIXES[suffix]
-    if module == scheme.embed:
-        return (EMBED if mapped == "weight" else None), None
+    if module == scheme.embed:  # the table, or a companion of its packing
+        return (EMBED.removesuffix("weight") + mapped if mapped else ""), None
     if module == scheme.final_norm:
         return (FINAL_NORM if mapped == "weight" else None), None
     head, _, tail = module.partition(".")

@@ -14,7 +14,7 @@ import contextlib
 import glob
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING
 
@@ -146,9 +146,18 @@ class Source:
     # The state-dict entries (host name -> tensor) of a stored tensor: the tensor as read, or for GGUF the
     # tensor and its packing companion (packed_dequant.from_gguf).
     entries_of: Callable[[str, str], dict[str, torch.Tensor]] | None = None
+    # stored weight -> its PACKING companion's values, for declared weights whose format needs them (packing.py)
+    packings: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     def state_entries(self, host: str, stored: str) -> dict[str, torch.Tensor]:
-        return self.entries_of(host, stored) if self.entries_of else {host: self.read(stored)}
+        if self.entries_of:
+            return self.entries_of(host, stored)
+        out = {host: self.read(stored)}
+        if stored in self.packings:
+            import torch
+
+            out[host[: -len("weight")] + packing.PACKING] = torch.tensor(self.packings[stored])
+        return out
 
 
 def _logical(label: str, shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -157,9 +166,11 @@ def _logical(label: str, shape: tuple[int, ...]) -> tuple[int, ...]:
 
 
 def _files_source(files: SafetensorsFiles, settings: dict) -> Source:
-    labels = packing.labels(files)
+    stored = packing.stored_tensors(files)
+    labels = stored.labels
     entries = {k: (labels[k], _logical(labels[k], v.shape)) for k, v in files.infos.items()}
-    return Source(entries, files.view, lambda k: files.infos[k].nbytes, settings, tuple(files.paths))
+    return Source(entries, files.view, lambda k: files.infos[k].nbytes, settings, tuple(files.paths),
+                  packings=stored.packings)
 
 
 def _safetensors_source(paths: list[str], settings: dict) -> Source:

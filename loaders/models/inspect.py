@@ -31,12 +31,19 @@ def _header_figures(files: SafetensorsFiles) -> dict:
 
 
 def _transformer(path: Path) -> dict:
-    from .transformer_layout import identify_transformer, transformer_files
+    """The loader's plan (so what it refuses, this refuses): the tensors it reads, the formats of the model's
+    tensors among them (their companions apart) and the bytes it reads."""
+    from ..formats import packing
+    from .transformer import plan_transformer
 
-    variant, geometry, layout = identify_transformer(path)
-    figures = _header_figures(SafetensorsFiles([str(p) for p in transformer_files(path)]))
-    return {"kind": "transformer", "layout": layout.name, "variant": variant.key,
-            "layers": geometry.double_blocks + geometry.single_blocks, **figures}
+    plan = plan_transformer(path)
+    labels, infos = packing.labels(plan.files), plan.files.infos
+    formats = Counter(labels[n] for n in plan.reads if n.rpartition(".")[2] not in packing.SPELLINGS)
+    g = plan.geometry
+    return {"kind": "transformer", "layout": plan.layout.name, "variant": plan.variant.key,
+            "layers": g.double_blocks + g.single_blocks, "reads": len(plan.reads),
+            "skips": len(infos) - len(plan.reads), "formats": dict(formats),
+            "memory_bytes": sum(infos[n].nbytes for n in plan.reads)}
 
 
 def _gguf_transformer(path: Path) -> dict:

@@ -1,6 +1,7 @@
 """FLUX.2 transformers from disk, as a BFL-keyed state dict and the variant its shapes say it is.
 
-Reads a BFL single file (flux2-dev.safetensors, also scaled fp8 in either scale spelling), a diffusers
+Reads a BFL single file (flux2-dev.safetensors, also scaled fp8 in either scale spelling and every comfy_quant
+format ComfyUI reads: NVFP4, MXFP8, INT8 with and without ConvRot, W4A4, W4A8), a diffusers
 transformer folder (single or sharded with an index) or a whole pipeline folder (its transformer/). The
 variant comes from the tensor shapes alone (safetensors headers), so an unknown model fails before any
 weight is read. diffusers keys are renamed to the host's BFL keys through one table.
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ...errors import (
+    MissingWeightsError,
     UnknownModelError,
     UnsupportedFormatError,
     VariantMismatchError,
@@ -36,8 +38,8 @@ if TYPE_CHECKING:  # for the annotations only: torch is imported where a tensor 
     import torch
 
 FP8_MARKERS = ("scaled_fp8",)  # whole-file flags some fp8 writers add; they carry no weights
-# The packed formats (loaders/formats/packing.py) the pack reads in a BFL transformer file.
-READ_FORMATS = (packing.FP8_SCALED,)
+# The packed formats (loaders/formats/packing.py) the pack reads in a BFL transformer file: every safetensors one.
+READ_FORMATS = tuple(f for f in packing.FORMATS if f is not packing.GGUF)
 FLOAT_DTYPES = ("BF16", "F16", "F32")  # the safetensors dtypes of a plain (unpacked) transformer
 # What the errors say the pack reads, from the two tables above.
 READS = (f"{', '.join(DTYPES[d][0] for d in FLOAT_DTYPES)} and {', '.join(f.label for f in READ_FORMATS)} FLUX.2 "
@@ -46,7 +48,8 @@ READS = (f"{', '.join(DTYPES[d][0] for d in FLOAT_DTYPES)} and {', '.join(f.labe
 
 @dataclass
 class LoadedTransformer:
-    state_dict: dict[str, torch.Tensor]  # BFL keys; fp8 weights stay fp8 with "<layer>.weight_scale" beside them
+    # BFL keys; packed weights stay as stored, with their companions ("<layer>.weight_scale" ...) beside them
+    state_dict: dict[str, torch.Tensor]
     variant: Flux2Variant
     geometry: TransformerGeometry
     layout: str  # "BFL" or "diffusers"
@@ -88,12 +91,15 @@ def diffusers_to_bfl(state_dict: Mapping[str, torch.Tensor]) -> dict[str, torch.
     return out
 
 
-def _bfl_readers(files: SafetensorsFiles) -> dict[str, tuple[tuple[int, ...], Callable[[], dict]]]:
+def _bfl_readers(files: SafetensorsFiles, shapes: Mapping[str, tuple[int, ...]]
+                 ) -> tuple[dict[str, tuple[tuple[int, ...], Callable[[], dict]]], list[str]]:
     """BFL key -> (its shape, a reader of it) for a BFL file, every check made on the headers first: a packed
-    format the pack does not read, a packed weight without its scale, an integer weight. A reader gives the
-    tensor as stored, packed ones with their companions under the host's suffixes (loaders/formats/packing.py)."""
+    format the pack does not read, a packed weight without its companions, an integer weight. A reader gives the
+    tensor as stored, packed ones with their companions under the host's suffixes, as stored too
+    (loaders/formats/packing.py). Also: the stored tensors the readers read."""
+    stored = packing.stored_tensors(files)
     packed = {}
-    for name, label in packing.labels(files).items():
+    for name, label in stored.labels.items():
         found = packing.packed_format(label)
         if found is not None and name not in FP8_MARKERS:
             packed[name] = found
@@ -114,20 +120,31 @@ def _bfl_readers(files: SafetensorsFiles) -> dict[str, tuple[tuple[int, ...], Ca
             continue
         tensors.append(name)
     for f in READ_FORMATS:
-        lacking = [k for k, g in packed.items()
-                   if g is f and any(c not in companions.get(k.rpartition(".")[0], {}) for c in f.companions)]
-        if lacking:
+        lacking = {k: [c for c in f.stored_companions if c not in companions.get(k.rpartition(".")[0], {})]
+                   for k, g in packed.items() if g is f}
+        lacking = {k: absent for k, absent in lacking.items() if absent}
+        if not lacking:
+            continue
+        first, absent = next(iter(lacking.items()))
+        if f is packing.FP8_SCALED:
             spellings = " or ".join(f".{s}" for s, host in f.spellings.items() if host in f.companions)
             raise UnsupportedFormatError(
-                f"{len(lacking)} {f.label} weight(s) have no scale beside them (e.g. {lacking[0]}); the pack reads "
+                f"{len(lacking)} {f.label} weight(s) have no scale beside them (e.g. {first}); the pack reads "
                 f"them with {spellings} only, since unscaled weights from an unknown writer may be off by a factor."
             )
-    stored = {name: files.infos[name].dtype
-              for name in [*tensors, *(n for c in companions.values() for n in c.values())]}
-    odd = [name for name, dtype in stored.items() if packing.is_integer(dtype)]
+        raise MissingWeightsError(
+            f"{len(lacking)} {f.label} weight(s) lack the tensors stored beside them that say what they are (e.g. "
+            f"{first} without .{', .'.join(absent)}); the file is incomplete. Download it again."
+        )
+    # Integer tensors other than packed weights and their companions: no float model has them.
+    beside_packed = {n for k in packed for n in companions.get(k.rpartition(".")[0], {}).values()}
+    kinds = {name: files.infos[name].dtype for name in tensors if name not in packed}
+    kinds.update({name: files.infos[name].dtype for c in companions.values() for name in c.values()
+                  if name not in beside_packed})
+    odd = [name for name, dtype in kinds.items() if packing.is_integer(dtype)]
     if odd:
         raise UnsupportedFormatError(
-            f"The transformer holds integer tensors (e.g. {odd[0]}, torch.{DTYPES[stored[odd[0]]][2]}); the pack "
+            f"The transformer holds integer tensors (e.g. {odd[0]}, torch.{DTYPES[kinds[odd[0]]][2]}); the pack "
             f"reads {READS}."
         )
 
@@ -139,12 +156,16 @@ def _bfl_readers(files: SafetensorsFiles) -> dict[str, tuple[tuple[int, ...], Ca
             out = {name: files.view(name)}
             if name.endswith(".weight"):
                 for host, stored_name in companions.get(layer, {}).items():
-                    out[f"{layer}.{host}"] = files.view(stored_name).to(torch.float32)
+                    out[f"{layer}.{host}"] = files.view(stored_name)
+                if name in stored.packings:
+                    out[f"{layer}.{packing.PACKING}"] = torch.tensor(stored.packings[name])
             return out
 
         return read_one
 
-    return {name: (files.infos[name].shape, reader(name)) for name in tensors}
+    read = [*tensors, *(n for t in tensors if t.endswith(".weight")
+                        for n in companions.get(t.rpartition(".")[0], {}).values())]
+    return {name: (shapes[name], reader(name)) for name in tensors}, read
 
 
 @dataclass
@@ -157,12 +178,14 @@ class TransformerPlan:
     layout: KeyLayout
     # BFL key -> (shape, reader of it and its companions)
     tensors: dict[str, tuple[tuple[int, ...], Callable[[], dict]]]
+    reads: list[str]  # the stored tensors the readers read; the file's others are read past
+    files: SafetensorsFiles
 
 
 def plan_transformer(path: str | Path) -> TransformerPlan:
     """A FLUX.2 transformer's plan, after its headers named a known variant."""
     files = SafetensorsFiles([str(p) for p in transformer_files(path)])
-    shapes = {name: info.shape for name, info in files.infos.items()}
+    shapes = packing.logical_shapes(files)
     geometry, layout = geometry_from_shapes(shapes)
     variant = variant_for_geometry(geometry, layout)
     if layout is DIFFUSERS:
@@ -173,10 +196,11 @@ def plan_transformer(path: str | Path) -> TransformerPlan:
                 f"{', '.join(f.label for f in READ_FORMATS)} as a BFL single file."
             )
         tensors = _diffusers_readers(shapes, files.view, geometry)
+        reads = [name for _, names, _ in diffusers_plan(shapes, geometry) for name in names]
     else:
-        tensors = _bfl_readers(files)
+        tensors, reads = _bfl_readers(files, shapes)
     check_tensor_shapes({key: shape for key, (shape, _) in tensors.items()}, geometry, variant)
-    return TransformerPlan(variant, geometry, layout, tensors)
+    return TransformerPlan(variant, geometry, layout, tensors, reads, files)
 
 
 def load_transformer(path: str | Path) -> LoadedTransformer:

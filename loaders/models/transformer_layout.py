@@ -12,6 +12,7 @@ from pathlib import Path
 from ...errors import MissingWeightsError, UnknownModelError, UnsupportedFormatError, WrongModelError
 from ..formats.files import part_files
 from ..formats.gguf_file import GGUFFile
+from ..formats.packing import logical_shapes
 from ..formats.safetensors_file import SafetensorsFiles
 from .kinds import GGUF_ARCHITECTURES, gguf_architectures, gguf_kind
 from .node_titles import title
@@ -288,8 +289,7 @@ def transformer_files(path: str | Path) -> list[Path]:
 def identify_transformer(path: str | Path) -> tuple[Flux2Variant, TransformerGeometry, KeyLayout]:
     """The variant of a transformer on disk from its safetensors headers only."""
     files = SafetensorsFiles([str(p) for p in transformer_files(path)])
-    shapes = {name: info.shape for name, info in files.infos.items()}
-    geometry, layout = geometry_from_shapes(shapes)
+    geometry, layout = geometry_from_shapes(logical_shapes(files))
     return variant_for_geometry(geometry, layout), geometry, layout
 
 
@@ -297,7 +297,7 @@ def bfl_shapes(path: str | Path) -> tuple[Flux2Variant, dict[str, tuple[int, ...
     """The variant of the transformer at `path` and the shape of each of its weights in BFL keys, from its
     headers alone (a diffusers transformer's parts concatenated as the load does)."""
     files = SafetensorsFiles([str(p) for p in transformer_files(path)])
-    shapes = {name: info.shape for name, info in files.infos.items()}
+    shapes = logical_shapes(files)
     geometry, layout = geometry_from_shapes(shapes)
     variant = variant_for_geometry(geometry, layout)
     if layout is BFL:

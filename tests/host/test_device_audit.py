@@ -51,12 +51,41 @@ def _nvfp4():
     return {"weight": packed, "weight_scale": scales, "weight_scale_2": scale2}, SHAPE
 
 
-# Every packed weight the dequantizers read: each GGUF type, fp8 of both kinds and scale layouts, NVFP4.
+def _comfy_quant(mode: str):
+    """A weight in a comfy-kitchen layout (quant_writers.KITCHEN) as the loaders hand it over: its stored tensors, and
+    its row and settings as the loaders read them from ComfyUI's declaration (weight_packing)."""
+    import comfy_kitchen.tensor
+
+    from comfyui_flux2dev.loaders.formats.safetensors_file import SAFETENSORS_DTYPES
+    from quant_writers import KITCHEN
+
+    layout, arguments, declaration, _ = KITCHEN[mode]
+    layout = getattr(comfy_kitchen.tensor, layout)
+    values = torch.randn(SHAPE, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    qdata, params = layout.quantize(values, **arguments)
+    entries = {"weight" + suffix: t for suffix, t in layout.state_dict_tensors(qdata, params).items()}
+    row = packing.declared_format("weight", SAFETENSORS_DTYPES[str(qdata.dtype)], declaration)
+    if packing.PACKING in row.companions:
+        entries[packing.PACKING] = torch.tensor(
+            [packing.FORMATS.index(row), *packing.declared_settings("weight", row, declaration, SHAPE[1])])
+    return entries, SHAPE
+
+
+def _nvfp4_pre_quant_scale():
+    entries, shape = _nvfp4()
+    return {**entries, "pre_quant_scale": torch.rand(SHAPE[1], generator=torch.Generator().manual_seed(6))}, shape
+
+
+# Every packed weight the dequantizers read: each GGUF type, fp8 of both kinds and scale layouts, NVFP4 (with and
+# without the input scaling it may carry), and every other comfy_quant format ComfyUI reads.
+COMFY_QUANT = ("mxfp8", "int8", "int8-row", "int8-convrot", "convrot-w4a4", "w4a8", "w4a8-uniform")
 WEIGHTS = {
     **{f"gguf-{n}": (lambda n=n: _gguf(n)) for n in GGUF_FLOAT_TYPES + GGUF_QUANTIZED_TYPES},
     "fp8-e4m3fn-tensor": lambda: _fp8(torch.float8_e4m3fn, False),
     "fp8-e5m2-channel": lambda: _fp8(torch.float8_e5m2, True),
     "nvfp4": _nvfp4,
+    "nvfp4-pre_quant_scale": _nvfp4_pre_quant_scale,
+    **{mode: (lambda mode=mode: _comfy_quant(mode)) for mode in COMFY_QUANT},
 }
 
 
@@ -79,8 +108,9 @@ def _forget_what_was_made() -> None:
 
 
 def _to(entries: dict, device) -> dict:
-    """The stored weight and scales on `device`; the GGUF type stays where the loaders make it (a CPU number)."""
-    return {k: v if k == packing.GGUF_TYPE else v.to(device) for k, v in entries.items()}
+    """The stored weight and scales on `device`; the GGUF type and the packing stay where the loaders make them (CPU
+    numbers)."""
+    return {k: v if k in (packing.GGUF_TYPE, packing.PACKING) else v.to(device) for k, v in entries.items()}
 
 
 @pytest.mark.parametrize("name", WEIGHTS)

@@ -280,9 +280,10 @@ WRONG_FILES = {
     "odd": ({"something.weight": Z(3)}, UnknownModelError, r"This file is not a Mistral text encoder"),
     "undeclared-u8": ({"model.layers.0.mlp.up_proj.weight": Z(4, 8, dtype=torch.uint8)}, UnsupportedFormatError,
                       r"model.layers.0.mlp.up_proj.weight is stored as U8 with no comfy_quant tensor"),
-    "declared-mxfp8": ({"model.layers.0.mlp.up_proj.weight": Z(4, 8, dtype=torch.float8_e4m3fn),
-                        "model.layers.0.mlp.up_proj.comfy_quant": _declared("mxfp8")}, UnsupportedFormatError,
-                       r"model.layers.0.mlp.up_proj.weight is declared as 'mxfp8' quantization"),
+    "declared-rowwise": ({"model.layers.0.mlp.up_proj.weight": Z(4, 8, dtype=torch.float8_e4m3fn),
+                          "model.layers.0.mlp.up_proj.comfy_quant": _declared("float8_e4m3fn_rowwise")},
+                         UnsupportedFormatError, r"model.layers.0.mlp.up_proj.weight is declared as "
+                         r"'float8_e4m3fn_rowwise' quantization \(its comfy_quant tensor\), which no ComfyUI release"),
 }
 
 

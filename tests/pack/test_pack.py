@@ -151,3 +151,17 @@ def test_the_docs_list_the_gguf_types_the_pack_reads():
     page = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "dequantization.md").read_text(encoding="utf-8")
     listed = re.search(r"GGUF\s+types ((?:\w+, )+\w+ and \w+),", page).group(1)
     assert re.split(r", | and ", listed) == [qtype.name for qtype in READ_TYPES]
+
+
+def test_the_docs_list_the_comfy_quant_formats_the_pack_reads():
+    """docs/dequantization.md's table of comfy_quant formats has a row for each format word packing.FORMATS reads, and
+    names each row's word as inspect reports it."""
+    from comfyui_flux2dev.loaders.formats import packing
+
+    page = (pathlib.Path(__file__).resolve().parents[2] / "docs" / "dequantization.md").read_text(encoding="utf-8")
+    section = page.split("## comfy_quant formats")[1].split("\n## ")[0]
+    rows = [row.split(" | ") for row in section.splitlines() if row.startswith("| `")]
+    words = {w for row in rows for w in re.findall(r"`(\w+)`", row[0])}
+    assert words == set(packing.DECLARED)
+    assert {re.search(r"`([\w-]+)` \|$", row[-1]).group(1) for row in rows} \
+        == {f.label for f in packing.FORMATS if f.declared}
