@@ -112,8 +112,7 @@ def _planned(path: str, reading: Reading) -> EncoderPlan:
         raise ModelNotFoundError(f"{path} does not exist. Give a text encoder file or folder that exists on this "
                                  "machine.")
     layout, checkpoint = find_layout(path)
-    with checkpoint.closed_on_error():
-        return _plan(path, layout, checkpoint, reading)
+    return _plan(path, layout, checkpoint, reading)
 
 
 def _is_read(host: str, layer: int | None, kept: int, reading: Reading) -> bool:

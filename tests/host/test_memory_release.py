@@ -119,12 +119,14 @@ verbs = {"gguf loader": load_gguf_transformer, "GGUF node's load": load_gguf_mod
 report = []
 for case, verb, path in json.loads(sys.argv[2]):
     files = [path] if os.path.isfile(path) else [str(p) for p in Path(path).iterdir()]
+    kept = None  # the error, kept while the files are looked at, as the host keeps a failed node's
     try:
         verbs[verb](path)
         error = None
     except Flux2DevError as e:
-        error = f"{type(e).__name__}: {e}"
+        error, kept = f"{type(e).__name__}: {e}", e
     report.append({"case": case, "verb": verb, "error": error, "held": held(files)})
+    del kept
 print(json.dumps(report))
 """
 
