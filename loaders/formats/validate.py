@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import json
 import math
 import os
 import re
 import stat
+import traceback
 import warnings
 import weakref
 from collections.abc import Iterator
@@ -204,6 +206,25 @@ def mapped_bytes(mapped, path: str | os.PathLike, start: int, end: int, what: st
         warnings.filterwarnings("ignore", "The given NumPy array is not writable")
         # Through numpy, whose buffer export keeps the map open (it cannot be closed) under a live view.
         return torch.from_numpy(np.frombuffer(mapped, np.uint8, end - start, start))
+
+
+def released_on_error(load):
+    """`load` (a function that reads tensors), made to let go of what it read the moment it fails: the locals of the
+    calls its error passed through are cleared, so the tensors read so far, and the maps of their files, go at once
+    even while the error is kept (ComfyUI keeps a failed node's error, and the frames in it, until the next prompt)."""
+
+    @functools.wraps(load)
+    def releasing(*args, **kwargs):
+        try:
+            return load(*args, **kwargs)
+        except BaseException as e:
+            error = e
+            while error is not None:  # and the errors it was raised from, whose frames may be others
+                traceback.clear_frames(error.__traceback__)
+                error = error.__context__
+            raise
+
+    return releasing
 
 
 def inside(folder: str | os.PathLike, name: str, what: str) -> Path:

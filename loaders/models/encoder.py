@@ -30,7 +30,7 @@ from ...errors import (
 )
 from ..formats import packing, progress
 from ..formats.files import MODEL_FOLDER_MARKERS
-from ..formats.validate import JSON_LIMITS
+from ..formats.validate import JSON_LIMITS, released_on_error
 from . import variants
 from .encoder_identify import EMBED, FINAL_NORM, LAYER_SHAPES, LM_HEAD, host_name, identify
 from .encoder_layouts import GGUF_METADATA, Source, find_layout, tokenizer_folders
@@ -249,6 +249,7 @@ def read_weight(plan: EncoderPlan, host: str) -> dict[str, torch.Tensor]:
     return entries
 
 
+@released_on_error
 def read_weights(plan: EncoderPlan) -> dict[str, torch.Tensor]:
     """Exactly the planned tensors, in the host's names (packed ones with their companions)."""
     state_dict = {}

@@ -20,6 +20,7 @@ from ...errors import (
 )
 from ..formats import packing, progress
 from ..formats.safetensors_file import DTYPES, SafetensorsFiles
+from ..formats.validate import released_on_error
 from .transformer_layout import (
     DIFFUSERS,
     KeyLayout,
@@ -179,6 +180,7 @@ def plan_transformer(path: str | Path) -> TransformerPlan:
     return TransformerPlan(variant, geometry, layout, tensors)
 
 
+@released_on_error
 def load_transformer(path: str | Path) -> LoadedTransformer:
     """Read a FLUX.2 transformer into BFL keys, after its headers named a known variant."""
     plan = plan_transformer(path)
