@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path, PureWindowsPath
 from typing import TYPE_CHECKING, Any
 
-from ...errors import CorruptFileError, ModelNotFoundError
+from ...errors import CorruptFileError, ModelNotFoundError, TooManyOpenFilesError
 
 if TYPE_CHECKING:
     import torch
@@ -65,12 +65,42 @@ def regular_file(path: str | os.PathLike, what: str = "file") -> Path:
 
 
 def _unopenable(path: Path, what: str, e: OSError, follow_links: bool = True) -> Exception:
+    if (out_of_files := too_many_open_files(e, path, what)) is not None:
+        return out_of_files
     if isinstance(e, FileNotFoundError):
         return ModelNotFoundError(f"{path}: the {what} is not there.")
     if e.errno == errno.ELOOP and not follow_links:
         return CorruptFileError(f"{path}: the {what} is a link, and links are not followed there.")
     # a symlink loop, a name too long, no permission
     return CorruptFileError(f"{path}: the {what} cannot be opened ({e.strerror}).")
+
+
+def too_many_open_files(e: BaseException, path: str | os.PathLike | None, what: str = "file") -> Exception | None:
+    """The pack's error for an OSError that says the process (EMFILE) or the system (ENFILE) has run out of open
+    files, else None: the file is fine, and "cannot be read" would send the user to download it again."""
+    if not isinstance(e, OSError) or e.errno not in (errno.EMFILE, errno.ENFILE):
+        return None
+    where = f"A {what}" if path is None else f"{path}: the {what}"
+    if e.errno == errno.ENFILE:
+        return TooManyOpenFilesError(
+            f"{where} cannot be opened: the system has as many files open as it allows. The file itself is fine. Close "
+            "programs that hold many files, or raise the system's limit (fs.file-max on Linux, kern.maxfiles on "
+            "macOS)."
+        )
+    return TooManyOpenFilesError(
+        f"{where} cannot be opened: this process has as many files open as its limit allows{_open_files_limit()}. "
+        "The file itself is fine. Start ComfyUI (or flux2dev) with a higher limit of open files: `ulimit -n 4096` in "
+        "the shell that starts it (macOS and Linux), or LimitNOFILE=4096 in its service file."
+    )
+
+
+def _open_files_limit() -> str:
+    try:
+        import resource  # not on Windows
+    except ImportError:
+        return ""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return f" ({soft})"
 
 
 def _bad_name(path: Path, what: str) -> Exception:  # a NUL or a lone surrogate: no file system has such a name
@@ -135,7 +165,8 @@ def reading(path: str | os.PathLike, what: str = "file") -> Iterator[None]:
     try:
         yield
     except OSError as e:
-        raise CorruptFileError(f"{path}: the {what} cannot be read ({e.strerror or type(e).__name__}).") from None
+        raise too_many_open_files(e, path, what) or CorruptFileError(
+            f"{path}: the {what} cannot be read ({e.strerror or type(e).__name__}).") from None
 
 
 # --- maps: one per file in use ---------------------------------------------------------------------------------

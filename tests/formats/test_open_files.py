@@ -1,9 +1,12 @@
 """Open files: a model file in use is mapped once, read-only, and that map (one open file) is shared by every
-reader and tensor of it and closed with the last of them; nothing written to a tensor can reach the file."""
+reader and tensor of it and closed with the last of them; nothing written to a tensor can reach the file; and
+running out of open files, wherever the pack opens one, is the pack's own error saying so and what to do, never
+"the file is damaged"."""
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 
 import pytest
@@ -11,10 +14,15 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from safetensors.torch import save_file
 
-from comfyui_flux2dev.errors import CorruptFileError
+from comfyui_flux2dev.errors import CorruptFileError, TooManyOpenFilesError
+from comfyui_flux2dev.loaders.cache.store import ConditioningCache
+from comfyui_flux2dev.loaders.convert.output import output_file
 from comfyui_flux2dev.loaders.formats.gguf_file import open_gguf
 from comfyui_flux2dev.loaders.formats.safetensors_file import SafetensorsFiles
-from helpers import gguf_bytes, gguf_tensor_info, run_python
+from comfyui_flux2dev.loaders.formats.validate import read_json_file
+from comfyui_flux2dev.tokenizers import resolve_tokenizer
+from comfyui_flux2dev.tokenizers.ladder import bundled_tekken_path
+from helpers import gguf_bytes, gguf_tensor_info, out_of_open_files, run_python
 
 TENSORS = 300  # more than a macOS shell's limit of open files (256)
 
@@ -90,3 +98,47 @@ def test_a_write_into_a_mapped_tensor_never_reaches_the_file(many):
     assert done.returncode in (-signal.SIGSEGV, -signal.SIGBUS), (done.returncode, done.stdout, done.stderr[-2000:])
     assert "written" not in done.stdout
     assert st.read_bytes() == before
+
+
+@pytest.fixture
+def openers(many, tmp_path):
+    """Each place the pack opens a file: (what it opens, the call, how many more files it may open and still fail:
+    a map takes an open file and its own)."""
+    st, gg = many
+    files = SafetensorsFiles([st])
+    config = tmp_path / "config.json"
+    config.write_text("{}")
+    tokenizer = tmp_path / "tokenizer"
+    tokenizer.mkdir()
+    shutil.copyfile(bundled_tekken_path(), tokenizer / "tekken.json")  # a file no test has read yet
+
+    def write_output():
+        with output_file(tmp_path / "out.safetensors", force=False) as f:
+            f.write(b"x")
+
+    return {
+        "a config file": (lambda: read_json_file(config), 0),
+        "a safetensors header": (lambda: SafetensorsFiles([st]), 0),
+        "a tensor read into memory": (lambda: files.read("t0"), 0),
+        "a tensor mapped (the file)": (lambda: files.view("t0"), 0),
+        "a tensor mapped (the map's own)": (lambda: files.view("t0"), 1),
+        "a GGUF file": (lambda: open_gguf(gg), 0),
+        "a GGUF file's header map": (lambda: open_gguf(gg), 1),
+        "a converted file": (write_output, 0),
+        "the conditioning cache folder": (lambda: ConditioningCache(tmp_path), 0),
+        "a tokenizer": (lambda: resolve_tokenizer([tokenizer]), 0),
+    }
+
+
+@pytest.mark.parametrize("where", ["a config file", "a safetensors header", "a tensor read into memory",
+                                   "a tensor mapped (the file)", "a tensor mapped (the map's own)", "a GGUF file",
+                                   "a GGUF file's header map", "a converted file", "the conditioning cache folder",
+                                   "a tokenizer"])
+def test_running_out_of_open_files_is_the_packs_own_error(openers, many, where):
+    call, free = openers[where]
+    with out_of_open_files(free), pytest.raises(TooManyOpenFilesError) as raised:
+        call()
+    message = str(raised.value)
+    assert "cannot be opened" in message and "ulimit -n" in message and "The file itself is fine" in message
+    assert "damaged" not in message and "Download" not in message
+    assert [_open_files(f) for f in many] == [0, 0], "nothing of it left open"
