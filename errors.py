@@ -54,6 +54,11 @@ class CorruptFileError(Flux2DevError):
     """The file is truncated, malformed or hostile (bad offsets, absurd counts, unknown types)."""
 
 
+class TooManyOpenFilesError(Flux2DevError):
+    """ComfyUI's process reached its limit of open files (or the system its table of them): the file is fine, the
+    limit must be raised."""
+
+
 class UnsupportedFormatError(Flux2DevError):
     """A weight format or quantization the pack does not read (pickled checkpoints among them)."""
 

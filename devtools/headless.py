@@ -3,6 +3,7 @@ The tests and `flux2dev demo` use it; it starts ComfyUI as a child process and n
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import socket
@@ -35,11 +36,12 @@ class HeadlessComfy:
 
     `models` maps a host model folder name (text_encoders, diffusion_models, vae, diffusers ...) to the
     folders whose entries are linked into the temporary base directory's models/<name>/. It runs on the CPU
-    (--cpu), or with `gpu` on the GPU the host finds, with the host's own choices there (0.33: dynamic VRAM)."""
+    (--cpu), or with `gpu` on the GPU the host finds, with the host's own choices there (0.33: dynamic VRAM).
+    `open_files`: the soft limit of open files it starts under (a macOS shell gives 256; Unix only)."""
 
     def __init__(self, comfyui_root: str | os.PathLike, models: dict[str, list[str | os.PathLike]] | None = None,
                  base_dir: str | os.PathLike | None = None, env: dict[str, str] | None = None, gpu: bool = False,
-                 pack_folder: str = PACK_FOLDER):
+                 pack_folder: str = PACK_FOLDER, open_files: int | None = None):
         self.comfyui_root = Path(comfyui_root)
         self._tmp = None if base_dir else tempfile.TemporaryDirectory(prefix="flux2dev-comfy-")
         self.base_dir = Path(base_dir or self._tmp.name)
@@ -47,6 +49,7 @@ class HeadlessComfy:
         self.env = env or {}
         self.gpu = gpu
         self.pack_folder = pack_folder
+        self.open_files = open_files
         self.port = 0
         self.process: subprocess.Popen | None = None
         self.log_path = self.base_dir / "server.log"
@@ -84,7 +87,9 @@ class HeadlessComfy:
         ]
         env = {**os.environ, **self.env, "PYTHONUNBUFFERED": "1"}
         log = open(self.log_path, "wb")
-        self.process = subprocess.Popen(cmd, cwd=self.comfyui_root, env=env, stdout=log, stderr=subprocess.STDOUT)
+        limit = None if self.open_files is None else functools.partial(_limit_open_files, self.open_files)
+        self.process = subprocess.Popen(cmd, cwd=self.comfyui_root, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                        preexec_fn=limit)
         log.close()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
@@ -204,6 +209,14 @@ class HeadlessComfy:
     def output_file(self, saved: dict) -> Path:
         """Where a file an output node reported (SaveImage's images, SaveLatent's latents) lies on disk."""
         return self.base_dir / "output" / saved.get("subfolder", "") / saved["filename"]
+
+
+def _limit_open_files(soft: int) -> None:
+    """In the server's process before it starts: its soft limit of open files lowered to `soft`, as a shell's."""
+    import resource
+
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft if hard == resource.RLIM_INFINITY else min(soft, hard), hard))
 
 
 def _refusal_text(body: dict) -> str:

@@ -10,6 +10,7 @@ import torch
 
 from ..errors import HostError
 from ..loaders.cache.store import ConditioningCache, stat_signature, weights_fingerprint
+from ..loaders.formats.validate import released_on_error
 from ..loaders.models.encoder import EncoderPlan, plan_encoder, read_weights
 from . import compat
 
@@ -35,6 +36,7 @@ def plan_signature(plan: EncoderPlan) -> str:
     return stat_signature(plan.path, plan.source.files)
 
 
+@released_on_error
 def load_weights(clip) -> None:
     """Read the CLIP's weights if it does not hold them (fingerprinting them for the cache on the way)."""
     src = clip.flux2dev_source

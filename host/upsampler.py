@@ -23,6 +23,7 @@ import torch
 from ..errors import HostError, InputError
 from ..loaders.cache.keys import UpsampleKey
 from ..loaders.cache.store import ConditioningCache, stat_signature, weights_fingerprint
+from ..loaders.formats.validate import released_on_error
 from ..loaders.models.encoder import EncoderPlan, plan_language_model, read_weights, resolve_plan_tokenizer
 from ..loaders.upsampler.generation_settings import check_settings
 from ..loaders.upsampler.images import MAX_DECODED_PIXELS, reference_image
@@ -167,6 +168,7 @@ def node_upsample(path: str, prompt: str, *, images: list, cache: str = "", **se
     return upsample(path, prompt, images=frames, cache=cache_folder(cache), **settings).text
 
 
+@released_on_error
 def _load(plan: EncoderPlan, vision: VisionPlan | None, dtype: torch.dtype, device: torch.device, source: tuple,
           store: ConditioningCache | None, signature: str) -> LoadedLanguageModel:
     """Read the weights into the language model (and the vision tower) under the host's patcher."""

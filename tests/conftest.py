@@ -180,6 +180,11 @@ def server_extras(tiny_root, tmp_path_factory) -> dict[str, Path]:
     return {"text_encoders": wrong, "diffusion_models": reference}
 
 
+# The shared server starts under the soft limit of open files a macOS shell gives the programs it starts (many Linux
+# desktops give 1024): every graph the tests run on it, with every loader, runs under it, as on a user's Mac.
+SERVER_OPEN_FILES = 256
+
+
 def _headless(tiny_root, server_extras, gpu: bool):
     from comfyui_flux2dev.devtools import tiny
     from comfyui_flux2dev.devtools.headless import HeadlessComfy
@@ -187,7 +192,8 @@ def _headless(tiny_root, server_extras, gpu: bool):
     models = {folder: [tiny_root / folder] for folder in tiny.PARTS}
     for folder, extra in server_extras.items():
         models[folder].append(extra)
-    return HeadlessComfy(_comfyui_root(), models=models, env={TEST_MODELS_ENV: os.environ[TEST_MODELS_ENV]}, gpu=gpu)
+    return HeadlessComfy(_comfyui_root(), models=models, env={TEST_MODELS_ENV: os.environ[TEST_MODELS_ENV]}, gpu=gpu,
+                         open_files=SERVER_OPEN_FILES)
 
 
 @pytest.fixture(scope="session")

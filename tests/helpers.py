@@ -101,6 +101,29 @@ def run_devtools(*args, env: dict | None = None, timeout: int = 1200) -> subproc
                           capture_output=True, text=True, timeout=timeout, env={**os.environ, **(env or {})})
 
 
+@contextlib.contextmanager
+def out_of_open_files(free: int = 0):
+    """Inside the block, this process may open `free` more files and no more: its soft limit of open files lowered
+    to just above the files it has open, and all but `free` of the rest taken. Undone after (Linux)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 8, hard))
+    taken = []
+    try:
+        with contextlib.suppress(OSError):
+            while True:
+                taken.append(os.open(os.devnull, os.O_RDONLY))
+        for fd in taken[:free]:
+            os.close(fd)
+        del taken[:free]
+        yield
+    finally:
+        for fd in taken:
+            os.close(fd)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
 # --- watching a call ----------------------------------------------------------------------------------------
 
 

@@ -19,9 +19,9 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from ..errors import CorruptFileError, Flux2DevError, TokenizerNotFoundError
+from ..errors import CorruptFileError, Flux2DevError, TokenizerNotFoundError, TooManyOpenFilesError
 from ..loaders.formats.files import TEKKEN_FILE, TOKENIZER_FOLDER
-from ..loaders.formats.validate import checked, read_json_file
+from ..loaders.formats.validate import checked, read_json_file, too_many_open_files
 from .canonical import Flux2Tokenizer, self_test
 from .vocab import (
     TekkenVocab,
@@ -56,9 +56,10 @@ TRANSFORMERS_JSON = {
     "chat_template.json": "config",
 }
 CUSTOM_CODE_KEYS = ("auto_map",)
-# What the guard around third-party code lets through: asking the process to stop. Everything else, the
-# tokenizers library's Rust panics (pyo3's PanicException, a BaseException) included, fails the attempt.
-NEVER_CAUGHT = (KeyboardInterrupt, SystemExit, GeneratorExit)
+# What the guard around third-party code lets through: asking the process to stop, and running out of open files
+# (every other rung would too, and the file would be remembered as failed). Everything else, the tokenizers
+# library's Rust panics (pyo3's PanicException, a BaseException) included, fails the attempt.
+NEVER_CAUGHT = (KeyboardInterrupt, SystemExit, GeneratorExit, TooManyOpenFilesError)
 BUNDLED_TEKKEN = ("data", "tekken_240911.json")  # inside the mistral_common package; Mistral-Small-3.x BPE
 HUB_REPO = "black-forest-labs/FLUX.2-dev"
 HUB_FILE = "tokenizer.json"
@@ -130,6 +131,8 @@ def _attempt(call: Callable[[], Any]) -> tuple[Any, str | None]:
     except NEVER_CAUGHT:
         raise
     except BaseException as exc:  # noqa: BLE001 - pyo3's PanicException derives from BaseException
+        if (out_of_files := too_many_open_files(exc, getattr(exc, "filename", None), "tokenizer file")) is not None:
+            raise out_of_files from None  # from a library's own reading
         return None, _reason(exc)
 
 
@@ -188,6 +191,8 @@ def _read_tekken(path: Path) -> TekkenVocab:
     key = ("tekken", *_file_key(path))
     try:
         vocab = read_tekken_json(path)
+    except TooManyOpenFilesError:
+        raise  # not the file's fault: judged when it can be opened
     except Flux2DevError as exc:
         _refusals[key] = str(exc)
         raise

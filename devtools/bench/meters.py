@@ -126,17 +126,26 @@ def _status_bytes(pid: int) -> tuple[int, int] | None:
     return anon * 1024, mapped * 1024
 
 
+def _open_files(pid: int) -> int:
+    """How many files process `pid` holds open (its descriptors: files, maps' own, pipes, sockets); 0 once gone."""
+    try:
+        return len(os.listdir(f"/proc/{pid}/fd"))
+    except OSError:
+        return 0
+
+
 _SAMPLE_S = 0.02
 
 
 def sampled_child(code: str, *, what: str, anon_limit: int | None = None) -> dict:
-    """Run `code` in a fresh interpreter that knows the test models, sampling its memory every 20 ms:
-    {"seconds", "peak_anon_bytes", "peak_mapped_bytes"} and "result" (the JSON its last line printed), or
+    """Run `code` in a fresh interpreter that knows the test models, sampling its memory and open files every 20 ms:
+    {"seconds", "peak_anon_bytes", "peak_mapped_bytes", "peak_open_files"} and "result" (the JSON its last line
+    printed), or
     "failed" (its error's last line), or "over_limit" (it was stopped when its own memory passed `anon_limit`,
     before the machine would run out). `what` names the row in a failure."""
     from ..tiny.geometry import test_models_env
 
-    peak_anon = peak_mapped = 0
+    peak_anon = peak_mapped = peak_files = 0
     over = False
     # files, not pipes: a child that logs more than a pipe holds would wait for a reader that is sampling
     with tempfile.TemporaryFile("w+") as out_file, tempfile.TemporaryFile("w+") as err_file:
@@ -145,6 +154,7 @@ def sampled_child(code: str, *, what: str, anon_limit: int | None = None) -> dic
                                  stdout=out_file, stderr=err_file, text=True)
         while child.poll() is None:
             sizes = _status_bytes(child.pid)
+            peak_files = max(peak_files, _open_files(child.pid))
             if sizes:
                 peak_anon, peak_mapped = max(peak_anon, sizes[0]), max(peak_mapped, sizes[1])
                 if anon_limit is not None and sizes[0] > anon_limit:
@@ -154,7 +164,8 @@ def sampled_child(code: str, *, what: str, anon_limit: int | None = None) -> dic
         out_file.seek(0)
         err_file.seek(0)
         out, err = out_file.read(), err_file.read()
-    figures = {"seconds": time.perf_counter() - start, "peak_anon_bytes": peak_anon, "peak_mapped_bytes": peak_mapped}
+    figures = {"seconds": time.perf_counter() - start, "peak_anon_bytes": peak_anon, "peak_mapped_bytes": peak_mapped,
+               "peak_open_files": peak_files}
     if over:
         return {**figures, "over_limit": anon_limit}
     if child.returncode:

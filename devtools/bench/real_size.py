@@ -1,7 +1,8 @@
 """`flux2dev bench --real DIR`: FLUX.2 [dev]'s text encoder at its real size, beside the host's own CLIPLoader
 and ComfyUI-GGUF's CLIPLoaderGGUF on the same files. Each step runs in a process of its own, which is sampled for
-its wall time, its peak anonymous memory (its own: what the machine must have free) and its peak mapped memory
-(file pages: the kernel reads them as they are touched and takes them back under pressure).
+its wall time, its peak anonymous memory (its own: what the machine must have free), its peak mapped memory
+(file pages: the kernel reads them as they are touched and takes them back under pressure) and the most files it
+held open (a loaded model file costs one, whatever its tensors number; macOS starts programs with a limit of 256).
 
 The files are written once into DIR and reused by later runs: the 30 layers of Mistral-Small 24B that FLUX.2
 reads, with random weights of realistic scale, in ComfyUI's single-file form as bf16 (34.7 GB, written in a stream
@@ -150,7 +151,8 @@ def _made(folder: str, g: MistralEncoderGeometry, layers: int, fmt: str, anon_li
 def bench_real_encoder(folder: str, g: MistralEncoderGeometry = MISTRAL_SMALL, formats=(BF16, *CONVERSIONS),
                        paddings=PADDING_MODES, peers: bool = True) -> dict:
     """{"machine", "geometry", "files", "conversions", "rows"}: a row per loader, file and padding mode, with
-    seconds, peak_anon_bytes and peak_mapped_bytes of its process, and "result" (the encode's seconds, the
+    seconds, peak_anon_bytes, peak_mapped_bytes and peak_open_files of its process, and "result" (the encode's
+    seconds, the
     process's own memory before it, the tokens and a digest of the conditioning), "failed" or "over_limit"."""
     os.makedirs(folder, exist_ok=True)
     layers = layers_kept(g)
@@ -189,6 +191,11 @@ def _gb(n: float) -> str:
     return f"{n / 1e9:.2f}"
 
 
+def _files(row: dict) -> str:
+    """A row's peak open files; blank in records made before they were sampled (conversions.json keeps old ones)."""
+    return str(row.get("peak_open_files", ""))
+
+
 def _outcome(row: dict) -> str:
     if "over_limit" in row:
         return f"stopped: its own memory passed {_gb(row['over_limit'])} GB"
@@ -207,15 +214,16 @@ def format_real(result: dict) -> str:
     lines = [f"Real size, {m['date']}: {m['cpu_count']} cores, {_gb(m['memory_bytes'])} GB of RAM, torch "
              f"{m['torch_version']}; the encoder's {result['geometry']['layers']} layers "
              f"({result['geometry']['width']} wide).", "",
-             "| step | file GB | wall s | peak own (anon) GB | peak mapped GB | outcome |", "|---|---|---|---|---|---|"]
+             "| step | file GB | wall s | peak own (anon) GB | peak mapped GB | peak open files | outcome |",
+             "|---|---|---|---|---|---|---|"]
     for fmt, row in result["conversions"].items():
         lines.append(f"| convert bf16 -> {fmt} | {_gb(row.get('file_bytes', 0))} | {row['seconds']:.0f} | "
-                     f"{_gb(row['peak_anon_bytes'])} | {_gb(row['peak_mapped_bytes'])} | "
+                     f"{_gb(row['peak_anon_bytes'])} | {_gb(row['peak_mapped_bytes'])} | {_files(row)} | "
                      f"{'written' if 'result' in row else _outcome(row)} |")
     for row in result["rows"]:
         lines.append(f"| {row['loader']} encode, {row['format']}, {row['padding']} padding | "
                      f"{_gb(result['files'][row['format']])} | {row['seconds']:.0f} | {_gb(row['peak_anon_bytes'])} | "
-                     f"{_gb(row['peak_mapped_bytes'])} | {_outcome(row)} |")
+                     f"{_gb(row['peak_mapped_bytes'])} | {_files(row)} | {_outcome(row)} |")
     if "transformer" in result:
         lines += ["", format_transformer(result["transformer"])]
     return "\n".join(lines)
@@ -226,13 +234,14 @@ def format_transformer(result: dict) -> str:
     double, single = result["blocks"]
     lines = [f"The transformer ({double} double and {single} single blocks): a load and one forward at a "
              f"{LATENT[2] * 16}x{LATENT[3] * 16} image's latent and {TEXT_TOKENS} text tokens, in float32.", "",
-             "| loader, file | file GB | wall s | peak own (anon) GB | peak mapped GB | outcome |",
-             "|---|---|---|---|---|---|"]
+             "| loader, file | file GB | wall s | peak own (anon) GB | peak mapped GB | peak open files | outcome |",
+             "|---|---|---|---|---|---|---|"]
     for row in result["rows"]:
         size = _gb(result["files"][row["format"]])
         if "seconds" not in row:  # not run: its reason
-            lines.append(f"| {row['loader']}, {row['format']} | {size} | | | | {row['failed']} |")
+            lines.append(f"| {row['loader']}, {row['format']} | {size} | | | | | {row['failed']} |")
             continue
         lines.append(f"| {row['loader']}, {row['format']} | {size} | {row['seconds']:.0f} | "
-                     f"{_gb(row['peak_anon_bytes'])} | {_gb(row['peak_mapped_bytes'])} | {_outcome(row)} |")
+                     f"{_gb(row['peak_anon_bytes'])} | {_gb(row['peak_mapped_bytes'])} | {_files(row)} | "
+                     f"{_outcome(row)} |")
     return "\n".join(lines)

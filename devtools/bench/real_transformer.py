@@ -201,9 +201,9 @@ PEERS = {"Q4_K_M": ("ComfyUI-GGUF", "peer_forward"), "fp8": ("host", "host_forwa
 
 def bench_real_transformer(folder: str, anon_limit: int, margin: int, geometry: TransformerGeometry = FULL,
                            formats=tuple(FILES), peers: bool = True) -> dict:
-    """{"blocks", "files", "rows"}: a row per loader and file, with seconds, peak_anon_bytes and peak_mapped_bytes of
-    its process, and "result" (load and forward seconds, its own memory before the load and after it, and the
-    output's size), "failed" or "over_limit"."""
+    """{"blocks", "files", "rows"}: a row per loader and file, with seconds, peak_anon_bytes, peak_mapped_bytes and
+    peak_open_files of its process, and "result" (load and forward seconds, its own memory before the load and after
+    it, and the output's size), "failed" or "over_limit"."""
     from .meters import evict, sampled_call
     from .peers import PEER_ARCHIVE, missing_reason
 

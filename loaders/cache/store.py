@@ -40,7 +40,7 @@ from pathlib import Path
 
 from ...errors import CacheError, Flux2DevError
 from ..formats.safetensors_file import SafetensorsFiles, read_metadata
-from ..formats.validate import NOFOLLOW, parse_json, read_bounded
+from ..formats.validate import NOFOLLOW, parse_json, read_bounded, too_many_open_files
 
 try:
     import fcntl
@@ -207,7 +207,8 @@ class ConditioningCache:
             raise CacheError(f"{self.folder} is a file, not a folder; the conditioning cache needs a folder of its "
                              "own.") from None
         except OSError as e:
-            raise CacheError(f"{self.folder} cannot be read as the conditioning cache folder ({e.strerror}).") from None
+            raise too_many_open_files(e, self.folder, "conditioning cache folder") or CacheError(
+                f"{self.folder} cannot be read as the conditioning cache folder ({e.strerror}).") from None
         foreign = sorted(n for n in names if not _owned(n) and n not in OS_LITTER)
         if foreign and not self._tagged():
             shown = ", ".join(foreign[:3]) + (f" and {len(foreign) - 3} more" if len(foreign) > 3 else "")

@@ -13,6 +13,7 @@ from typing import BinaryIO
 
 from ...errors import OutputError
 from ..formats.files import new_file, remove_stale_partials
+from ..formats.validate import too_many_open_files
 
 FORCE_HINT = "give another name, or add --force to replace it"
 
@@ -60,12 +61,13 @@ def check_not_source(target: Path, source: str | os.PathLike) -> None:
 def output_file(path: Path, *, force: bool) -> Iterator[BinaryIO]:
     """A file object writing `path` (checked by check_output). An OSError inside the block is the output's (the
     pack's readers turn their own into its errors): it ends as OutputError, and nothing is left under the name."""
-    remove_stale_partials(path)  # left by a conversion into the same name that was killed
     try:
+        remove_stale_partials(path)  # left by a conversion into the same name that was killed
         with new_file(path, replace=force) as f:
             yield f
     except FileExistsError:
         raise OutputError(f"{path} appeared while the conversion ran and was left as it is; {FORCE_HINT}.") from None
     except OSError as e:
-        raise OutputError(f"{path} could not be written ({e.strerror or e}); nothing was written under its name, and "
-                          "the partial file was removed.") from None
+        raise too_many_open_files(e, path, "output file") or OutputError(
+            f"{path} could not be written ({e.strerror or e}); nothing was written under its name, and the partial "
+            "file was removed.") from None

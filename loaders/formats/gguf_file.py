@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from ...errors import CorruptFileError, UnsupportedFormatError
-from .validate import Field, check_field, mapped_bytes, open_regular
+from .validate import Field, check_field, file_identity, map_file, mapped_bytes, open_regular
 
 if TYPE_CHECKING:  # for the annotations only: torch and gguf are imported where they are used
     import torch
@@ -84,15 +84,14 @@ class GGUFTensor:
 
 
 class GGUFFile:
-    """One parsed GGUF file, kept open: each tensor read is a map of its own bytes of this very file (not of
-    whatever is at its name later), which stays while any view of it lives."""
+    """One parsed GGUF file. Each tensor read is a view of the file's one map (validate.map_file), of this very file
+    (not of whatever is at its name later); the file stays open, once, while any view lives."""
 
-    def __init__(self, path: str, mapped: mmap.mmap, file, metadata: dict, tensors: dict[str, GGUFTensor]):
+    def __init__(self, path: str, identity: tuple, metadata: dict, tensors: dict[str, GGUFTensor]):
         self.path = path
         self.metadata = metadata
         self.tensors = tensors
-        self._mmap = mapped  # read-only, for the header: parsed values may be views of it
-        self._file = file
+        self._identity = identity  # validate.file_identity of the file parsed
         self._closed = False
 
     @property
@@ -102,16 +101,12 @@ class GGUFFile:
     def _bytes(self, offset: int, nbytes: int) -> torch.Tensor:
         if self._closed:
             raise ValueError(f"{self.path} is closed.")
-        return mapped_bytes(self._file, self.path, offset, offset + nbytes, "GGUF file")
+        mapped = map_file(self.path, self._identity, offset + nbytes, "GGUF file")
+        return mapped_bytes(mapped, self.path, offset, offset + nbytes, "GGUF file")
 
     def close(self) -> None:
-        """Drop this object's hold on the file; tensor views handed out earlier keep their own maps."""
+        """No more tensors are read through this object; those read earlier keep the file's map while they live."""
         self._closed = True
-        self._file.close()
-        try:
-            self._mmap.close()
-        except BufferError:
-            pass  # metadata arrays still view the header's map; it closes when the last one is freed
 
     def __enter__(self) -> GGUFFile:
         return self
@@ -311,20 +306,17 @@ def open_gguf(path: str | os.PathLike, architectures: frozenset[str] = frozenset
     with open_regular(path, "GGUF file") as (f, size):
         if size < _START_BYTES:
             raise CorruptFileError(f"{path} is too short to be a GGUF file ({size} bytes).")
-        try:  # read-only: a map that only reads costs no commit, whatever the file's size
-            mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        except OSError as e:
-            raise CorruptFileError(f"{path}: the GGUF file cannot be mapped ({e.strerror}).") from None
-        kept = os.fdopen(os.dup(f.fileno()), "rb", buffering=0)  # the tensors are mapped from this file
+        identity = file_identity(f)
+        # The header is parsed over a map of its own, closed once parsed (or refused), even while a refusal and the
+        # frames that saw the map are kept. Read-only: it costs no commit, whatever the file's size.
+        header = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
     try:
-        metadata, tensors = _parse(path, mapped)
+        metadata, tensors = _parse(path, header)
         check_metadata(path, metadata, architectures)
-    except BaseException:
-        kept.close()
-        mapped.close()
-        raise
+    finally:
+        header.close()  # the metadata holds copies, no views of it
     _parse_count += 1
-    gfile = GGUFFile(path, mapped, kept, metadata, {})
+    gfile = GGUFFile(path, identity, metadata, {})
     gfile.tensors.update(
         (name, GGUFTensor(name, qtype, shape, offset, nbytes, gfile))
         for name, (qtype, shape, offset, nbytes) in tensors.items()

@@ -11,7 +11,16 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from ...errors import CorruptFileError, UnsupportedFormatError
-from .validate import JSON_LIMITS, describe, mapped_bytes, open_regular, parse_json, reading
+from .validate import (
+    JSON_LIMITS,
+    describe,
+    file_identity,
+    map_file,
+    mapped_bytes,
+    open_regular,
+    parse_json,
+    reading,
+)
 
 if TYPE_CHECKING:  # for the annotations only: torch is imported where tensors are read
     import torch
@@ -124,10 +133,11 @@ def _is_size(value) -> bool:
     return type(value) is int and 0 <= value < 1 << 62
 
 
-def _header_bytes(path: str, follow_links: bool = True) -> tuple[bytes, int]:
-    """The JSON header of a safetensors file, its length checked against the file and the bound first, and
-    the file's size."""
+def _header_bytes(path: str, follow_links: bool = True) -> tuple[bytes, int, tuple]:
+    """The JSON header of a safetensors file, its length checked against the file and the bound first, the file's
+    size, and its identity (validate.file_identity: the tensors are mapped from this very file)."""
     with open_regular(path, "safetensors file", follow_links=follow_links) as (f, size):
+        identity = file_identity(f)
         raw = f.read(8)
         if len(raw) < 8:
             raise CorruptFileError(f"{path} is too short to be a safetensors file ({size} bytes).")
@@ -142,13 +152,17 @@ def _header_bytes(path: str, follow_links: bool = True) -> tuple[bytes, int]:
         data = f.read(length)
     if len(data) < length:
         raise CorruptFileError(f"{path} ended inside its safetensors header; the file is truncated. Download it again.")
-    return data, size
+    return data, size, identity
 
 
 def read_header(path: str) -> tuple[dict[str, TensorInfo], dict[str, str]]:
     """{name: TensorInfo} and the string metadata of one .safetensors file."""
-    path = str(path)
-    data, size = _header_bytes(path)
+    header, metadata, _ = _read_header(str(path))
+    return header, metadata
+
+
+def _read_header(path: str) -> tuple[dict[str, TensorInfo], dict[str, str], tuple]:
+    data, size, identity = _header_bytes(path)
     length = len(data)
     data_start = 8 + length
     where = f"{path} (safetensors header)"
@@ -168,13 +182,13 @@ def read_header(path: str) -> tuple[dict[str, TensorInfo], dict[str, str]]:
             )
         if len(name) > _MAX_NAME:
             raise CorruptFileError(f"{path}: a tensor name is {len(name)} characters long; the file is damaged.")
-    return header, metadata
+    return header, metadata, identity
 
 
 def read_metadata(path: str, *, follow_links: bool = True) -> dict[str, str]:
     """The string metadata of a safetensors file, from its header alone: its tensor entries are not checked
     against the data, so a file cut short still tells what it is."""
-    data, _ = _header_bytes(str(path), follow_links)
+    data, _, _ = _header_bytes(str(path), follow_links)
     header = parse_json(data, f"{path} (safetensors header)", "header")
     metadata = header.get("__metadata__") if isinstance(header, dict) else None
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
@@ -193,8 +207,9 @@ class SafetensorsFiles:
         self.infos: dict[str, TensorInfo] = {}
         self.metadata: dict[str, str] = {}
         self._where: dict[str, str] = {}
-        for path in paths:
-            infos, metadata = read_header(path)
+        self._identities: dict[str, tuple] = {}  # path -> the file whose header was read (validate.file_identity)
+        for path in self.paths:
+            infos, metadata, self._identities[path] = _read_header(path)
             self.metadata.update(metadata)
             for name, info in infos.items():
                 if name in self.infos:
@@ -214,14 +229,14 @@ class SafetensorsFiles:
         return out.view(torch_dtype(info.dtype)).reshape(info.shape)
 
     def view(self, name: str) -> torch.Tensor:
-        """Tensor `name` as a view of its bytes mapped from the file, copy-on-write: nothing written to it reaches
-        the file."""
+        """Tensor `name` as a view of the file's one read-only map (validate.map_file), shared by all its tensors:
+        the file stays open, once, while any of them lives."""
         info = self._readable(name)
         if info.start % DTYPES[info.dtype][1] or not info.nbytes:  # torch views need aligned elements
             return self.read(name)
         path = self._where[name]
-        with open_regular(path, "safetensors file") as (f, _):
-            data = mapped_bytes(f, path, info.start, info.end, "safetensors file")
+        mapped = map_file(path, self._identities[path], info.end, "safetensors file")
+        data = mapped_bytes(mapped, path, info.start, info.end, "safetensors file")
         return data.view(torch_dtype(info.dtype)).reshape(info.shape)
 
     def read_bytes(self, name: str) -> bytes:

@@ -8,17 +8,21 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import functools
 import json
 import math
 import os
 import re
 import stat
+import traceback
+import warnings
+import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path, PureWindowsPath
 from typing import TYPE_CHECKING, Any
 
-from ...errors import CorruptFileError, ModelNotFoundError
+from ...errors import CorruptFileError, ModelNotFoundError, TooManyOpenFilesError
 
 if TYPE_CHECKING:
     import torch
@@ -61,12 +65,42 @@ def regular_file(path: str | os.PathLike, what: str = "file") -> Path:
 
 
 def _unopenable(path: Path, what: str, e: OSError, follow_links: bool = True) -> Exception:
+    if (out_of_files := too_many_open_files(e, path, what)) is not None:
+        return out_of_files
     if isinstance(e, FileNotFoundError):
         return ModelNotFoundError(f"{path}: the {what} is not there.")
     if e.errno == errno.ELOOP and not follow_links:
         return CorruptFileError(f"{path}: the {what} is a link, and links are not followed there.")
     # a symlink loop, a name too long, no permission
     return CorruptFileError(f"{path}: the {what} cannot be opened ({e.strerror}).")
+
+
+def too_many_open_files(e: BaseException, path: str | os.PathLike | None, what: str = "file") -> Exception | None:
+    """The pack's error for an OSError that says the process (EMFILE) or the system (ENFILE) has run out of open
+    files, else None: the file is fine, and "cannot be read" would send the user to download it again."""
+    if not isinstance(e, OSError) or e.errno not in (errno.EMFILE, errno.ENFILE):
+        return None
+    where = f"A {what}" if path is None else f"{path}: the {what}"
+    if e.errno == errno.ENFILE:
+        return TooManyOpenFilesError(
+            f"{where} cannot be opened: the system has as many files open as it allows. The file itself is fine. Close "
+            "programs that hold many files, or raise the system's limit (fs.file-max on Linux, kern.maxfiles on "
+            "macOS)."
+        )
+    return TooManyOpenFilesError(
+        f"{where} cannot be opened: this process has as many files open as its limit allows{_open_files_limit()}. "
+        "The file itself is fine. Start ComfyUI (or flux2dev) with a higher limit of open files: `ulimit -n 4096` in "
+        "the shell that starts it (macOS and Linux), or LimitNOFILE=4096 in its service file."
+    )
+
+
+def _open_files_limit() -> str:
+    try:
+        import resource  # not on Windows
+    except ImportError:
+        return ""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    return f" ({soft})"
 
 
 def _bad_name(path: Path, what: str) -> Exception:  # a NUL or a lone surrogate: no file system has such a name
@@ -131,28 +165,97 @@ def reading(path: str | os.PathLike, what: str = "file") -> Iterator[None]:
     try:
         yield
     except OSError as e:
-        raise CorruptFileError(f"{path}: the {what} cannot be read ({e.strerror or type(e).__name__}).") from None
+        raise too_many_open_files(e, path, what) or CorruptFileError(
+            f"{path}: the {what} cannot be read ({e.strerror or type(e).__name__}).") from None
 
 
-def mapped_bytes(file, path: str | os.PathLike, start: int, end: int, what: str) -> torch.Tensor:
-    """Bytes start..end of the open `file` as a uint8 tensor mapped copy-on-write: torch wants a writable buffer,
-    and nothing written may reach the file. One map per tensor: the kernel's commit check refuses a writable map
-    of a whole file larger than the memory (Linux and Windows alike). The map goes with the tensor's last view."""
+# --- maps: one per file in use ---------------------------------------------------------------------------------
+
+# The one map of each file in use, by the file's identity (file_identity), shared by every reader of it in the
+# process. Weakly held: a map, and the one descriptor it keeps open, go with the last tensor viewing it, so a loaded
+# model holds one open file per file and a released one none.
+_MAPS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def file_identity(file) -> tuple[int, int]:
+    """What tells an open file from another one put at its name later: its device and inode. (A file written in
+    place keeps them: a tensor it no longer holds is refused by its size, mapped_bytes.)"""
+    s = os.fstat(file.fileno())
+    return s.st_dev, s.st_ino
+
+
+def map_file(path: str | os.PathLike, identity: tuple[int, int], end: int, what: str):
+    """The one map (an mmap) of the file `identity` names, found at `path`, covering at least its first `end`
+    bytes: shared with every other reader of the file while it lives (_MAPS), else made. The file at `path` must
+    still be the one of `identity` (the one whose header was read).
+
+    Read-only and shared, so nothing written can reach the file, and the kernel charges no commit for it whatever
+    the file's size (it refuses a writable private map of a file larger than the memory). Python's map keeps a
+    descriptor of its own: the one open file a file in use costs."""
     import mmap
 
+    mapped = _MAPS.get(identity)
+    if mapped is not None and len(mapped) >= end:
+        return mapped
+    with open_regular(path, what) as (f, size):
+        if file_identity(f) != identity:
+            raise CorruptFileError(f"{path} was replaced by another file after its header was read; what the header "
+                                   "says of its tensors may not hold for the new one. Load it again.")
+        if size < end:
+            raise _cut(path)
+        mapped = _MAPS[identity] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    return mapped
+
+
+def _cut(path: str | os.PathLike) -> CorruptFileError:
+    return CorruptFileError(f"{path} ended inside a tensor: it was cut after its header was read. Download it again.")
+
+
+def mapped_bytes(mapped, path: str | os.PathLike, start: int, end: int, what: str) -> torch.Tensor:
+    """Bytes start..end of a file's map (map_file) as a uint8 tensor viewing it; the map stays open while the view
+    (or any tensor viewing it) lives.
+
+    The file's size is checked first, through the map's own descriptor: a map touched past the file's end kills the
+    process (SIGBUS), so a file cut after its header was read ends in the pack's error here. A file cut later, while
+    its tensors are in use, still does: nothing short of copying the weights can prevent it on Linux and macOS
+    (neither locks a file against truncation), and it takes a tool writing into the very file in use (downloads and
+    the pack's own writers make a fresh file and rename it, which leaves the mapped one whole). Windows refuses to
+    cut a mapped file.
+
+    torch has no read-only tensors: the view is handed over as writable, its warning silenced. A write into it
+    cannot reach the file (the page is read-only: the process would stop on a protection fault); none is made: the
+    pack's layers patch copies of their weights (host/ops.py), and the host's LoRA patching replaces or casts
+    weights (ComfyUI 0.33 maps its own model files read-only the same way)."""
     import numpy as np
     import torch
 
-    if start == end:
-        return torch.empty(0, dtype=torch.uint8)
-    first = start - start % mmap.ALLOCATIONGRANULARITY  # a map starts on the system's boundary
     with reading(path, what):
-        if os.fstat(file.fileno()).st_size < end:  # touching a map past the end would kill the process (SIGBUS)
-            raise CorruptFileError(f"{path} ended inside a tensor: it was cut or replaced after its header was "
-                                   "read. Download it again.")
-        mapped = mmap.mmap(file.fileno(), end - first, access=mmap.ACCESS_COPY, offset=first)
-    # Through numpy, whose buffer export keeps the map open under a live view.
-    return torch.from_numpy(np.frombuffer(mapped, dtype=np.uint8))[start - first :]
+        size = mapped.size()
+    if size < end:
+        raise _cut(path)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "The given NumPy array is not writable")
+        # Through numpy, whose buffer export keeps the map open (it cannot be closed) under a live view.
+        return torch.from_numpy(np.frombuffer(mapped, np.uint8, end - start, start))
+
+
+def released_on_error(load):
+    """`load` (a function that reads tensors), made to let go of what it read the moment it fails: the locals of the
+    calls its error passed through are cleared, so the tensors read so far, and the maps of their files, go at once
+    even while the error is kept (ComfyUI keeps a failed node's error, and the frames in it, until the next prompt)."""
+
+    @functools.wraps(load)
+    def releasing(*args, **kwargs):
+        try:
+            return load(*args, **kwargs)
+        except BaseException as e:
+            error = e
+            while error is not None:  # and the errors it was raised from, whose frames may be others
+                traceback.clear_frames(error.__traceback__)
+                error = error.__context__
+            raise
+
+    return releasing
 
 
 def inside(folder: str | os.PathLike, name: str, what: str) -> Path:

@@ -30,7 +30,7 @@ from ...errors import (
 )
 from ..formats import packing, progress
 from ..formats.files import MODEL_FOLDER_MARKERS
-from ..formats.validate import JSON_LIMITS
+from ..formats.validate import JSON_LIMITS, released_on_error
 from . import variants
 from .encoder_identify import EMBED, FINAL_NORM, LAYER_SHAPES, LM_HEAD, host_name, identify
 from .encoder_layouts import GGUF_METADATA, Source, find_layout, tokenizer_folders
@@ -112,8 +112,7 @@ def _planned(path: str, reading: Reading) -> EncoderPlan:
         raise ModelNotFoundError(f"{path} does not exist. Give a text encoder file or folder that exists on this "
                                  "machine.")
     layout, checkpoint = find_layout(path)
-    with checkpoint.closed_on_error():
-        return _plan(path, layout, checkpoint, reading)
+    return _plan(path, layout, checkpoint, reading)
 
 
 def _is_read(host: str, layer: int | None, kept: int, reading: Reading) -> bool:
@@ -252,6 +251,7 @@ def read_weight(plan: EncoderPlan, host: str) -> dict[str, torch.Tensor]:
     return entries
 
 
+@released_on_error
 def read_weights(plan: EncoderPlan) -> dict[str, torch.Tensor]:
     """Exactly the planned tensors, in the host's names (packed ones with their companions)."""
     state_dict = {}

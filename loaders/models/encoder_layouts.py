@@ -10,7 +10,6 @@ is one row here plus its writer in tiny/encoders.py.
 
 from __future__ import annotations
 
-import contextlib
 import glob
 import os
 from collections.abc import Callable
@@ -101,17 +100,6 @@ class Checkpoint:
     def weights(self, pattern: str = "*.safetensors") -> list[str]:
         # the folder's own name is escaped: "flux [fp8]" is a folder, not a pattern
         return sorted(glob.glob(os.path.join(glob.escape(self.path), pattern))) if self.is_dir else []
-
-    @contextlib.contextmanager
-    def closed_on_error(self):
-        """Unmaps the GGUF file, if one was opened, the moment the block fails: a load that fails half way
-        leaves nothing mapped, even while its error (and the frames holding this checkpoint) are kept."""
-        try:
-            yield
-        except BaseException:
-            if "gguf" in self.__dict__:
-                self.gguf.close()
-            raise
 
     @cached_property
     def gguf(self):
@@ -361,8 +349,7 @@ REFUSALS: tuple[tuple[Callable[[Checkpoint], bool], Callable[[Checkpoint], Excep
 def find_layout(path: str) -> tuple[EncoderLayout, Checkpoint]:
     """The layout of an existing encoder file or folder; raises what the path is when no layout claims it."""
     ck = Checkpoint(path)
-    with ck.closed_on_error():
-        for layout in LAYOUTS:
-            if layout.detect(ck):
-                return layout, ck
-        raise next(error(ck) for applies, error in REFUSALS if applies(ck))
+    for layout in LAYOUTS:
+        if layout.detect(ck):
+            return layout, ck
+    raise next(error(ck) for applies, error in REFUSALS if applies(ck))

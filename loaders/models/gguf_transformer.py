@@ -17,6 +17,7 @@ from ..formats import progress
 from ..formats.gguf_file import open_gguf
 from ..formats.packed_dequant import from_gguf
 from ..formats.packing import gguf_label
+from ..formats.validate import released_on_error
 from .transformer import LoadedTransformer
 from .transformer_layout import BFL, identify_gguf_transformer
 
@@ -29,18 +30,13 @@ class LoadedGGUFTransformer(LoadedTransformer):
     formats: dict[str, int] = field(default_factory=dict)  # "gguf-<type>" -> how many tensors the file stores so
 
 
+@released_on_error
 def load_gguf_transformer(path: str | os.PathLike) -> LoadedGGUFTransformer:
     """Read a FLUX.2 transformer GGUF (its header parsed once) into BFL keys, weights left packed."""
     gfile = open_gguf(path)
+    variant, geometry, names = identify_gguf_transformer(gfile)
     state_dict = {}
-    try:
-        variant, geometry, names = identify_gguf_transformer(gfile)
-        for key, name in progress.tracked(names.items()):
-            state_dict.update(from_gguf(key, gfile.tensors[name]))
-    except BaseException:
-        # A load that fails leaves nothing mapped, even while the error (and its frames) are kept.
-        state_dict.clear()
-        gfile.close()
-        raise
+    for key, name in progress.tracked(names.items()):
+        state_dict.update(from_gguf(key, gfile.tensors[name]))
     formats = Counter(gguf_label(t.qtype) for t in gfile.tensors.values())
     return LoadedGGUFTransformer(state_dict, variant, geometry, BFL.name, path=gfile.path, formats=dict(formats))

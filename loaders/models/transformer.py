@@ -22,6 +22,7 @@ from ...errors import (
 )
 from ..formats import packing, progress
 from ..formats.safetensors_file import DTYPES, SafetensorsFiles
+from ..formats.validate import released_on_error
 from .transformer_layout import (
     DIFFUSERS,
     KeyLayout,
@@ -203,6 +204,7 @@ def plan_transformer(path: str | Path) -> TransformerPlan:
     return TransformerPlan(variant, geometry, layout, tensors, reads, files)
 
 
+@released_on_error
 def load_transformer(path: str | Path) -> LoadedTransformer:
     """Read a FLUX.2 transformer into BFL keys, after its headers named a known variant."""
     plan = plan_transformer(path)

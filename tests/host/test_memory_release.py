@@ -2,8 +2,10 @@
 session holds counts. Loading each node's model and releasing it ten times in one host process leaves the
 resident memory within 5% of its level after the first load and release, and no file of a released model
 stays mapped or open. A load that fails half way (a GGUF whose tensor table is fine but whose later checks
-fail, a sharded set whose second shard is damaged) leaves nothing of its files mapped or open the moment the
-error is raised, without waiting for the garbage collector."""
+fail, a sharded set whose second shard is damaged, or that runs out of open files at its second shard, the tensors
+of the first read) leaves nothing of its files mapped or open the moment the error is raised, while the error is
+kept as the host keeps it, without waiting for the garbage collector; running out of open files is the pack's error
+saying so."""
 
 from __future__ import annotations
 
@@ -113,18 +115,54 @@ from comfyui_flux2dev.loaders.models.gguf_transformer import load_gguf_transform
 from comfyui_flux2dev.loaders.models.inspect import inspect_path
 from comfyui_flux2dev.loaders.models.transformer import load_transformer
 
+import resource
+
+
+def encode(path):
+    from comfyui_flux2dev.host.clip import load_clip
+
+    clip = load_clip(str(path))
+    clip.encode_from_tokens(clip.tokenize("a red fox"))
+
+
+def starve(free):
+    # Every descriptor the process may open taken but `free`, under a soft limit just above those open now.
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 8, hard))
+    taken = []
+    while True:
+        try:
+            taken.append(os.open(os.devnull, os.O_RDONLY))
+        except OSError:
+            break
+    for fd in taken[:free]:
+        os.close(fd)
+    return taken[free:], soft
+
+
 verbs = {"gguf loader": load_gguf_transformer, "GGUF node's load": load_gguf_model,
          "transformer loader": load_transformer, "transformer node's load": load_model,
-         "encoder loader": lambda p: load_encoder(str(p)), "inspect": inspect_path}
+         "encoder loader": lambda p: load_encoder(str(p)), "encoder node's encode": encode, "inspect": inspect_path}
 report = []
-for case, verb, path in json.loads(sys.argv[2]):
+for case, verb, path, free in json.loads(sys.argv[2]):
     files = [path] if os.path.isfile(path) else [str(p) for p in Path(path).iterdir()]
+    if free is not None:
+        verbs[verb](path)  # once with files to spare: the modules it imports on first use are imported
+        gc.collect()
+    taken, soft = starve(free) if free is not None else ([], None)
+    kept = None  # the error, kept while the files are looked at, as the host keeps a failed node's
     try:
         verbs[verb](path)
         error = None
     except Flux2DevError as e:
-        error = f"{type(e).__name__}: {e}"
+        error, kept = f"{type(e).__name__}: {e}", e
+    finally:
+        for fd in taken:
+            os.close(fd)
+        if soft is not None:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, resource.getrlimit(resource.RLIMIT_NOFILE)[1]))
     report.append({"case": case, "verb": verb, "error": error, "held": held(files)})
+    del kept
 print(json.dumps(report))
 """
 
@@ -202,19 +240,26 @@ def half_way(tiny_root, tmp_path_factory) -> list[dict]:
                                                       {"token_embd.weight": np.zeros((32000, 8), np.float16)}),
     }
     runs = [
-        *[(case, verb, str(cases[case])) for case in ("gguf missing a block", "gguf of a text encoder architecture")
+        *[(case, verb, str(cases[case]), None)
+          for case in ("gguf missing a block", "gguf of a text encoder architecture")
           for verb in ("gguf loader", "GGUF node's load", "inspect")],
-        *[("transformer with a damaged second shard", verb, str(cases["transformer with a damaged second shard"]))
+        *[("transformer with a damaged second shard", verb, str(cases["transformer with a damaged second shard"]), None)
           for verb in ("transformer loader", "transformer node's load", "inspect")],
-        *[("encoder with a damaged second shard", verb, str(cases["encoder with a damaged second shard"]))
+        *[("encoder with a damaged second shard", verb, str(cases["encoder with a damaged second shard"]), None)
           for verb in ("encoder loader", "inspect")],
-        ("llama gguf given as the encoder", "encoder loader", str(cases["llama gguf given as the encoder"])),
+        ("llama gguf given as the encoder", "encoder loader", str(cases["llama gguf given as the encoder"]), None),
+        # Out of open files: the GGUF at its first map; the sharded encoder at its second shard's, when the tensors
+        # of the first are read (two descriptors free: a shard's open file and the map's own).
+        *[("out of open files", verb, str(tiny_root / "unet/flux2-dev-tiny-Q8_0.gguf"), 1)
+          for verb in ("gguf loader", "GGUF node's load")],
+        *[("out of open files", verb, str(tiny_root / "text_encoders/hf-mistral3"), 2)
+          for verb in ("encoder loader", "encoder node's encode")],
     ]
     return run_child(FAILURE_CHILD, str(tiny_root), json.dumps(runs))
 
 
 def test_a_load_that_fails_half_way_leaves_nothing_mapped_or_open(half_way):
-    assert len(half_way) == 12
+    assert len(half_way) == 16
     failed_quietly = [(r["case"], r["verb"]) for r in half_way if r["error"] is None]
     assert not failed_quietly, "these loads did not fail"
     held = [(r["case"], r["verb"], r["held"]) for r in half_way if r["held"]]
@@ -227,6 +272,10 @@ def test_the_half_way_failures_are_the_expected_errors(half_way):
     assert errors[("gguf of a text encoder architecture", "gguf loader")].startswith("WrongModelError: ")
     assert all(e.startswith("CorruptFileError: ") for (case, _), e in errors.items() if "damaged second shard" in case)
     assert errors[("llama gguf given as the encoder", "encoder loader")].startswith("WrongModelError: ")
+    out_of_files = [e for (case, _), e in errors.items() if case == "out of open files"]
+    assert len(out_of_files) == 4
+    for error in out_of_files:
+        assert error.startswith("TooManyOpenFilesError: ") and "ulimit -n" in error, error
 
 
 UPSAMPLE_CHILD = PRELUDE + r"""

@@ -5,6 +5,7 @@ tiny form, whose files are in that ComfyUI's menus and which run there as they a
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -162,6 +163,26 @@ def test_the_turbo_switch_of_an_example_runs_its_lora(comfy_server):
 def test_each_example_runs_on_the_tiny_weights(comfy_server, name):
     graph = examples.tiny_form(_load(examples.API_FOLDER, name), folder="")
     assert _saved_image(comfy_server, comfy_server.run(graph)).size == (256, 256)
+
+
+def test_the_server_runs_them_under_a_macos_shells_limit_of_open_files(comfy_server):
+    """The shared server starts under a soft limit of 256 open files (conftest.SERVER_OPEN_FILES), as a macOS shell
+    gives the programs it starts: these examples and the other server tests' graphs, every loader among them, run
+    under it. With the text-to-image example's models loaded (GGUF transformer, fp8 encoder of 30 layers, VAE) the
+    server holds one open file per model file, a few beside the host's own (a map per tensor held 420 for the
+    encoder alone)."""
+    pid = comfy_server.process.pid
+    (limit,) = [line for line in Path(f"/proc/{pid}/limits").read_text().splitlines()
+                if line.startswith("Max open files")]
+    assert limit.split()[3] == "256", limit
+    comfy_server.run(_small(_load(examples.API_FOLDER, examples.TEXT_TO_IMAGE)))
+    held = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            held.append(os.readlink(f"/proc/{pid}/fd/{fd}"))
+    models = sorted(Path(target).name for target in held if target.endswith((".safetensors", ".gguf")))
+    assert models == sorted(["flux2-dev-tiny-Q4_K.gguf", examples.ENCODER]), models
+    assert len(held) < 64, held
 
 
 def test_a_workflow_saved_before_the_new_titles_runs_unchanged(comfy_server):
