@@ -52,7 +52,7 @@ def load_weights(clip) -> None:
         src.fingerprint = weights_fingerprint(src.cache, plan_signature(plan), lambda: state_dict)
     # The weights are loaded here rather than in the constructor (which only logs missing keys), so that a
     # missing one stops the load.
-    missing, _ = clip.load_sd(state_dict)
+    missing, _ = clip.load_sd(compat.host_owned(state_dict) if compat.is_dynamic(clip.patcher) else state_dict)
     if missing:  # the host model has exactly the layers + embeddings the loader reads (variants.layers_kept)
         raise HostError(
             f"This ComfyUI's FLUX.2 text encoder has weights the pack does not provide ({', '.join(missing[:5])}); "

@@ -269,7 +269,15 @@ def expected_unet_keys(diffusion_model) -> set[str]:
 def load_unet_weights(model, state_dict: dict, dynamic: bool) -> None:
     """Load a transformer's weights the host's way (its key conversion included). 0.33's dynamic patcher wants
     them assigned, not copied, as the host's own loader does (0.3.75's load_model_weights takes no `assign`)."""
-    call_with_known(model.load_model_weights, sd=state_dict, unet_prefix="", assign=dynamic)
+    sd = host_owned(state_dict) if dynamic else state_dict
+    call_with_known(model.load_model_weights, sd=sd, unet_prefix="", assign=dynamic)
+
+
+def host_owned(state_dict: dict) -> dict:
+    """A state dict to be assigned (0.33's dynamic patcher), with copies of what the host's own modules keep (norms'
+    scales, biases: the pack's layers hold every matrix): a weight mapped from a file is read-only, and the host's
+    hook LoRAs write into the weights of its modules in place."""
+    return {k: v.clone() if v.ndim < 2 else v for k, v in state_dict.items()}
 
 
 def inference_dtype(model):
