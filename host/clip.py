@@ -100,9 +100,11 @@ def _build_clip(plan: EncoderPlan, tokenizer, *, padding: str, dtype: torch.dtyp
     import comfy.text_encoders.flux
 
     from . import compat
-    from .ops import PackedLayer, packed_operations, packed_patcher
+    from .ops import PackedLayer, fast_cpu_matmul_dtype, packed_operations, packed_patcher
 
     dtype = dtype or compute_dtype(plan)
+    # bf16 weights (as stored, or dequantized to them) are multiplied in bf16 where the CPU does it natively
+    cpu_matmul_dtype = fast_cpu_matmul_dtype() if dtype == torch.bfloat16 else None
 
     class Target:
         params = {}
@@ -111,7 +113,7 @@ def _build_clip(plan: EncoderPlan, tokenizer, *, padding: str, dtype: torch.dtyp
 
     model_options = {
         "dtype": dtype,
-        "custom_operations": packed_operations(),
+        "custom_operations": packed_operations(cpu_matmul_dtype=cpu_matmul_dtype),
         f"{CLIP_NAME}_class": model_class,
         f"{CLIP_NAME}_model_config": model_config(plan),
         LAYERS_KEY: dev_variant_for_encoder(plan.geometry).encoder_layers,
@@ -134,7 +136,7 @@ def _build_clip(plan: EncoderPlan, tokenizer, *, padding: str, dtype: torch.dtyp
     placeholders = [(m, name, tuple(p.shape), p.dtype) for m in clip.cond_stage_model.modules()
                     if isinstance(m, PackedLayer) for name, p in m._parameters.items() if p is not None]
     clip.flux2dev_source = EncoderSource(plan, tokenizer, padding, dtype, keep_loaded, allow_network, cache,
-                                         placeholders)
+                                         cpu_matmul_dtype, placeholders)
     clip.flux2dev_encoder = {"layout": plan.layout, "formats": plan.formats, "tokenizer": tokenizer.rung}
     return clip
 

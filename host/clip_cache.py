@@ -50,6 +50,14 @@ def cache_bypass(clip, tokens) -> str | None:
     return None
 
 
+def compute(src, device) -> str:
+    """The dtypes an encode computes in on `device`: the CLIP's, and where other, its matmuls' (a cache shared by
+    machines that multiply differently keeps their entries apart)."""
+    if device.type == "cpu" and src.cpu_matmul_dtype not in (None, src.dtype):
+        return f"{src.dtype}, matmuls in {src.cpu_matmul_dtype}"
+    return str(src.dtype)
+
+
 def conditioning_key(clip, tokens) -> ConditioningKey:
     """Everything that shapes this conditioning; computing it may read the weights once, to fingerprint them."""
     from ..loaders.models.variants import dev_variant_for_encoder
@@ -68,7 +76,7 @@ def conditioning_key(clip, tokens) -> ConditioningKey:
         vocabulary=src.tokenizer.tokenizer.vocab_digest,
         padding=src.padding,
         tokens=tuple(tuple((p[0], float(p[1])) for p in seq) for seq in tokens[CLIP_NAME]),
-        dtype=str(src.dtype),
+        dtype=compute(src, clip.patcher.load_device),
         device=clip.patcher.load_device.type,
         layers=tuple(dev_variant_for_encoder(src.plan.geometry).encoder_layers),
         host=compat.host_version(),

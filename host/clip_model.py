@@ -66,6 +66,10 @@ def encoder_model_class():
             return torch.cat(outs), None, extra
 
         def _pad_states(self, x):
+            # Pads take no part in attention, so a pad's states depend on its embedding alone: where every pad is
+            # the same (the <pad> token, unweighted), one row is computed for all of them.
+            if x.shape[1] > 1 and torch.equal(x, x[:, :1].expand_as(x)):
+                return self._pad_states(x[:, :1]).expand(-1, -1, x.shape[1], -1)
             layers = self.transformer.model.layers
             states = []
             for i, layer in enumerate(layers):

@@ -26,6 +26,7 @@ class EncoderSource:
     keep_loaded: bool
     allow_network: bool
     cache: ConditioningCache | None
+    cpu_matmul_dtype: torch.dtype | None  # the dtype its linear layers multiply in on the CPU (None: the input's)
     placeholders: list = field(default_factory=list)  # (layer, parameter name, shape, dtype) while unloaded
     loaded: bool = False
     fingerprint: str | None = None  # of the weights loaded now, or of the files on disk

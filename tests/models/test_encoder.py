@@ -128,6 +128,37 @@ def test_quantized_layouts_match_transformers_on_dequantized_weights(comfy_host,
     _check(clip, reference, clip.tokenizer.tokenizer, "reference", device)
 
 
+@pytest.mark.parametrize("name", ("hf-mistral3", "mistral_3_small_flux2_fp8.safetensors", "mistral3-q4_k.gguf"))
+def test_the_default_encode_is_closer_to_float32_than_the_reference_pipelines_bf16(comfy_host, encoders, hf_reference,
+                                                                                  name):
+    """A CLIP as the nodes make it (bf16 for these files) multiplies in bf16 where the CPU does it natively, keeping
+    everything else in float32: its conditioning is no further from transformers' float32 encode than transformers'
+    own bf16 encode, the dtype Black Forest Labs' and diffusers' FLUX.2 pipelines run the encoder in. Where the CPU
+    multiplies bf16 slowly it stays float32's, within the float32 bar."""
+    from comfyui_flux2dev.host.clip import load_clip
+    from comfyui_flux2dev.host.ops import fast_cpu_matmul_dtype
+    from comfyui_flux2dev.tokenizers import prompt_ids
+
+    path = os.path.join(encoders, name)
+    exact = _mistral_with(_encoder_weights(references.WEIGHTS[QUANTIZED[name]](path))) if name in QUANTIZED \
+        else hf_reference
+    bf16 = copy.deepcopy(exact).bfloat16()
+    for padding in ("reference", "comfy"):
+        clip = load_clip(path, padding=padding)
+        assert clip.flux2dev_source.cpu_matmul_dtype == fast_cpu_matmul_dtype()
+        for prompt in PROMPTS:
+            ids, mask = prompt_ids(clip.tokenizer.tokenizer, prompt, padding)
+            got = _host_cond(clip, prompt)
+            with torch.no_grad():
+                want = _hidden(exact, ids, mask)
+                pipeline = _hidden(bf16, ids, mask).float()
+            error = (got - want).abs().max().item()
+            if fast_cpu_matmul_dtype() is None:
+                assert error <= TOLERANCE["cpu"], (name, padding, prompt, error)
+            else:
+                assert 0 < error <= (pipeline - want).abs().max().item(), (name, padding, prompt, error)
+
+
 def test_quantized_weights_stay_packed_in_the_host(comfy_host, encoders):
     from comfyui_flux2dev.host.clip import load_clip
 
