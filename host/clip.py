@@ -100,7 +100,7 @@ def _build_clip(plan: EncoderPlan, tokenizer, *, padding: str, dtype: torch.dtyp
     import comfy.text_encoders.flux
 
     from . import compat
-    from .ops import PackedLayer, fast_cpu_matmul_dtype, packed_operations, packed_patcher
+    from .ops import PackedLayer, fast_cpu_matmul_dtype, packed_operations, packed_patcher, read_ahead
 
     dtype = dtype or compute_dtype(plan)
     # bf16 weights (as stored, or dequantized to them) are multiplied in bf16 where the CPU does it natively
@@ -130,6 +130,7 @@ def _build_clip(plan: EncoderPlan, tokenizer, *, padding: str, dtype: torch.dtyp
         disable_dynamic=disable_dynamic,
     )
     packed_patcher(clip.patcher)
+    read_ahead(list(getattr(clip.cond_stage_model, CLIP_NAME).transformer.model.layers))
     logging.info("FLUX.2 [dev] CLIP ready: %s patcher, computing on %s, kept on %s when idle; its weights are read on "
                  "the first prompt the conditioning cache lacks.", type(clip.patcher).__name__,
                  clip.patcher.load_device, clip.patcher.offload_device)

@@ -237,6 +237,20 @@ def packed_operations(dequant_dtype: torch.dtype | None = None, patch_dtype: tor
     return PackedOps
 
 
+def read_ahead(blocks) -> None:
+    """Each of `blocks` (a model's layers, in the order they run) asks, as it starts, for the file pages of the next
+    one's weights: a model mapped from a file larger than the memory is read from the disk while it computes."""
+    from ..loaders.formats.validate import prefetch
+
+    def hook(block, args, next_block):
+        prefetch(t for layer in next_block.modules() if isinstance(layer, PackedLayer)
+                 for t in (layer.weight, *(getattr(layer, c) for c in layer.companions))
+                 if isinstance(t, torch.Tensor))
+
+    for block, next_block in zip(blocks, blocks[1:]):
+        block.register_forward_pre_hook(functools.partial(hook, next_block=next_block))
+
+
 def _packed_layer(model, key: str):
     """The pack's layer whose weight `key` names (packed, or a float weight kept as stored), else None."""
     import comfy.utils

@@ -34,24 +34,38 @@ def _dim(g: MistralEncoderGeometry, name: str) -> int:
 
 
 def encoder_tensors(g: MistralEncoderGeometry, layers: int, fmt: str, whole: bool = False) -> dict:
-    """{name: (dtype, shape, std)} of a random encoder in ComfyUI's single-file form (model.* keys): bf16, or fp8
-    linear weights with a per-tensor weight_scale (std None: not random; norms are ones, the scale is written
-    with its weight); whole: with the final norm and lm_head (bf16), which writing text reads."""
-    fp8 = fmt == "fp8"
+    """{name: (dtype, shape, std)} of a random encoder in ComfyUI's single-file form (model.* keys): bf16; fp8 linear
+    weights with a per-tensor weight_scale; or ComfyUI's "fp4_mixed" (NVFP4 linear weights, layer 0 and every
+    down_proj bf16) (std None: not random; norms are ones, scales are written with their weight); whole: with the
+    final norm and lm_head (bf16), which writing text reads."""
     out = {"model.embed_tokens.weight": (torch.bfloat16, (g.vocab, g.width), 0.5)}
     for i in range(layers):
         prefix = f"model.layers.{i}."
         for part, (rows, cols) in _PARTS.items():
             shape = (_dim(g, rows), _dim(g, cols))
-            out[prefix + part + ".weight"] = (torch.float8_e4m3fn if fp8 else torch.bfloat16, shape, shape[1] ** -0.5)
-            if fp8:
-                out[prefix + part + ".weight_scale"] = (torch.float32, (), None)
+            std, name = shape[1] ** -0.5, prefix + part + "."
+            if fmt == "fp8":
+                out[name + "weight"] = (torch.float8_e4m3fn, shape, std)
+                out[name + "weight_scale"] = (torch.float32, (), None)
+            elif fmt == "nvfp4" and i > 0 and part != "mlp.down_proj":
+                out[name + "weight"] = (torch.uint8, (shape[0], shape[1] // 2), std)
+                out[name + "weight_scale"] = (torch.float8_e4m3fn, (-(-shape[0] // 128) * 128,
+                                                                    -(-shape[1] // 16 // 4) * 4), None)
+                out[name + "weight_scale_2"] = (torch.float32, (), None)
+                out[name + "comfy_quant"] = (torch.uint8, (len(_NVFP4_DECLARATION),), None)
+            else:
+                out[name + "weight"] = (torch.bfloat16, shape, std)
         for norm in ("input_layernorm", "post_attention_layernorm"):
             out[prefix + norm + ".weight"] = (torch.bfloat16, (g.width,), None)
     if whole:
         out["model.norm.weight"] = (torch.bfloat16, (g.width,), None)
         out["lm_head.weight"] = (torch.bfloat16, (g.vocab, g.width), g.width ** -0.5)
     return out
+
+
+_NVFP4_DECLARATION = b'{"format": "nvfp4"}'
+_E2M1_RMS = 2.93  # the root mean square of the 16 E2M1 values, each as likely: random codes' scale
+_NVFP4_TENSOR_SCALE = 1 / 448
 
 
 _ROWS_VALUES = 1 << 24  # values written at a time: a real-size file costs a small one's memory
@@ -77,8 +91,13 @@ def write_encoder(path: str, g: MistralEncoderGeometry, layers: int, fmt: str, w
                                    "tekken_model": (torch.uint8, tuple(tekken.shape))})
         for name, (dtype, shape, std) in tensors.items():
             if std is None:
-                if not name.endswith("_scale"):
+                if name.endswith("comfy_quant"):
+                    out.write(name, torch.frombuffer(bytearray(_NVFP4_DECLARATION), dtype=torch.uint8))
+                elif not name.endswith(("_scale", "_scale_2")):
                     out.write(name, torch.ones(shape, dtype=dtype))
+                continue
+            if dtype == torch.uint8:  # NVFP4: random codes, one block scale for the tensor's std
+                _write_nvfp4(out, name, shape, std, tensors, gen)
                 continue
             scale = _FP8_RANGE * std / fp8_max if dtype == torch.float8_e4m3fn else None
             step = max(1, _ROWS_VALUES // shape[1])
@@ -94,6 +113,19 @@ def write_encoder(path: str, g: MistralEncoderGeometry, layers: int, fmt: str, w
         out.finish()
     os.link(partial, path)
     os.remove(partial)
+
+
+def _write_nvfp4(out, name: str, shape, std: float, tensors: dict, gen: torch.Generator) -> None:
+    """An NVFP4 weight of random codes whose values have the standard deviation `std`, with its scales."""
+    stem = name[: -len("weight")]
+    step = max(1, _ROWS_VALUES // shape[1])
+    for start in range(0, shape[0], step):
+        rows = min(step, shape[0] - start)
+        out.write(name, torch.randint(0, 256, (rows, shape[1]), generator=gen, dtype=torch.uint8),
+                  at=start * shape[1])
+    block = std / _E2M1_RMS / _NVFP4_TENSOR_SCALE
+    out.write(stem + "weight_scale", torch.full(tensors[stem + "weight_scale"][1], block).to(torch.float8_e4m3fn))
+    out.write(stem + "weight_scale_2", torch.tensor(_NVFP4_TENSOR_SCALE, dtype=torch.float32))
 
 
 def _figures(m: Measured) -> dict:

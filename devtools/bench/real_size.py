@@ -24,19 +24,26 @@ import shutil
 import torch
 
 from ...loaders.models.variants import MISTRAL_SMALL, MistralEncoderGeometry, layers_kept
-from ...tokenizers.prompt import PADDING_MODES
+from ...tokenizers.prompt import PADDING_MODES, left_padding_mask
 from .encode_scenarios import _PROMPTS, encoder_tensors, write_encoder
 from .meters import evict, machine, proc_kib, sampled_call
 from .real_transformer import LATENT, TEXT_TOKENS, bench_real_transformer
+from .roofline import encode_flops, layer_bytes, machine_rates, measured_against
 
 BF16 = "bf16"
-CONVERSIONS = {"fp8": ("fp8.safetensors", ["--dtype", "fp8"]), "Q4_K_M": ("Q4_K_M.gguf", ["--type", "Q4_K_M"])}
+WRITTEN = {BF16: "bf16.safetensors", "nvfp4": "fp4_mixed.safetensors"}  # written random, as encode_scenarios writes
+CONVERSIONS = {"fp8": ("fp8.safetensors", ["--dtype", "fp8"]), "Q8_0": ("Q8_0.gguf", ["--type", "Q8_0"]),
+               "Q4_K_M": ("Q4_K_M.gguf", ["--type", "Q4_K_M"])}
+FORMATS = (BF16, "fp8", "nvfp4", "Q8_0", "Q4_K_M")
+# Where the bench holds a run to the issue's mark: within 1.5x of its roofline, plus start-up (imports, headers,
+# tokenizer) in the step's wall time.
+ROOFLINE_FACTOR, START_UP_S = 1.5, 20.0
 _MARGIN = 1 << 30  # the disk space and memory left over, beyond what a step needs
 _HOST_PADDING = "comfy"  # the host's CLIPLoader and ComfyUI-GGUF pad as the host does
 
 
 def _name(fmt: str) -> str:
-    return f"flux2-dev-encoder-{BF16}.safetensors" if fmt == BF16 else f"flux2-dev-encoder-{CONVERSIONS[fmt][0]}"
+    return f"flux2-dev-encoder-{WRITTEN[fmt] if fmt in WRITTEN else CONVERSIONS[fmt][0]}"
 
 
 def _memory_available() -> int:
@@ -51,10 +58,20 @@ def _digest(cond: torch.Tensor) -> str:
 def _encoded(clip, started_anon: int) -> dict:
     import time
 
+    tokens = clip.tokenize(_PROMPTS[0])
     start = time.perf_counter()
-    cond = clip.encode_from_tokens(clip.tokenize(_PROMPTS[0]), return_dict=True)["cond"]
+    cond = clip.encode_from_tokens(tokens, return_dict=True)["cond"]
+    (ids,) = ([t[0] for t in seq] for seq in next(iter(tokens.values())))
     return {"encode_s": time.perf_counter() - start, "anon_before_bytes": started_anon,
-            "tokens": int(cond.shape[1]), "digest": _digest(cond)}
+            "tokens": int(cond.shape[1]), "pads": len(ids) - sum(left_padding_mask(ids)), "digest": _digest(cond)}
+
+
+def rates(path: str) -> dict:
+    """The machine's rates the pack's encodes are measured against (roofline.py), in the dtype its encoder multiplies
+    in here."""
+    from ...host.ops import fast_cpu_matmul_dtype
+
+    return machine_rates(MISTRAL_SMALL, fast_cpu_matmul_dtype() or torch.float32, path)
 
 
 # --- the steps, each run in a process of its own ----------------------------------------------------------------
@@ -115,25 +132,25 @@ def _step(function: str, *args, what: str, anon_limit: int) -> dict:
 # --- the files ------------------------------------------------------------------------------------------------
 
 
-def _written_bf16(folder: str, g: MistralEncoderGeometry, layers: int) -> str:
-    path = os.path.join(folder, _name(BF16))
-    size = sum(d.itemsize * math.prod(s) for d, s, _ in encoder_tensors(g, layers, BF16).values())
+def _written(folder: str, g: MistralEncoderGeometry, layers: int, fmt: str = BF16) -> str:
+    path = os.path.join(folder, _name(fmt))
+    size = sum(d.itemsize * math.prod(s) for d, s, _ in encoder_tensors(g, layers, fmt).values())
     if os.path.isfile(path) and os.path.getsize(path) >= size:
         return path
     free = shutil.disk_usage(folder).free
     if free < size + _MARGIN:
-        raise RuntimeError(f"{folder} has {free / 1e9:.1f} GB free; the bf16 encoder takes {size / 1e9:.1f} GB.")
-    write_encoder(path, g, layers, BF16)
+        raise RuntimeError(f"{folder} has {free / 1e9:.1f} GB free; the {fmt} encoder takes {size / 1e9:.1f} GB.")
+    write_encoder(path, g, layers, fmt)
     return path
 
 
 def _made(folder: str, g: MistralEncoderGeometry, layers: int, fmt: str, anon_limit: int) -> str:
-    """The `fmt` file in `folder`: the bf16 one written, the others converted from it, where missing (each
-    conversion measured, its figures kept in conversions.json)."""
+    """The `fmt` file in `folder`: the bf16 and NVFP4 ones written, the others converted from the bf16 one, where
+    missing (each conversion measured, its figures kept in conversions.json)."""
     path = os.path.join(folder, _name(fmt))
-    if fmt == BF16 or os.path.isfile(path):
-        return _written_bf16(folder, g, layers) if fmt == BF16 else path
-    source = _written_bf16(folder, g, layers)
+    if fmt in WRITTEN or os.path.isfile(path):
+        return _written(folder, g, layers, fmt) if fmt in WRITTEN else path
+    source = _written(folder, g, layers)
     record = os.path.join(folder, "conversions.json")
     made = json.load(open(record)) if os.path.isfile(record) else {}
     made[fmt] = _step("convert", source, path, CONVERSIONS[fmt][1], what=f"convert to {fmt}", anon_limit=anon_limit)
@@ -148,23 +165,33 @@ def _made(folder: str, g: MistralEncoderGeometry, layers: int, fmt: str, anon_li
 # --- the run ----------------------------------------------------------------------------------------------------
 
 
-def bench_real_encoder(folder: str, g: MistralEncoderGeometry = MISTRAL_SMALL, formats=(BF16, *CONVERSIONS),
+def bench_real_encoder(folder: str, g: MistralEncoderGeometry = MISTRAL_SMALL, formats=FORMATS,
                        paddings=PADDING_MODES, peers: bool = True) -> dict:
-    """{"machine", "geometry", "files", "conversions", "rows"}: a row per loader, file and padding mode, with
+    """{"machine", "geometry", "rates", "files", "conversions", "rows"}: a row per loader, file and padding mode, with
     seconds, peak_anon_bytes, peak_mapped_bytes and peak_open_files of its process, and "result" (the encode's
-    seconds, the
-    process's own memory before it, the tokens and a digest of the conditioning), "failed" or "over_limit"."""
+    seconds, the process's own memory before it, the tokens and a digest of the conditioning), "failed" or
+    "over_limit"; the pack's rows also its "roofline" against the machine's rates, measured first."""
     os.makedirs(folder, exist_ok=True)
     layers = layers_kept(g)
     anon_limit = _memory_available() - _MARGIN
-    rows, files = [], {}
+    rows, files, machine_limits = [], {}, None
     for fmt in formats:  # each made just before its rows: a machine may lack the disk for all at once
         path = _made(folder, g, layers, fmt, anon_limit)
         files[fmt] = os.path.getsize(path)
+        if machine_limits is None:  # measured once, on the first file, before any encode
+            machine_limits = _step("rates", path, what="the machine's rates", anon_limit=anon_limit)["result"]
         for padding in paddings:
             evict([path])  # every loader starts from the disk
-            rows.append({"loader": "pack", "format": fmt, "padding": padding,
-                         **_step("pack_encode", path, padding, what=f"pack, {fmt}", anon_limit=anon_limit)})
+            row = {"loader": "pack", "format": fmt, "padding": padding,
+                   **_step("pack_encode", path, padding, what=f"pack, {fmt}", anon_limit=anon_limit)}
+            if "result" in row:
+                r = row["result"]
+                row["roofline"] = measured_against(machine_limits, encode_flops(g, layers, r["tokens"] - r["pads"],
+                                                                                r["pads"]),
+                                                   layer_bytes(path), files[fmt], r["encode_s"])
+                row["roofline"]["within_mark"] = \
+                    row["seconds"] <= ROOFLINE_FACTOR * row["roofline"]["roofline_s"] + START_UP_S
+            rows.append(row)
         if peers:
             loader, function = ("ComfyUI-GGUF", "peer_encode") if path.endswith(".gguf") else ("host", "host_encode")
             evict([path])
@@ -174,6 +201,7 @@ def bench_real_encoder(folder: str, g: MistralEncoderGeometry = MISTRAL_SMALL, f
     return {
         "machine": {**machine(), "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")},
         "geometry": {"width": g.width, "layers": layers, "vocab": g.vocab, "mlp": g.mlp},
+        "rates": machine_limits,
         "files": files,
         "conversions": json.load(open(record)) if os.path.isfile(record) else {},
         "rows": rows,
@@ -210,20 +238,29 @@ def _outcome(row: dict) -> str:
 
 def format_real(result: dict) -> str:
     """The run as a Markdown table (docs/benchmarks.md keeps one)."""
-    m = result["machine"]
+    m, r = result["machine"], result["rates"]
     lines = [f"Real size, {m['date']}: {m['cpu_count']} cores, {_gb(m['memory_bytes'])} GB of RAM, torch "
              f"{m['torch_version']}; the encoder's {result['geometry']['layers']} layers "
              f"({result['geometry']['width']} wide).", "",
-             "| step | file GB | wall s | peak own (anon) GB | peak mapped GB | peak open files | outcome |",
-             "|---|---|---|---|---|---|---|"]
+             f"Measured against (roofline.py): matmuls at {r['matmul_flops'] / 1e12:.2f} TFLOP/s in {r['dtype']} on "
+             f"the encoder's shapes, the file read at {r['cache_bytes_s'] / 1e9:.1f} GB/s from the page cache and "
+             f"{r['disk_bytes_s'] / 1e9:.2f} GB/s from the disk (for a file larger than the "
+             f"{_gb(r['memory_available_bytes'])} GB available). The mark: a step's wall time within "
+             f"{ROOFLINE_FACTOR:g}x its roofline plus {START_UP_S:.0f} s of start-up.", "",
+             "| step | file GB | wall s | peak own (anon) GB | peak mapped GB | peak open files | roofline s | "
+             "encode / roofline | within the mark | outcome |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for fmt, row in result["conversions"].items():
         lines.append(f"| convert bf16 -> {fmt} | {_gb(row.get('file_bytes', 0))} | {row['seconds']:.0f} | "
-                     f"{_gb(row['peak_anon_bytes'])} | {_gb(row['peak_mapped_bytes'])} | {_files(row)} | "
+                     f"{_gb(row['peak_anon_bytes'])} | {_gb(row['peak_mapped_bytes'])} | {_files(row)} | | | | "
                      f"{'written' if 'result' in row else _outcome(row)} |")
     for row in result["rows"]:
+        roof = row.get("roofline")
+        against = (f"{roof['roofline_s']:.1f} ({roof['read_from']}) | {roof['ratio']:.2f} | "
+                   f"{'yes' if roof['within_mark'] else 'no'}") if roof else " | | "
         lines.append(f"| {row['loader']} encode, {row['format']}, {row['padding']} padding | "
                      f"{_gb(result['files'][row['format']])} | {row['seconds']:.0f} | {_gb(row['peak_anon_bytes'])} | "
-                     f"{_gb(row['peak_mapped_bytes'])} | {_files(row)} | {_outcome(row)} |")
+                     f"{_gb(row['peak_mapped_bytes'])} | {_files(row)} | {against} | {_outcome(row)} |")
     if "transformer" in result:
         lines += ["", format_transformer(result["transformer"])]
     return "\n".join(lines)

@@ -19,6 +19,7 @@ import torch
 from ..tiny.geometry import BENCH_MISTRAL, TINY_MISTRAL
 from .encode_scenarios import write_encoder
 from .meters import Measured, in_child
+from .roofline import layer_bytes, matmul_rate, read_rates, roofline_s, token_flops
 
 NEW_TOKENS = {True: 8, False: 16}
 PROMPT = "a red fox sitting in fresh snow at dawn"
@@ -151,12 +152,28 @@ def bench_upsampling(quick: bool) -> dict:
         write_encoder(files["bf16"], g, layers, "bf16", whole=True)
         write_encoder(files["fp8"], g, layers, "fp8", whole=True)
         write_whole_gguf(files["gguf"], files["bf16"], g, layers)
+        rates = {"cache_bytes_s": read_rates(files["bf16"])["cache"],
+                 **{dtype: matmul_rate(g, getattr(torch, dtype)) for dtype in {dtype for *_, dtype in ROWS}}}
         for name, runner, fmt, dtype in ROWS:
-            rows.append({"name": name, **in_child("upsample_scenarios", "_child", files[fmt], runner, dtype, layers,
-                                                  quick, what=f"upsampling, {name}")})
+            row = {"name": name, **in_child("upsample_scenarios", "_child", files[fmt], runner, dtype, layers,
+                                            quick, what=f"upsampling, {name}")}
+            if runner == "pack":
+                row["roofline"] = _against(row, g, layers, rates[dtype], rates["cache_bytes_s"],
+                                           layer_bytes(files[fmt], head=True))
+            rows.append(row)
     geometry = {"width": g.width, "heads": g.heads, "kv_heads": g.kv_heads, "mlp": g.mlp, "vocab": g.vocab,
                 "layers": layers}
-    return {"geometry": geometry, "rows": rows}
+    return {"geometry": geometry, "rates": rates, "rows": rows}
+
+
+def _against(row: dict, g, layers: int, rate: float, read_rate: float, weight_bytes: int) -> dict:
+    """A pack row's prefill (its first token) and each token after it against the machine's limits (roofline.py):
+    every token reads the whole model's weights once."""
+    prompt, new = row["prompt_tokens"], row["new_tokens"]
+    prefill = roofline_s(token_flops(g, layers, prompt, prompt), weight_bytes, rate, read_rate)
+    token = roofline_s(token_flops(g, layers, 1, prompt + new), weight_bytes, rate, read_rate)
+    return {"prefill_roofline_s": prefill, "prefill_ratio": row["first_token_s"] / prefill,
+            "token_roofline_s": token, "token_ratio": 1 / row["tokens_per_s"] / token}
 
 
 def format_upsampling(result: dict) -> str:
@@ -176,6 +193,10 @@ def format_upsampling(result: dict) -> str:
         elif r["name"].startswith("pack") and "transformers bf16" in rows:
             versus = (f" (peak RSS {r['peak_rss_bytes'] / rows['transformers bf16']['peak_rss_bytes']:.2f}x "
                       "transformers bf16's)")
+        roof = r.get("roofline")
+        if roof:
+            versus += (f"; prefill {roof['prefill_ratio']:.1f}x its roofline, a token {roof['token_ratio']:.1f}x "
+                       "its roofline")
         lines.append(f"  {r['name']:<22} first token {r['first_token_s'] * 1e3:8.0f} ms, "
                      f"{r['tokens_per_s']:7.2f} tokens/s, peak RSS {r['peak_rss_bytes'] / 2**20:7.0f} MiB, "
                      f"file {r['file_bytes'] / 2**20:6.0f} MiB{versus}")

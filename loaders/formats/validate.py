@@ -239,6 +239,41 @@ def mapped_bytes(mapped, path: str | os.PathLike, start: int, end: int, what: st
         return torch.from_numpy(np.frombuffer(mapped, np.uint8, end - start, start))
 
 
+_MADV_WILLNEED = 3  # Linux's and macOS's value
+
+
+@functools.cache
+def _madvise():
+    """libc's madvise, where there is one (not on Windows): None elsewhere."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True)
+        function = libc.madvise
+    except (OSError, AttributeError, TypeError):
+        return None
+    function.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+    return function
+
+
+def prefetch(tensors) -> None:
+    """Ask the system to read the file pages behind `tensors` (views of a map_file map) ahead of their use, without
+    waiting: where a file is larger than the memory, the next layer is read from the disk while this one computes.
+    A tensor of the process's own memory (or a system without madvise) is left as it is: the advice only reads."""
+    import mmap
+
+    madvise = _madvise()
+    if madvise is None:
+        return
+    page = mmap.PAGESIZE
+    for t in tensors:
+        if t.device.type != "cpu" or not t.numel():
+            continue
+        start = t.data_ptr() - t.data_ptr() % page
+        madvise(start, t.data_ptr() + t.numel() * t.element_size() - start, _MADV_WILLNEED)
+
+
 def released_on_error(load):
     """`load` (a function that reads tensors), made to let go of what it read the moment it fails: the locals of the
     calls its error passed through are cleared, so the tensors read so far, and the maps of their files, go at once

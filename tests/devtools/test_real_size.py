@@ -46,6 +46,13 @@ def test_an_encode_costs_one_layer_of_own_memory_whatever_the_file(comfy_host, f
         assert 0 < grown < layer, (fmt, grown, layer)
         assert row["peak_mapped_bytes"] > result["files"][fmt] / 2, "the weights were read from the map"
         assert row["peak_open_files"] < OPEN_FILES, row["peak_open_files"]
+        # measured against the machine's limits in the same run (the figures are the docs', not a timed bar)
+        roof, rates = row["roofline"], result["rates"]
+        assert rates["matmul_flops"] > 0 and rates["cache_bytes_s"] > 0 and rates["disk_bytes_s"] > 0
+        assert roof["flops"] > 0 and 0 < roof["weight_bytes"] < result["files"][fmt]
+        assert roof["roofline_s"] == max(roof["flops"] / rates["matmul_flops"],
+                                         roof["weight_bytes"] / rates["cache_bytes_s"])
+        assert roof["ratio"] == row["result"]["encode_s"] / roof["roofline_s"]
     assert "| pack encode, fp8, comfy padding |" in format_real(result)
 
 
