@@ -220,7 +220,7 @@ def path(device, dtype: torch.dtype) -> str:
     return "numba" if _runs(torch.device(device), dtype) else "torch"
 
 
-# Kernels ("Q4_K dequantization", "Q6_K quantization", "fp8", ...) that failed to compile in this process: their types
+# Kernels ("Q8_0 dequantization", "Q8_0 quantization", "fp8", ...) that failed to compile in this process: their types
 # take the reference path.
 _FAILED: set[str] = set()
 
