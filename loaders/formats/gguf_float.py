@@ -8,7 +8,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as Q
 
-from .gguf_row import F16_MAX_BITS, FINITE_BITS, U32, GGUFType, bits, check_peak, jit, put
+from .gguf_row import F16_MAX_BITS, FINITE_BITS, U32, GGUFType, check_peak, jit, magnitude, put
 
 
 def _checked(b: torch.Tensor, limited: bool) -> torch.Tensor:
@@ -38,7 +38,7 @@ def _cast_kernel(bits_dtype, limit):
         values, out = x.reshape(x.size), o.reshape(o.size).view(bits_dtype)
         peak = U32(0)
         for k in range(values.shape[0]):
-            peak = max(peak, bits(values[k]) & U32(0x7FFFFFFF))
+            peak = max(peak, magnitude(values[k]))
             put(out, k, values[k])
         return peak <= limit
 

@@ -32,13 +32,12 @@ from .gguf_row import (
     GGUFType,
     ReadSteps,
     as_bytes,
-    bits,
     block_reader,
     f16,
     f16_field,
-    from_bits,
     i8,
     jit,
+    magnitude,
     put,
     side_by_side,
     unpack,
@@ -305,23 +304,33 @@ SCRATCH = (20 + 4 * 32) * _LANES
 
 
 @_ggml
+def _bits(f):
+    return np.float32(f).view(np.uint32)
+
+
+@_ggml
+def _from_bits(b):
+    return np.uint32(b).view(np.float32)
+
+
+@_ggml
 def _nearest_int(f):
     """ggml's nearest_int: the low 23 bits of f + 1.5 * 2^23, less 2^22."""
-    return np.int32(bits(f + _MAGIC) & U32(0x7FFFFF)) - np.int32(0x400000)
+    return np.int32(_bits(f + _MAGIC) & U32(0x7FFFFF)) - np.int32(0x400000)
 
 
 @_ggml
 def _fp16(f):
     """ggml_compute_fp32_to_fp16: float32 -> fp16 bits, round to nearest even (the float32 adder rounds)."""
     base = (abs(f) * F32(2.0**112)) * F32(2.0**-110)
-    w = bits(f)
+    w = _bits(f)
     shl1 = U32((w & U32(0x7FFFFFFF)) << U32(1))
     sign = U32(w & U32(0x80000000))
     bias = U32(shl1 & U32(0xFF000000))
     if bias < U32(0x71000000):
         bias = U32(0x71000000)
-    base = from_bits(U32((bias >> U32(1)) + U32(0x07800000))) + base
-    b = bits(base)
+    base = _from_bits(U32((bias >> U32(1)) + U32(0x07800000))) + base
+    b = _bits(base)
     nonsign = U32(((b >> U32(13)) & U32(0x7C00)) + (b & U32(0x0FFF)))
     return (sign >> U32(16)) | (U32(0x7E00) if shl1 > U32(0xFF000000) else nonsign)
 
@@ -332,9 +341,9 @@ def _fp32(h):
     w = U32(U32(h) << U32(16))
     sign = U32(w & U32(0x80000000))
     two_w = U32((w & U32(0x7FFFFFFF)) << U32(1))
-    normalized = from_bits(U32((two_w >> U32(4)) + U32(0xE0 << 23))) * F32(2.0**-112)
-    denormalized = from_bits(U32((two_w >> U32(17)) | U32(126 << 23))) - F32(0.5)
-    return from_bits(sign | (bits(denormalized) if two_w < U32(1 << 27) else bits(normalized)))
+    normalized = _from_bits(U32((two_w >> U32(4)) + U32(0xE0 << 23))) * F32(2.0**-112)
+    denormalized = _from_bits(U32((two_w >> U32(17)) | U32(126 << 23))) - F32(0.5)
+    return _from_bits(sign | (_bits(denormalized) if two_w < U32(1 << 27) else _bits(normalized)))
 
 
 @_ggml
@@ -769,7 +778,7 @@ def _checked(quantize, scale_fields: tuple[int, ...]):
     def checked(x, o):
         for i in range(x.shape[0]):
             for k in range(QK_K):
-                if bits(x[i, k]) & U32(0x7FFFFFFF) > F16_MAX_BITS:
+                if magnitude(x[i, k]) > F16_MAX_BITS:
                     return False
         quantize(x, o)
         for i in range(o.shape[0]):

@@ -31,6 +31,7 @@ from .gguf_row import (
     from_bits,
     i8,
     jit,
+    magnitude,
     put,
     side_by_side,
     times_d,
@@ -330,11 +331,6 @@ def _value(key):
 
 
 @jit
-def _magnitude(v):
-    return bits(v) & U32(0x7FFFFFFF)
-
-
-@jit
 def block_range(x, i):
     """(block i's maximum, its minimum) as float32, found on the values' order keys."""
     high = low = _key(x[i, 0])
@@ -348,10 +344,10 @@ def block_range(x, i):
 def block_peak(x, i):
     """(the bits of block i's largest magnitude, the first value with it): numpy's argmax of abs. NaN and infinities
     have magnitudes beyond every finite one."""
-    top, lane = _magnitude(x[i, 0]), U32(0)
+    top, lane = magnitude(x[i, 0]), U32(0)
     for k in range(1, 32):
-        if _magnitude(x[i, k]) > top:
-            top, lane = _magnitude(x[i, k]), U32(k)
+        if magnitude(x[i, k]) > top:
+            top, lane = magnitude(x[i, k]), U32(k)
     return top, lane
 
 
@@ -448,7 +444,7 @@ def _min_max_kernel(top: int, fifth_at: int, at: int):
         for i in range(x.shape[0]):
             high, low = block_range(x, i)
             # the larger magnitude of the two ends: above F16_MAX_BITS where any value is not finite or beyond fp16
-            if max(_magnitude(high), _magnitude(low)) > F16_MAX_BITS:
+            if max(magnitude(high), magnitude(low)) > F16_MAX_BITS:
                 return False
             high, low = high + F32(0.0), low + F32(0.0)  # a zero as +0
             d = (high - low) / levels

@@ -130,6 +130,13 @@ def to_fp16(f):
 
 
 @jit
+def magnitude(v):
+    """A float32's magnitude as its bits (they order magnitudes as numpy's abs does; NaN and infinities beyond every
+    finite one)."""
+    return bits(v) & U32(0x7FFFFFFF)
+
+
+@jit
 def f16(b, at, halves):
     """The fp16 field at byte `at` of block `b` as float32, by numpy's own conversion (the 65536-entry table
     `halves`), so even NaN payloads match the reference's."""
