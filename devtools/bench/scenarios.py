@@ -125,7 +125,7 @@ def _previous_nvfp4(packed, companions):
 
 def _float_case(fmt: str, shape, rng):
     """(stored weight, companions, the previous dequantization) of a fp8 or NVFP4 weight."""
-    from ...loaders.formats.packed_dequant import swizzle_block_scales
+    from ..tiny.encoders import swizzle_block_scales
 
     g = torch.Generator().manual_seed(int(rng.integers(1 << 31)))
     if fmt == "fp8-scaled":

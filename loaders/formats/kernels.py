@@ -28,6 +28,7 @@ import importlib.util
 import logging
 import os
 import sys
+import threading
 import types
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -131,8 +132,8 @@ def numba_ops():
             keep_on_disk((module.convert, module.widen_bf16), _digest())
         return sys.modules[name]
     except Exception as e:  # a missing numba, or one built for another numpy: the reference paths give the same bits
-        log.warning("The compiled CPU kernels need numba (%s: %s); the slower reference paths (torch, or plain Python "
-                    "for the K-quant quantizers) are used.", type(e).__name__, e)
+        log.warning("The compiled CPU kernels need numba (%s: %s); the slower reference paths (torch, or the kernel "
+                    "code as plain Python where a type has no torch quantizer) are used.", type(e).__name__, e)
         return None
 
 
@@ -142,6 +143,7 @@ def _is_kernel_code(value) -> bool:
 
 _NAMESPACES: dict[tuple[str, bool], dict] = {}
 _COMPILED: dict[tuple[Callable, bool], object] = {}
+_COMPILING = threading.RLock()  # one thread builds the namespaces and dispatchers at a time
 
 
 def _namespace(module: str, vector: bool) -> dict:
@@ -166,15 +168,16 @@ def compiled(code: Callable, vector: bool = True):
     """Kernel code compiled by numba (a dispatcher: compiled at its first call), calling compiled code; `vector`:
     numba_ops' vector ops bound (else the plain loops they replace: the reference the bench and the tests hold them
     to, not kept on disk). Raises where numba cannot be imported."""
-    if (code, vector) not in _COMPILED:
-        from numba import njit
+    with _COMPILING:
+        if (code, vector) not in _COMPILED:
+            from numba import njit
 
-        home = _namespace(code.__module__, vector)
-        cells = tuple(types.CellType(compiled(c.cell_contents, vector) if _is_kernel_code(c.cell_contents)
-                                     else c.cell_contents) for c in code.__closure__ or ())
-        function = types.FunctionType(code.__code__, home, code.__name__, code.__defaults__, cells)
-        _COMPILED[code, vector] = njit(**code.jit_options)(function)
-    return _COMPILED[code, vector]
+            home = _namespace(code.__module__, vector)
+            cells = tuple(types.CellType(compiled(c.cell_contents, vector) if _is_kernel_code(c.cell_contents)
+                                         else c.cell_contents) for c in code.__closure__ or ())
+            function = types.FunctionType(code.__code__, home, code.__name__, code.__defaults__, cells)
+            _COMPILED[code, vector] = njit(**code.jit_options)(function)
+        return _COMPILED[code, vector]
 
 
 def _edge_values() -> np.ndarray:

@@ -167,16 +167,6 @@ def unswizzle_block_scales(scales: torch.Tensor, rows: int, blocks: int) -> torc
     return plain[:rows, :blocks]
 
 
-def swizzle_block_scales(plain: torch.Tensor) -> torch.Tensor:
-    """The inverse of unswizzle_block_scales (pads with zeros); used to write test checkpoints."""
-    rows, blocks = plain.shape
-    row_tiles, col_tiles = -(-rows // 128), -(-blocks // 4)
-    padded = torch.zeros(row_tiles * 128, col_tiles * 4, dtype=plain.dtype)
-    padded[:rows, :blocks] = plain
-    tiles = padded.reshape(row_tiles, 4, 32, col_tiles, 4).permute(0, 3, 2, 1, 4)
-    return tiles.reshape(row_tiles * 128, col_tiles * 4)
-
-
 @functools.cache
 def _e2m1_pairs(device: torch.device) -> torch.Tensor:
     """byte -> the float32 values of its two E2M1 codes (the high nibble's first: the even element) side

@@ -4,25 +4,8 @@ it needs (the tensors stored beside the weight, in every spelling met in the wil
 carries, the word the pack reports for it, and its dequantizer, by packed_dequant.py's torch functions, as ComfyUI
 0.33 (comfy/quant_ops.py's QUANT_ALGOS, through comfy-kitchen) dequantizes them.
 
-- Scaled fp8 (float8_e4m3fn, float8_e5m2): float8 weight [out, in] times a float32 scale, per tensor (one value)
-  or per output channel ([out] or [out, 1]).
-- NVFP4 (nvfp4): uint8 weight [out, in/2], two E2M1 codes per byte, the even-indexed element in the high nibble;
-  float8_e4m3fn block scales, one per 16 inputs, stored in cuBLAS' 128x4 tiled layout padded to
-  [roundup(out,128), roundup(in/16,4)]; a float32 per-tensor scale; optionally a pre_quant_scale [in], by which
-  the host multiplies the layer's input (so the pack multiplies the weight's columns).
-- MXFP8 (mxfp8): float8_e4m3fn weight [out, in]; one E8M0 scale (a power of two, 2^(byte - 127); byte 0 is 0) per
-  32 inputs, in the same 128x4 tiling.
-- INT8 (int8_tensorwise): int8 weight [out, in] times a float32 scale, one for the tensor or one per row ([out, 1]).
-  With ConvRot ("convrot": true) the rows were rotated before quantization: each group of convrot_groupsize
-  inputs (a power of 4) is multiplied back by the normalized regular Hadamard matrix of that size.
-- ConvRot W4A4 (convrot_w4a4): int8 [out, in/2], two signed 4-bit values per byte (the even element in the low
-  nibble), times one float32 scale per row, then rotated back as ConvRot INT8.
-- W4A8 (asym_w4a8_int8): int8 [out, in/2] of unsigned 4-bit codes (the even element in the low nibble), each
-  group of group_size codes decoded through the 16-value weight_codebook (or code - 8 without one), times its
-  weight_s_rel (float8_e4m3fn or float32 [out, in/group_size]), rounded to an integer in [-127, 127], times the
-  row's weight_s_channel [out], then rotated back as ConvRot INT8.
-- GGUF: uint8 rows of the file's raw blocks along the last dimension, with the GGMLQuantizationType
-  number as weight_gguf_type (gguf_types.py).
+Each format's bytes and values are as docs/dequantization.md's table of comfy_quant formats gives them; GGUF weights
+are uint8 rows of the file's raw blocks, with the type's number beside them as weight_gguf_type (gguf_types.py).
 
 A safetensors weight's format is the one its `<layer>.comfy_quant` tensor declares (ComfyUI's JSON
 {"format": ...} and the format's settings); only where nothing is declared is it guessed from the stored dtype,

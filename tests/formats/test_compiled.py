@@ -18,6 +18,7 @@ import torch
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 
+from comfyui_flux2dev.devtools.tiny.encoders import swizzle_block_scales
 from comfyui_flux2dev.devtools.tiny.gguf_blocks import FP16_FIELDS
 from comfyui_flux2dev.errors import CorruptFileError
 from comfyui_flux2dev.loaders.formats import gguf_legacy, kernels, packed_dequant
@@ -113,7 +114,7 @@ def test_nvfp4_equals_torch_path(tensor_scale, dtype):
     packed[0, :256] = torch.arange(256, dtype=torch.uint8)  # every pair of codes
     block_scales = torch.arange(rows * cols // 16).remainder(256).to(torch.uint8).view(torch.float8_e4m3fn)
     block_scales = block_scales.reshape(rows, cols // 16)
-    tiled = packed_dequant.swizzle_block_scales(block_scales)
+    tiled = swizzle_block_scales(block_scales)
     scale2 = torch.tensor(tensor_scale)
     got = packed_dequant.dequantize_nvfp4(packed, tiled, scale2, DTYPES[dtype])
     with numba_unavailable():
@@ -200,7 +201,7 @@ def test_several_threads_give_the_same_bits(monkeypatch):
     raw = torch.from_numpy(_edge_blocks(qtype, seed=2)[:37])
     weight, scale = _fp8_cases(torch.float8_e4m3fn, per_row=True)
     packed = torch.randint(0, 256, (133, 64), dtype=torch.uint8, generator=torch.Generator().manual_seed(5))
-    tiled = packed_dequant.swizzle_block_scales(
+    tiled = swizzle_block_scales(
         torch.rand(133, 8, generator=torch.Generator().manual_seed(6)).to(torch.float8_e4m3fn))
 
     def everything():
