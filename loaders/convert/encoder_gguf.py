@@ -88,8 +88,7 @@ def rotary_interleave(weight: torch.Tensor, heads: int) -> torch.Tensor:
 
 def encoder_settings(arch: str, g: MistralEncoderGeometry, layers: int,
                      rope_theta: float) -> list[tuple[str, GGUFValueType, object]]:
-    """The {arch}.* settings llama.cpp writes for a Mistral text model of geometry `g` with `layers` layers
-    (devtools' tiny GGUF encoders state them too)."""
+    """The {arch}.* settings llama.cpp writes for a Mistral text model of geometry `g` with `layers` layers."""
     u32, f32 = GGUFValueType.UINT32, GGUFValueType.FLOAT32
     return [(key.format(arch=arch), vtype, value) for key, vtype, value in (
         (Keys.LLM.BLOCK_COUNT, u32, layers),
