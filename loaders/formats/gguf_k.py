@@ -1,19 +1,13 @@
-"""The K GGUF types, super-blocks of 256 values in sub-blocks with 4- to 8-bit scales (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K),
-and IQ4_XS (IQ4's book in the same frame). Each is read in gguf-py's float32 operations, in torch and in the one-pass
-kernel; the Q*_K types are written as ggml writes them (quantize_row_q*_K_ref and the searches they call, from
-ggml-quants.c: what llama-quantize writes without an importance matrix), by a line-by-line port of its C.
+"""The K GGUF types, super-blocks of 256 values in sub-blocks with 4- to 8-bit scales (Q2_K to Q6_K), and IQ4_XS
+(IQ4's book in the same frame). Each is read in gguf-py's float32 operations, in torch and in the one-pass kernel; the
+Q*_K types are written as ggml writes them without an importance matrix (quantize_row_q*_K_ref of ggml-quants.c), by
+a port of its C that does every float operation as a float32 one in C's order, with ggml's own nearest_int, fp16
+conversions and byte truncations, so the bytes equal ggml's for any input. The searches of a block's groups run side
+by side, a group a lane of one scratch array, so that numba turns the loops over the lanes into vector instructions;
+where numba cannot run, the same code runs as plain Python (gguf_types.check_pace).
 
-The port does every float operation as a float32 one in the C source's order (an int is converted where C converts
-it), so the bytes equal ggml's for any input: ggml's own nearest_int (the 12582912.f trick, whatever its argument),
-its own fp16 conversions, the byte truncations of its uint8 and int8 stores. The searches for each block's groups
-(make_qx_quants, make_q3_quants, make_qkx2_quants) run side by side, a group a lane of one scratch array, each lane
-C's operations in C's order, so that numba turns the loops over the lanes into vector instructions (no fast-math, no
-fused multiply-add: every rounding as C's). Where numba cannot run, the same code runs as plain Python over numpy
-float32 scalars: the same bytes, some thousand times slower (gguf_types.check_pace).
-
-Values that are not finite, and values beyond float16's range, are refused, as the legacy types refuse them: far
-beyond it ggml's float32 sums overflow and it writes NaN scales or all-zero blocks, which load and then spoil every
-image; so is a block whose fp16 scales came out infinite or NaN (gguf_types.check_scales)."""
+Values that are not finite or beyond float16, and blocks whose fp16 scales came out infinite or NaN, are refused:
+ggml would write NaN scales or all-zero blocks, which load and then spoil every image."""
 
 from __future__ import annotations
 
@@ -52,6 +46,17 @@ def _signed6(low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
     return ((low | (high << 4)).view(torch.int8) - 32).float()
 
 
+def _by_groups(groups: int):
+    """The `apply` of a type with `groups` scales a block: each group's values times its scale, less its min where
+    the type has one."""
+    def apply(v, dl, *ml):
+        v = v.view(-1, groups, QK_K // groups).mul_(dl)
+        if ml:
+            v.sub_(ml[0])
+
+    return apply
+
+
 def _q2_k_scales(b):
     n = b.shape[0]
     sc = words(b[:, 0:16], torch.uint8)
@@ -60,14 +65,6 @@ def _q2_k_scales(b):
 
 def _q2_k_codes(b):
     return as_bytes(unpack(b[:, 16:80], 2, CRUMBS, 3))
-
-
-def _times_dl_minus_ml16(v, dl, ml):
-    v.view(-1, 16, 16).mul_(dl).sub_(ml)
-
-
-def _times_dl16(v, dl):
-    v.view(-1, 16, 16).mul_(dl)
 
 
 def _q3_k_scales(b):
@@ -89,8 +86,7 @@ def _q3_k_codes(b):
 def _k4_scales(b):
     """Q4_K/Q5_K: d and dmin, then eight 6-bit scales and mins packed into 12 bytes (three little-endian words: low
     bits of the first four scales, of the first four mins, and the low nibbles of the last four of each with their top
-    bits in the first two words), as d * scale and dmin * min, [n, 8, 1] each. The 16-byte headers are transposed once
-    into four contiguous rows of words, so every following op is a plain vectorized pass."""
+    bits in the first two words), as d * scale and dmin * min, [n, 8, 1] each; the headers transposed once into rows."""
     n = b.shape[0]
     head = torch.empty((4, n), dtype=torch.int32, device=b.device)
     head.copy_(b.view(torch.int32)[:, 0:4].t())
@@ -105,18 +101,10 @@ def _k4_scales(b):
         ),
         dim=1,
     )
-    # [2, n, 8]: d * scales and dmin * mins each contiguous, which halves the cost of applying them
+    # [2, n, 8]: d * scales and dmin * mins each contiguous
     scaled = torch.empty((2, n, 8), device=b.device)
     torch.mul(d_dmin.transpose(0, 1), sc_mn.view(torch.uint8).view(n, 2, 8).transpose(0, 1), out=scaled)
     return scaled[0].unsqueeze(-1), scaled[1].unsqueeze(-1)
-
-
-def _times_dl_minus_dm8(v, dl, dm):
-    v.view(-1, 8, 32).mul_(dl).sub_(dm)
-
-
-def _times_dl8(v, dl):
-    v.view(-1, 8, 32).mul_(dl)
 
 
 def _q4_k_codes(b):
@@ -229,8 +217,7 @@ def _k4_scale_min(b, j, d, dmin):
 @jit(inline="always")
 def _k4(b, o, w, halves, qs, fifth):
     """Q4_K (fifth False) and Q5_K: value g * 64 + k is the low nibble of byte qs + g * 32 + k, value g * 64 + 32 + k
-    its high nibble; Q5_K's fifth bit of value v is bit v // 32 of qh byte 16 + v % 32. `fifth` is a constant of the
-    caller, so Q4_K's code has no trace of it."""
+    its high nibble; Q5_K's fifth bit of value v is bit v // 32 of qh byte 16 + v % 32 (`fifth`: a constant)."""
     d, dmin = f16(b, 0, halves), f16(b, 2, halves)
     for g in range(4):
         d0, m0 = _k4_scale_min(b, 2 * g, d, dmin)
@@ -286,16 +273,14 @@ def _iq4_xs(b, o, w, halves):
 
 # --- writing: ggml's reference quantizers, ported (kernel code) ----------------------------------------------------
 
-# every function of the port: the GIL released while it runs; a float division by zero gives C's infinity or NaN (the
-# searches divide where C's never reach), not an error
+# the port's functions: the GIL released; a division by zero gives C's infinity or NaN, not an error
 _ggml = jit(nogil=True, error_model="numpy")
 
 _MAGIC = F32(12582912.0)  # 1.5 * 2^23: adding it rounds a float32 to an integer, half to even
 _GROUP_MAX_EPS = F32(1e-15)
 QK_K = 256
-# The searches' scratch, one float32 array: a row of _LANES lanes per quantity, then [value, lane] planes of the
-# values, their weights (w), w times the value (wx) and their codes. One array, at offsets known when compiled: the
-# compiler sees that no two rows overlap, and runs the loops over the lanes as vector instructions.
+# The searches' scratch, one float32 array at offsets known when compiled (so no two rows can overlap, and the loops
+# over the lanes vectorize): a row of _LANES lanes per quantity, then [value, lane] planes of x, w, wx and codes.
 _LANES = 16
 (_LOW, _HIGH, _SUM_W, _SUM_X, _FIRST_LOW, _ISCALE, _SUM_L, _SUM_L2, _SUM_XL, _D, _SCALE, _MIN, _ERROR, _BEST_ERROR,
  _BEST_SCALE, _BEST_ISCALE, _BEST_LOW, _PEAK, _AMAX, _CHANGED) = range(0, 20 * _LANES, _LANES)
@@ -396,9 +381,8 @@ def _qx_sums(n, groups, nmax, s):
 
 @_ggml
 def _make_qx_quants(n, groups, nmax, x, L, scales, s):
-    """make_qx_quants(n, nmax, x, L, rmse_type=1, qw=NULL) for each of `groups` groups of n values (group g:
-    x[n * g:n * g + n] and the same part of L): its scale in scales[g], its codes (nmax added) in L. The groups are
-    searched side by side, a lane each, as in make_qkx2_quants."""
+    """make_qx_quants(n, nmax, x, L, rmse_type=1, qw=NULL) for `groups` groups of n values side by side (group g:
+    x[n * g:n * g + n] and the same part of L): its scale in scales[g], its codes (nmax added) in L."""
     _peaks(n, groups, x, s)
     for g in range(groups):
         s[_ISCALE + g] = s[_BEST_ISCALE + g] = F32(-nmax) / s[_PEAK + g]
@@ -430,9 +414,8 @@ def _make_qx_quants(n, groups, nmax, x, L, scales, s):
 
 @_ggml
 def _make_q3_quants(n, groups, nmax, x, L, scales, s):
-    """make_q3_quants(n, nmax, x, L, do_rmse=true) for each of `groups` groups of n values, side by side as in
-    make_qx_quants. A pass over a group that changes no code would change none again: C stops there, and a
-    group that is done here passes again unchanged while the others go on."""
+    """make_q3_quants(n, nmax, x, L, do_rmse=true) for `groups` groups side by side, as make_qx_quants. A group whose
+    pass changed no code (where C stops) passes again unchanged while the others go on."""
     _peaks(n, groups, x, s)
     for g in range(groups):
         s[_ISCALE + g] = F32(-nmax) / s[_PEAK + g]
@@ -478,15 +461,12 @@ def _make_q3_quants(n, groups, nmax, x, L, scales, s):
 
 @_ggml
 def _make_qkx2_quants(n, groups, nmax, x, weights, L, scales, mins, rmin, rdelta, nstep, use_mad, s):
-    """make_qkx2_quants for each of `groups` groups of n values (group g: x[n * g:n * g + n] and the same part of
-    weights and L): its scale in scales[g], the min to subtract in mins[g], its codes 0..nmax in L. The groups are
-    searched side by side, a lane each (C's float32 operations in C's order in every lane), so that the loops over
-    the lanes run as vector instructions; s is the scratch (SCRATCH values)."""
+    """make_qkx2_quants for `groups` groups of n values side by side, a lane each (group g: x[n * g:n * g + n] and the
+    same part of weights and L): its scale in scales[g], the min to subtract in mins[g], its codes 0..nmax in L; s is
+    the scratch (SCRATCH values)."""
     for i in range(n):
         for g in range(groups):
             s[_XS + _LANES * i + g], s[_WS + _LANES * i + g] = x[n * g + i], weights[n * g + i]
-    for g in range(groups):
-        s[_LOW + g] = s[_HIGH + g] = s[_SUM_W + g] = s[_SUM_X + g] = F32(0.0)
     for g in range(groups):
         s[_LOW + g], s[_HIGH + g], s[_SUM_W + g] = s[_XS + g], s[_XS + g], s[_WS + g]
         s[_SUM_X + g] = s[_SUM_W + g] * s[_XS + g]
@@ -799,10 +779,10 @@ def _row(qtype, block_bytes, scale_fields, read, read_block, loops, quantize=Non
 # (type, block bytes, fp16 scale fields, torch dequantizer, block kernel and its loops, ggml's quantizer, and the
 # 32-value type llama.cpp falls back to where rows do not hold whole blocks: its tensor_type_fallback)
 ROWS = (
-    _row(Q.Q2_K, 84, (80, 82), ReadSteps(_q2_k_scales, _q2_k_codes, _times_dl_minus_ml16), _q2_k, 16, q2_k, "Q4_0"),
-    _row(Q.Q3_K, 110, (108,), ReadSteps(_q3_k_scales, _q3_k_codes, _times_dl16), _q3_k, 16, q3_k, "Q4_0"),
-    _row(Q.Q4_K, 144, (0, 2), ReadSteps(_k4_scales, _q4_k_codes, _times_dl_minus_dm8), _q4_k, 8, q4_k, "Q5_0"),
-    _row(Q.Q5_K, 176, (0, 2), ReadSteps(_k4_scales, _q5_k_codes, _times_dl_minus_dm8), _q5_k, 8, q5_k, "Q5_1"),
-    _row(Q.Q6_K, 210, (208,), ReadSteps(_q6_k_scales, _q6_k_codes, _times_dl16), _q6_k, 16, q6_k, "Q8_0"),
-    _row(Q.IQ4_XS, 136, (0,), ReadSteps(_iq4_xs_scales, _iq4_xs_codes, _times_dl8, IQ4_VALUES), _iq4_xs, 16),
+    _row(Q.Q2_K, 84, (80, 82), ReadSteps(_q2_k_scales, _q2_k_codes, _by_groups(16)), _q2_k, 16, q2_k, "Q4_0"),
+    _row(Q.Q3_K, 110, (108,), ReadSteps(_q3_k_scales, _q3_k_codes, _by_groups(16)), _q3_k, 16, q3_k, "Q4_0"),
+    _row(Q.Q4_K, 144, (0, 2), ReadSteps(_k4_scales, _q4_k_codes, _by_groups(8)), _q4_k, 8, q4_k, "Q5_0"),
+    _row(Q.Q5_K, 176, (0, 2), ReadSteps(_k4_scales, _q5_k_codes, _by_groups(8)), _q5_k, 8, q5_k, "Q5_1"),
+    _row(Q.Q6_K, 210, (208,), ReadSteps(_q6_k_scales, _q6_k_codes, _by_groups(16)), _q6_k, 16, q6_k, "Q8_0"),
+    _row(Q.IQ4_XS, 136, (0,), ReadSteps(_iq4_xs_scales, _iq4_xs_codes, _by_groups(8), IQ4_VALUES), _iq4_xs, 16),
 )

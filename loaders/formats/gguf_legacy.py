@@ -1,10 +1,9 @@
 """The legacy GGUF types, blocks of 32 values with one fp16 scale (and a minimum in the _1 types): Q8_0, Q4_0, Q4_1,
 Q5_0, Q5_1, and IQ4_NL (4-bit codes through a non-linear book). Each is read in gguf-py's float32 operations, in
-torch and in the one-pass kernel, and the first five are written as gguf-py writes them (gguf.quants.quantize), in
-the kernel and in torch, with two refinements: a zero minimum or maximum is written +0 (numpy's min and max give
-either sign, by lane order), and a block whose inverse scale overflows gets codes 0 (what the reference's cast of
-infinities gives on x86; any codes decode to 0 under a scale of 0). Values that are not finite or beyond float16
-are refused: the reference would write NaN scales or infinities that load and then spoil every image."""
+torch and in the one-pass kernel; the first five are written as gguf.quants.quantize writes them, in the kernel and in
+torch, but for a zero minimum or maximum, written +0 (numpy's give either sign, by lane order), and a block whose
+inverse scale overflows, whose codes are 0 (any decode to 0 under its scale of 0). Values that are not finite or
+beyond float16 are refused: the reference would write NaN scales or infinities that spoil every image."""
 
 from __future__ import annotations
 
@@ -59,8 +58,7 @@ def _times_d_plus_m(v, d, m):
 
 @functools.cache
 def _spread16(device: torch.device) -> torch.Tensor:
-    """byte -> int64 whose byte k is 16 where bit k of the byte is set: Q5_0/Q5_1's fifth bits (bit j of the 32-bit
-    field belongs to value j), already shifted into place."""
+    """byte -> int64 whose byte k is 16 where bit k of the byte is set: Q5_0/Q5_1's fifth bits shifted into place."""
     bit = (np.arange(256, dtype=np.uint8)[:, None] >> np.arange(8, dtype=np.uint8)) & 1
     return torch.from_numpy((bit << 4).astype(np.uint8).view(np.int64).reshape(256)).to(device)
 
@@ -75,10 +73,9 @@ def _q5_codes(b, qh: int, qs: int):
 
 
 def iq4_pair_codes(qs: torch.Tensor) -> torch.Tensor:
-    """IQ4 bytes [n, 16 * k] (k runs of 32 values: low nibbles first, then high ones) as the int32 index of every pair
-    of neighbouring values, in value order: for the int16 word of bytes 2i and 2i+1, the low pair is their low
-    nibbles and the high pair their high nibbles, each index = first | second << 4. Four int16 words are worked on at
-    once in an int64, as in gguf_row.unpack."""
+    """IQ4 bytes [n, 16 * k] (k runs of 32 values: low nibbles first, then high ones) as the int32 index, first |
+    second << 4, of every pair of neighbouring values in value order: for the int16 word of bytes 2i and 2i+1, their
+    low nibbles, then their high ones; four words at a time in an int64."""
     n, short_lanes = qs.shape[0], 0x0001000100010001
     packed = words(qs, torch.int64).view(n, -1, 2)
     low, high = 0x000F * short_lanes, 0x00F0 * short_lanes
@@ -171,8 +168,8 @@ def _q5_1(b, o, w, halves):
         put(o, 16 + k, d * F32((q >> 4) | _bit16(qh, 16 + k)) + m)
 
 
-# The IQ4 book as two int64 words of eight int8 values each: a code's value is one byte of one word, picked by shifts
-# that vectorize, where a table lookup would be a gather.
+# The IQ4 book as two int64 words of eight int8 values each: shifts pick a code's byte, and vectorize (a lookup would
+# be a gather).
 _IQ4_WORDS = tuple(int(w) for w in np.array(IQ4_VALUES, np.int8).view(np.int64))
 
 
@@ -193,15 +190,14 @@ def _iq4_nl(b, o, w, halves):
 
 
 # --- writing, in torch ----------------------------------------------------------------------------------------
-# Each function works on a chunk of blocks in the buffers of a gguf_row.Scratch, with the fewest passes over the
-# chunk: the blocks' maximum and minimum serve the checks and every scale, truncation is a cast to an integer type
-# (float to int8 and int16 are vectorised; float to uint8 is not, so codes go through int8), and Q8_0's rounding is an
-# identity of integers. Each returns a block's fields, in the order ggml's block_* structs lay them out, as bytes.
+# Each works on a chunk of blocks in a gguf_row.Scratch's buffers, in few passes: the blocks' maximum and minimum serve
+# the checks and the scales, truncation is a cast (through int8: torch's cast to uint8 is not vectorised), and each
+# returns a block's fields as bytes, in the order of ggml's block_* structs.
 
 
 def _range(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each block's maximum and minimum ([n, 1]), the chunk refused first if it holds values that are not finite (NaN
-    spreads into the maximum) or beyond float16."""
+    """Each block's maximum and minimum ([n, 1]), the chunk refused first where a value is not finite or beyond
+    float16 (NaN spreads into the maximum)."""
     high, low = b.amax(dim=1, keepdim=True), b.amin(dim=1, keepdim=True)
     check_peak(max(high.max().item(), -low.min().item()), limited=True)
     return high, low
@@ -213,8 +209,7 @@ def _half_bytes(x: torch.Tensor) -> torch.Tensor:
 
 
 def _inverse(d: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """1 / d, and 0 where d is 0 (the reference's np.where(d == 0, 0, 1 / d)); and the blocks whose inverse
-    overflowed (a scale below 2^-128, which float16 stores as 0), or None."""
+    """1 / d, 0 where d is 0 (as the reference's np.where); and the blocks whose inverse overflowed, or None."""
     inverse = torch.div(1.0, d).masked_fill_(d == 0, 0.0)
     overflowed = torch.isinf(inverse).view(-1)
     return inverse, (overflowed if overflowed.any() else None)
@@ -227,9 +222,8 @@ def _zeroed(q: torch.Tensor, overflowed: torch.Tensor | None) -> torch.Tensor:
 
 
 def _signed_max(b: torch.Tensor, high: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
-    """Per block, the value of largest magnitude with its sign, [n, 1]; on a tie of magnitudes the first one (numpy's
-    argmax), whose sign matters where +m and -m (or +0 and -0) are both in the block. argmax over short rows is slow
-    in torch, so it runs on the tied blocks alone."""
+    """Per block, the value of largest magnitude with its sign, [n, 1]; on a tie of +m and -m the first (numpy's
+    argmax), found on the tied blocks alone."""
     signed = torch.where(high >= -low, high, low)
     tied = (high == -low).view(-1).nonzero().view(-1)
     if tied.numel():
@@ -239,8 +233,7 @@ def _signed_max(b: torch.Tensor, high: torch.Tensor, low: torch.Tensor) -> torch
 
 
 def _codes(s, values: torch.Tensor, scale: torch.Tensor, offset: float, top: int) -> torch.Tensor:
-    """np.trunc(values * (1 / scale) + offset).astype(uint8).clip(0, top), as uint8 [n, 32]: the cast truncates, and
-    clamping first changes nothing the clip would not (every value below 0 or above `top` ends there)."""
+    """np.trunc(values * (1 / scale) + offset).astype(uint8).clip(0, top), as uint8 [n, 32] (a clamp, then a cast)."""
     inverse, overflowed = _inverse(scale)
     v = torch.mul(values, inverse, out=s.blocks(s.v, values.shape[0])).add_(offset).clamp_(0, top)
     q = s.codes[: v.numel()].view(v.shape)
@@ -249,8 +242,8 @@ def _codes(s, values: torch.Tensor, scale: torch.Tensor, offset: float, top: int
 
 
 def _nibbles(q: torch.Tensor, masked: bool) -> torch.Tensor:
-    """32 codes per block as 16 bytes: the first 16 in the low nibbles, the last 16 in the high ones (their fifth
-    bits masked off where they have one), worked on eight codes at a time as int64 words."""
+    """32 codes per block as 16 bytes: the first 16 in the low nibbles, the last 16 in the high ones (fifth bits
+    masked off), eight codes at a time as int64 words."""
     low, high = q.view(torch.int64)[:, :2], q.view(torch.int64)[:, 2:]
     if masked:
         low, high = low & 0x0F * BYTE_LANES, high & 0x0F * BYTE_LANES
@@ -310,16 +303,14 @@ def _write_min_max(levels: int):
 
 
 # --- writing, kernel code ---------------------------------------------------------------------------------------
-# Each kernel mirrors the torch functions above operation by operation in float32, and returns False as soon as it
-# meets a value that is not finite or beyond float16 (out is then incomplete). A block's 32 values are worked on as
-# one vector in the fast build (numba_ops.py binds vector code over the four block ops below); the block ops here,
-# plain loops, are its reference: the tests compare the two builds bit for bit and the bench times them.
+# Each kernel mirrors the torch functions above in float32 and returns False at a value that is not finite or beyond
+# float16. The four block ops below are plain loops: numba_ops.py's vector versions replace them in the fast build.
 
 
 @jit
 def _key(v):
-    """A float32's order key: its bits as int32, the bits other than the sign flipped where the sign is set (keys
-    order values as they compare: -0 below +0, NaN beyond the infinity of its sign)."""
+    """A float32's order key: its bits as int32, all but the sign flipped where it is set (-0 below +0, NaN beyond
+    the infinity of its sign)."""
     k = np.int32(bits(v))
     return k ^ ((k >> 31) & np.int32(0x7FFFFFFF))
 
@@ -342,8 +333,7 @@ def block_range(x, i):
 
 @jit
 def block_peak(x, i):
-    """(the bits of block i's largest magnitude, the first value with it): numpy's argmax of abs. NaN and infinities
-    have magnitudes beyond every finite one."""
+    """(the bits of block i's largest magnitude, the lane of the first value with it): numpy's argmax of abs."""
     top, lane = magnitude(x[i, 0]), U32(0)
     for k in range(1, 32):
         if magnitude(x[i, k]) > top:
@@ -370,8 +360,7 @@ def put_codes(x, i, o, inverse, low, top, minimum, at, fifth_at):
 
 @jit
 def put_q8_0_codes(x, i, o, inverse):
-    """Q8_0's codes of block i at o[i, 2:]: the reference's round half away from zero of v = x * inverse, which is
-    trunc(2v) - trunc(v) (as _write_q8_0)."""
+    """Q8_0's codes of block i at o[i, 2:]: round half away from zero of v = x * inverse, trunc(2v) - trunc(v)."""
     for k in range(32):
         v = x[i, k] * inverse
         o[i, 2 + k] = np.uint8((np.int32(v + v) - np.int32(v)) & 255)
@@ -413,8 +402,7 @@ def _quantize_q8_0(x, o):
 
 
 def _signed_kernel(half: int, fifth_at: int, at: int):
-    """_write_signed's kernel, its codes at byte `at` (and the fifth bits at `fifth_at`, else 0); numba takes the
-    closure's values as constants, so each type's is compiled for it."""
+    """_write_signed's kernel, its codes at byte `at` (the fifth bits at `fifth_at`, else 0), compiled per type."""
     top, divisor = 2 * half - 1, F32(-half)
 
     @jit(nogil=True)

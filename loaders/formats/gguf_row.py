@@ -1,10 +1,9 @@
-"""A GGUF type's row (GGUFType): its block, and the functions that read and write it, as ggml's type_traits rows
-carry theirs; and what those functions share. The rows live in one module per family (gguf_float.py, gguf_legacy.py,
-gguf_k.py), each beside its functions; gguf_types.py collects them and dispatches.
+"""A GGUF type's row (GGUFType): its block and the functions that read and write it, as ggml's type_traits rows
+carry theirs, and what those functions share. The rows live beside their functions, one module per family
+(gguf_float.py, gguf_legacy.py, gguf_k.py); gguf_types.py collects them and dispatches.
 
-Kernel code is plain Python marked @jit: kernels.py compiles it with numba where numba runs, binding the ops below
-(bits, put, ...) to their compiled versions (numba_ops.py); their plain versions here say what each does and keep
-the pack importable without numba.
+Kernel code is plain Python marked @jit, which kernels.py compiles with numba where numba runs, binding the ops below
+(bits, put, ...) to numba_ops.py's; their plain versions say what each does and keep the pack importable without it.
 """
 
 from __future__ import annotations
@@ -25,13 +24,10 @@ FINITE_BITS = U32(0x7F7FFFFF)  # the bits of float32's largest finite value
 
 
 class ReadSteps(NamedTuple):
-    """A type's torch dequantizer, in the reference's float32 operations and order:
-    - scales(blocks) -> every block's scale fields as float32 per-block tensors (once per tensor: few values, so
-      whole-tensor ops are cheapest);
-    - codes(blocks) -> the integer code of every value of a run of blocks, [n, block values] (byte work, in large
-      runs so that per-op overhead stays small);
-    - apply(v, *scales) -> the float32 arithmetic on a cache-sized chunk of values, in place, given its scales' rows;
-    - book: where there is one, the values the codes stand for (IQ4's non-linear levels); else the codes are values."""
+    """A type's torch dequantizer, in the reference's float32 operations and order: scales(blocks) -> every block's
+    scale fields as float32 tensors (once per tensor); codes(blocks) -> the integer codes of a run of blocks [n, block
+    values]; apply(v, *scales) -> the float32 arithmetic on a chunk of values, in place, given its scales' rows; book:
+    the values the codes stand for, where they are not values themselves (IQ4's non-linear levels)."""
 
     scales: Callable
     codes: Callable
@@ -53,11 +49,10 @@ class GGUFType:
     read: ReadSteps | None = None  # its torch dequantizer, on any device
     read_kernel: Callable | None = None  # kernel code: its one-pass dequantizer on the CPU (block_reader)
     writer: str | None = None  # where the pack writes it: whose quantizer its bytes equal
-    # kernel code: float32 blocks [n, block values] -> bytes [n, block bytes], False at a value (or a written scale)
-    # the type cannot hold
+    # kernel code: float32 blocks [n, block values] -> bytes [n, block bytes]; False at a value the type cannot hold
     write_kernel: Callable | None = None
-    # torch's stand-in for write_kernel where that cannot be compiled: (float32 blocks, Scratch) -> the blocks' fields
-    # as bytes, refusing values the type cannot hold; without one, write_kernel runs as plain Python
+    # where write_kernel cannot be compiled: (float32 blocks, Scratch) -> the blocks' fields as bytes (else the kernel
+    # code runs as plain Python)
     write_torch: Callable | None = None
     fallback: str | None = None  # the type llama.cpp writes where a tensor's rows do not hold whole blocks
 
@@ -87,8 +82,8 @@ class NotQuantizable(ValueError):
 
 
 def check_peak(peak: float, limited: bool) -> None:
-    """Refuse values of largest magnitude `peak` that are not finite, beyond float16 where the type has a float16
-    field (`limited`), or beyond float32 (float64 values, which the quantizers' float32 cast would make infinite)."""
+    """Refuses values of largest magnitude `peak` that are not finite, or beyond float16 where the type has a float16
+    field (`limited`), else beyond float32 (float64 values the quantizers' cast would make infinite)."""
     if not math.isfinite(peak):
         raise NotQuantizable("it holds NaN or infinite values")
     top, name = (65504.0, "float16") if limited else (float(np.finfo(np.float32).max), "float32")
@@ -119,8 +114,7 @@ def from_bits(b):
 
 
 def put(out, i, v):
-    """out[i] = v, converted to the dtype `out` stands for: float32, or the bits of fp16 (uint16) or bfloat16
-    (int16), rounded to nearest even as torch's cast does (numba_ops.py; plainly: float32 only)."""
+    """out[i] = v, converted to the dtype `out` stands for (float32, fp16 or bfloat16 bits: numba_ops.py)."""
     out[i] = v
 
 
@@ -131,15 +125,14 @@ def to_fp16(f):
 
 @jit
 def magnitude(v):
-    """A float32's magnitude as its bits (they order magnitudes as numpy's abs does; NaN and infinities beyond every
-    finite one)."""
+    """A float32's magnitude as its bits, which order magnitudes (NaN and infinities beyond every finite one)."""
     return bits(v) & U32(0x7FFFFFFF)
 
 
 @jit
 def f16(b, at, halves):
-    """The fp16 field at byte `at` of block `b` as float32, by numpy's own conversion (the 65536-entry table
-    `halves`), so even NaN payloads match the reference's."""
+    """The fp16 field at byte `at` of block `b` as float32, by numpy's conversion (the table `halves`), NaN
+    payloads included."""
     return halves[U32(b[at]) | (U32(b[at + 1]) << U32(8))]
 
 
@@ -150,16 +143,14 @@ def i8(byte):
     return x - ((x & 128) << 1)
 
 
-# numba runs LLVM's loop vectorizer only. An inner loop gets vectorized when LLVM cannot count its trips (a loop of
-# 16 it can count is unrolled first, and the unrolled code stays scalar) and when its stores lie at fixed distances
-# from each other. So every inner loop of a block function runs over w = 16 or 32 values read from the output's
-# shape, while its indexes use literal offsets.
+# LLVM vectorizes an inner loop whose trip count it cannot know (one of 16 it knows is unrolled and stays scalar) and
+# whose stores lie at fixed distances: so a block function's inner loops run over w values, read from the output's
+# shape, with literal offsets.
 
 
 def block_reader(block, loops: int):
-    """A type's one-pass dequantizer from the kernel code that dequantizes one of its blocks, block(b, o, w, halves):
-    b its bytes, o its values, w = its values // `loops` (the inner loops' trips, as above), halves: fp16 bits ->
-    float32. The block function is inlined into the one loop over the blocks."""
+    """A type's one-pass dequantizer from the kernel code of one block, block(b, o, w, halves): b its bytes, o its
+    values, w = its values // `loops` (the inner loops' trips), halves: fp16 bits -> float32."""
     @jit(nogil=True)
     def dequantize_blocks(blocks, out, halves):
         w = out.shape[1] // loops
@@ -190,8 +181,7 @@ def words(field: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def unpack(field: torch.Tensor, groups: int, shifts: tuple[int, ...], mask: int) -> torch.Tensor:
     """Bit fields of a byte field [n, groups * width] as int64 words [n, groups, len(shifts), width / 8] whose bytes
-    are (byte >> shift) & mask, the order in which the reference lays out its codes: eight packed bytes at a time
-    (no bit crosses a byte boundary after masking)."""
+    are (byte >> shift) & mask, in the reference's order of codes, eight bytes at a time."""
     n = field.shape[0]
     packed = words(field, torch.int64).view(n, groups, -1)
     stacked = torch.empty((len(shifts), *packed.shape), dtype=torch.int64, device=field.device)
@@ -207,8 +197,7 @@ def _gather_order(rows: int, k: int, device: torch.device) -> torch.Tensor:
 
 
 def side_by_side(stacked: torch.Tensor) -> torch.Tensor:
-    """k results [k, n, groups, w] (each computed in one contiguous pass) as [n, groups, k, w], by one row gather:
-    much cheaper than writing each result's short rows into place."""
+    """k results [k, n, groups, w] (each computed in one contiguous pass) as [n, groups, k, w], by one row gather."""
     k, n, groups, w = stacked.shape
     order = _gather_order(n * groups, k, stacked.device)
     return torch.index_select(stacked.view(-1, w), 0, order).view(n, groups, k, w)
@@ -226,8 +215,7 @@ def times_d(v, d):
 
 
 class Scratch:
-    """Float32 and integer buffers of one chunk of values, reused by every chunk of a call: an op that writes into a
-    buffer already there pays no page faults, and the chunk stays in the cache."""
+    """Float32 and integer buffers of one chunk of values, reused by every chunk of a call (no page faults)."""
 
     def __init__(self, values: int, block_values: int):
         self.x, self.v = torch.empty(values), torch.empty(values)

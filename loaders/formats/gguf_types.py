@@ -1,8 +1,7 @@
-"""The GGUF types the pack reads and writes: the rows of the families' modules (gguf_float.py, gguf_legacy.py,
-gguf_k.py) in one table, in the order the docs and the errors list them, every list of types derived from it, and
-the dispatch of a tensor to its row's functions: the one-pass kernel on the CPU where it runs (kernels.py), else the
-row's reference path (torch; gguf-py's numpy dequantizer for a type gguf knows and no row reads, with a warning;
-the K quantizers' plain Python), which gives the same bits."""
+"""The GGUF types the pack reads and writes: the families' rows (gguf_float.py, gguf_legacy.py, gguf_k.py) in one
+table, in the order the docs and the errors list them, the lists of types derived from it, and the dispatch of a
+tensor to its row's functions: the compiled kernel on the CPU where it runs (kernels.py), else the row's reference
+path, with the same bits (gguf-py's numpy dequantizer, with a warning, for a type gguf knows and no row reads)."""
 
 from __future__ import annotations
 
@@ -45,10 +44,6 @@ def read_types() -> str:
     return ", ".join(q.name for q in READ_TYPES)
 
 
-def write_types() -> str:
-    return ", ".join(q.name for q in WRITE_TYPES)
-
-
 # --- reading --------------------------------------------------------------------------------------------------
 
 
@@ -64,9 +59,8 @@ def _pair_book(values: tuple[int, ...], device: torch.device) -> torch.Tensor:
 def dequantize(data: torch.Tensor, qtype, shape, dtype: torch.dtype = torch.float16, *,
                out: torch.Tensor | None = None) -> torch.Tensor:
     """Values of a GGUF tensor from its raw bytes (uint8, on CPU or GPU), shaped `shape` (torch order), bit-exact with
-    gguf-py's numpy dequantizer in float32 before the cast to `dtype`. `out`, a contiguous tensor of that shape, dtype
-    and device, receives them instead of a new tensor: callers that dequantize at every forward reuse one buffer and
-    skip the page faults of fresh memory."""
+    gguf-py's numpy dequantizer in float32 before the cast to `dtype`; into `out` where given (a contiguous tensor of
+    that shape, dtype and device: a buffer reused at every forward)."""
     row = type_of(qtype)
     shape = tuple(int(s) for s in shape)
     n_values = math.prod(shape)
@@ -127,9 +121,8 @@ def _numpy_values(data: torch.Tensor, row: GGUFType, shape: tuple[int, ...]) -> 
 
 
 def quantized_buffer(qtype, rows: int, columns: int) -> torch.Tensor:
-    """Room for `rows` rows of `columns` values in `qtype`: uint8 [rows, row bytes], uninitialized. numpy allocates it
-    because numpy asks Linux for huge pages on large arrays (madvise) and torch does not: the kernels stream their
-    output, which costs address translations in 4 KiB pages."""
+    """Room for `rows` rows of `columns` values in `qtype`: uint8 [rows, row bytes], uninitialized, allocated by numpy,
+    which asks Linux for huge pages on large arrays where torch does not."""
     return torch.from_numpy(np.empty((rows, type_of(qtype).row_bytes(columns)), np.uint8))
 
 
@@ -141,9 +134,8 @@ _UNITS = ((86400, "days"), (3600, "hours"), (60, "minutes"), (1, "seconds"))
 
 
 def check_pace(tensors) -> None:
-    """Refuses, before anything is quantized, work that the plain Python kernels would take more than PLAIN_SECONDS
-    on: `tensors` are (GGUF type, shape) pairs, those counted whose type has no torch quantizer and whose compiled one
-    cannot run here."""
+    """Refuses, before anything is quantized, (GGUF type, shape) pairs that the plain Python kernels (where neither a
+    compiled nor a torch quantizer runs) would take more than PLAIN_SECONDS on."""
     rows = [(type_of(qtype), math.prod(shape)) for qtype, shape in tensors]
     blocks = sum(values // row.block_values for row, values in rows
                  if row.writer and kernels.write_path(row) == "python")
@@ -175,14 +167,14 @@ def _refuse(values: torch.Tensor, row: GGUFType, out: torch.Tensor):
 
 def quantize(values: torch.Tensor, qtype, *, out: torch.Tensor | None = None,
              threads: int | None = None) -> torch.Tensor:
-    """The GGUF bytes of `values` (a float tensor on the CPU, any float dtype, last dimension the rows) in `qtype`:
-    uint8 [rows, row bytes], written into `out` where given (contiguous, of that shape), on `threads` threads (half
-    the cores where not given). Raises NotQuantizable for values the type cannot hold, ValueError for rows that do not
-    hold whole blocks or an `out` of another shape, and UnsupportedFormatError for a type the pack does not write or
-    work its plain Python kernels cannot keep pace with (check_pace)."""
+    """The GGUF bytes of `values` (a float tensor on the CPU, last dimension the rows) in `qtype`: uint8 [rows, row
+    bytes], into `out` where given, on `threads` threads (cpu_threads() where not given). Raises NotQuantizable for
+    values the type cannot hold, ValueError for rows that do not hold whole blocks or an `out` of another shape, and
+    UnsupportedFormatError for a type the pack does not write or work too slow for its plain Python (check_pace)."""
     row = type_of(qtype)
     if not row.writer:
-        raise UnsupportedFormatError(f"The pack writes GGUF types {write_types()}, not {row.name}.")
+        raise UnsupportedFormatError(
+            f"The pack writes GGUF types {', '.join(q.name for q in WRITE_TYPES)}, not {row.name}.")
     columns = values.shape[-1] if values.dim() else 1
     if columns % row.block_values:
         raise ValueError(f"rows of {columns} values do not hold whole {row.name} blocks of {row.block_values}")

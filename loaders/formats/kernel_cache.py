@@ -1,16 +1,13 @@
-"""The pack's on-disk cache of its compiled kernels' machine code (kernels.py), in place of numba's own (cache=True,
-as of numba 0.68): numba's trusts its files, so an entry garbled, truncated or empty fails the kernel, one swapped
-with another kernel's crashes the process inside numba, and a full folder, or none writable, fails a kernel that had
-compiled. Here every entry is checked before numba sees it (its digest, then the kernel and signature it was written
-for), one that fails a check is a miss (the kernel is compiled again and the entry written afresh), and one that
-cannot be written is skipped: the kernel compiled in memory runs. numba's own parts it uses, beside its public
-decorators: a dispatcher's cache slot and its interface (NullCache: load_overload, save_overload), and a compiled
-result's reduction and rebuild, the calls numba's own cache makes.
+"""The on-disk cache of the compiled kernels' machine code (kernels.py), in place of numba's cache=True (numba 0.68),
+which trusts its files: an entry garbled or empty fails the kernel, one swapped with another's crashes the process,
+and a full or read-only folder fails a kernel that had compiled. Here an entry is checked (its digest, then the kernel
+and signature it was written for) before numba sees it, one that fails is a miss, compiled again and rewritten, and
+one that cannot be written is skipped. numba's private parts it uses: a dispatcher's cache slot and its interface
+(NullCache), and a compiled result's _reduce and _rebuild, as numba's own cache calls them.
 
-The entries live in one folder of the pack's own, named by the digest of the formats' sources kernels.py computes,
-numba's and Python's versions and the CPU, in the first of these that can be written: NUMBA_CACHE_DIR where set, the
-__pycache__ beside the sources, the user's cache folder. The pack writes nowhere else, and each entry under a fresh
-name first, renamed onto the entry's name once complete."""
+Its one folder is named by the formats' digest, numba's and Python's versions and the CPU, in the first place that
+can be written: NUMBA_CACHE_DIR, the __pycache__ beside the sources, the user's cache folder. Each entry is written
+under a fresh name, then renamed onto its own."""
 
 from __future__ import annotations
 
@@ -73,9 +70,8 @@ def keep_on_disk(kernels, digest: str) -> None:
 
 
 def _closure_value(value):
-    """What a value a kernel closes over adds to its key: a numba function it calls (a type's block function) by its
-    name and code, as the kernel itself is keyed (numba's pickle of a dispatcher differs from process to
-    process); any other value (a constant) as it is."""
+    """A value a kernel closes over, as its key holds it: a numba function it calls by its name and code (numba's
+    pickle of a dispatcher differs between processes), a constant as it is."""
     if isinstance(value, Dispatcher):
         code = value.py_func.__code__
         return value.py_func.__qualname__, code.co_code, repr(code.co_consts)

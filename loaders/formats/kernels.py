@@ -1,22 +1,13 @@
-"""How the quantizers and dequantizers run: in chunks of rows (the one place that splits them, `chunks`), on a bounded
-number of threads, and through the compiled kernels where numba runs, each with the reference path that stands in
-where its kernel cannot run (numba missing or unusable, a kernel that failed to compile, a GPU tensor, another
-dtype) and gives the same bits.
+"""How the quantizers and dequantizers run: in chunks of rows (the one place that splits them, `chunks`), on half the
+cores (a parallel step ends when its slowest thread does, and other jobs park threads: docs/benchmarks.md shows the
+cost), and by the compiled kernels where numba runs, each with a reference path that gives the same bits
+where its kernel cannot run (no numba, a failed compilation, a GPU tensor, another dtype), with one log line.
 
-Threads: every torch op on the CPU is one parallel step over the intra-op threads, and a step ends when its slowest
-thread does; when other jobs share the cores, the scheduler parks a thread now and then and the whole step waits
-for it (the bench's contention rows show it). So the quantizers and dequantizers leave half the cores to other work;
-matmuls keep every thread. The compiled kernels run in runs of rows on one pool of as many threads.
-
-Kernel code (gguf_row.jit) is compiled on the first CPU call that needs it, not with the pack: in a copy of its
-module's globals with its ops bound to numba_ops.py's, registered under a name holding a digest of the formats'
-sources (numba's cached code records the module it was compiled in and imports it again when a later process loads
-it, while ComfyUI names a custom node's modules by the folder's path), its machine code kept on disk
-(kernel_cache.py). Where numba cannot be imported the kernels are left to the reference paths, and a kernel that
-cannot be compiled leaves its type there: each with one log line, never a failed load. The kernels' conversions to
-fp16 and bfloat16 are checked once per process against torch's cast on the values where conversions differ: a
-machine where they disagree keeps the torch path for that dtype, with a warning. NaN payloads are not compared:
-torch's own CPU cast gives different NaN bits in its vectorized and scalar loops.
+Kernel code (gguf_row.jit) is compiled on its first CPU call, in a copy of its module's globals with numba_ops.py's
+ops bound, registered under a name holding a digest of the formats' sources (numba's cached code imports the module
+it was compiled in, while ComfyUI names a custom node's modules by their folder), its machine code kept on disk
+(kernel_cache.py). The kernels' conversions to fp16 and bfloat16 are checked once per process against torch's cast
+(NaN payloads aside, which torch's own loops disagree on); where they differ the torch path serves that dtype.
 """
 
 from __future__ import annotations
@@ -39,9 +30,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-# Values per chunk: every torch op runs on a whole chunk. On the CPU, large chunks keep the number of ops small while
-# their float32 scratch still fits the L3 cache; on a GPU they only bound the temporary memory. Which rows share a
-# chunk changes no byte: every block is worked on alone.
+# Values per chunk, on which every torch op runs: on the CPU few ops whose float32 scratch fits the L3 cache; on a GPU a
+# bound on the temporary memory. Every block is worked on alone, so the chunks change no byte.
 CHUNK_VALUES = {"cpu": 1 << 20, "cuda": 1 << 24}
 
 
@@ -87,8 +77,7 @@ def output(out: torch.Tensor | None, shape, dtype: torch.dtype, device: torch.de
 
 def fill_by_rows(values: torch.Tensor, fill: Callable[[slice, torch.Tensor], None]) -> None:
     """Writes `values` ([rows, width], contiguous) chunk by chunk: fill(rows, v) puts the float32 values of those rows
-    into v ([n, width] float32, contiguous), which is `values` itself when it is float32 and otherwise a scratch
-    reused for every chunk and cast into place."""
+    into v: `values` itself where it is float32, else a scratch cast into place."""
     rows, width = values.shape
     parts = chunks(rows, width, values.device.type)
     direct = values.dtype == torch.float32
@@ -118,8 +107,7 @@ def _digest() -> str:
 
 @functools.cache
 def numba_ops():
-    """numba_ops.py loaded (under its own name, see the module doc), or None (the reason logged once) where numba
-    cannot be imported."""
+    """numba_ops.py loaded (under its own name), or None (logged once) where numba cannot be imported."""
     try:
         from .kernel_cache import keep_on_disk  # imports numba: on first use, not with the pack
 
@@ -147,9 +135,8 @@ _COMPILING = threading.RLock()  # one thread builds the namespaces and dispatche
 
 
 def _namespace(module: str, vector: bool) -> dict:
-    """The globals the kernel code of `module` is compiled in: a copy of the module's, registered in sys.modules
-    under a name of its own, with its kernel code compiled and numba_ops' OPS bound (its vector ones only where
-    `vector`; else the plain loops they replace are compiled)."""
+    """The globals the kernel code of `module` is compiled in: a copy of the module's under a name of its own, its
+    kernel code compiled and numba_ops' OPS bound (the VECTOR ones only where `vector`)."""
     if (module, vector) not in _NAMESPACES:
         name = f"{MODULE_PREFIX}{module.rpartition('.')[2]}_{_digest()}{'' if vector else '_loops'}"
         copy = types.ModuleType(name)
@@ -165,9 +152,8 @@ def _namespace(module: str, vector: bool) -> dict:
 
 
 def compiled(code: Callable, vector: bool = True):
-    """Kernel code compiled by numba (a dispatcher: compiled at its first call), calling compiled code; `vector`:
-    numba_ops' vector ops bound (else the plain loops they replace: the reference the bench and the tests hold them
-    to, not kept on disk). Raises where numba cannot be imported."""
+    """Kernel code as a numba dispatcher (compiled at its first call); without `vector`, the plain loops the vector
+    ops replace, the reference the tests and the bench hold them to. Raises where numba cannot be imported."""
     with _COMPILING:
         if (code, vector) not in _COMPILED:
             from numba import njit
@@ -182,8 +168,7 @@ def compiled(code: Callable, vector: bool = True):
 
 def _edge_values() -> np.ndarray:
     """float32 values on every side of fp16's and bfloat16's rounding and range limits: every sign and exponent with
-    mantissas at a tie for every number of dropped bits (13 for fp16's normals, up to 23 for its subnormals, 16 for
-    bfloat16), one below and one above it, and the mantissa extremes."""
+    mantissas at a tie for every number of dropped bits (13 to 23), one either side of it, and the extremes."""
     high = np.arange(1 << 9, dtype=np.uint32) << 23  # sign and exponent
     ties = [(1 << (n - 1)) | odd << n for n in range(13, 24) for odd in (0, 1)]
     low = np.array(sorted({m + e for m in ties for e in (-1, 0, 1)} | {0, 1, 0x7FFFFF}), np.uint32) & 0x7FFFFF
@@ -223,8 +208,7 @@ def path(device, dtype: torch.dtype) -> str:
     return "numba" if _runs(torch.device(device), dtype) else "torch"
 
 
-# Kernels ("Q8_0 dequantization", "Q8_0 quantization", "fp8", ...) that failed to compile in this process: their types
-# take the reference path.
+# Kernels ("Q8_0 dequantization", "fp8", ...) that failed to compile in this process: their reference paths serve
 _FAILED: set[str] = set()
 
 
@@ -246,8 +230,7 @@ def _entry(code: Callable):
 
 
 def forget() -> None:
-    """Drops every loaded and compiled kernel (the tests' way of making numba unimportable for a while): the next
-    call loads them again."""
+    """Drops every loaded and compiled kernel: the next call loads them again."""
     for cached in (numba_ops, _converts, _entry):
         cached.cache_clear()
     _NAMESPACES.clear()
@@ -256,17 +239,14 @@ def forget() -> None:
 
 @functools.cache
 def _pool(threads: int) -> ThreadPoolExecutor:
-    """The kernels' pool of `threads` threads: in practice one pool, as every caller runs on cpu_threads() threads or
-    on its own thread alone."""
+    """The kernels' pool of `threads` threads (in practice one: cpu_threads())."""
     return ThreadPoolExecutor(threads, thread_name_prefix="flux2dev-kernels")
 
 
 def run(name: str, rows: int, work: Callable[[int, int], object], threads: int | None = None) -> bool:
-    """work(first, stop) over all rows with the kernel `name`: at once on one thread, or on `threads` threads (half the
-    cores where not given) in runs of rows (four per thread) that each takes as it comes free, so that a thread the
-    scheduler parks holds up little (the kernels release the GIL). False where that kernel cannot be compiled here
-    (logged once): the caller's reference path then writes the whole output. Every run has ended when this
-    returns."""
+    """work(first, stop) over all rows by the kernel `name`, on `threads` threads (cpu_threads() where not given) in
+    runs of rows, four per thread, each taken as a thread comes free (so a parked thread holds up little). False
+    where that kernel cannot be compiled here (logged once): the caller's reference path then writes it all."""
     if name in _FAILED:
         return False
     threads = threads or cpu_threads()
@@ -320,8 +300,7 @@ def _written_as(row) -> torch.dtype:
     return torch.bfloat16 if row.float_dtype == "bfloat16" else torch.float16
 
 
-# bfloat16 values widened at a time: 256 KiB of float32 per thread, quantized while still in the core's cache (where
-# the vector kernels reading bfloat16 themselves are slower)
+# bfloat16 values widened to float32 at a time (256 KiB a thread), quantized while still in the core's cache
 _WIDENED_VALUES = 1 << 16
 
 

@@ -1,14 +1,10 @@
-"""numba's side of the kernels: the ops the kernel code of the families' modules (gguf_row.py's ops, gguf_legacy.py's
-block ops) calls, compiled for what they stand for: bit casts, the conversion of a float32 to the output dtype
-(`put`), and the legacy quantizers' work on a block's 32 values as one vector, written as LLVM IR. kernels.py binds
-OPS over the plain Python versions of these names when it compiles kernel code (the vector ones only in the fast
-build: the plain loops are what they are measured and tested against), and runs `convert` and `widen_bf16`.
-
-Outputs are passed as float32 arrays, as uint16 arrays (fp16 bits) or as int16 arrays (bfloat16 bits): the array type
-picks the conversion when a kernel is compiled. Every conversion rounds to nearest even, as torch's cast does, and
-no float operation is fused (numba compiles without fast-math): each float32 rounding stays where the reference has
-it. The code trusts its indexes; kernels.py checks every size first. Loaded by kernels.py alone, under a name of its
-own (numba's cached code records it), so it imports nothing of the pack."""
+"""numba's side of the kernels: the ops the kernel code calls (gguf_row.py's, gguf_legacy.py's block ops), compiled for
+what they stand for: bit casts, the conversion of a float32 to the output dtype (`put`: the output array's type,
+float32, uint16 for fp16 bits or int16 for bfloat16 bits, picks it, rounding to nearest even as torch's cast), and a
+legacy block's 32 values worked on as one vector, in LLVM IR. kernels.py binds OPS over the plain versions of these
+names (the VECTOR ones only in the fast build) and runs `convert` and `widen_bf16`. No float operation is fused (no
+fast-math). The code trusts its indexes (kernels.py checks the sizes). Loaded by kernels.py alone, under a name of its
+own, so it imports nothing of the pack."""
 
 from __future__ import annotations
 
@@ -26,8 +22,8 @@ _F32 = np.float32
 
 def _hardware_fp16() -> bool:
     """Whether the compiled code may convert float32 to fp16 with the CPU's own instruction: x86 with F16C (numba
-    compiles for the host CPU unless told another) or any 64-bit ARM. Elsewhere LLVM would call a runtime function
-    the JIT does not provide, so the conversion is done with integer and float32 ops."""
+    compiles for the host CPU unless told another) or 64-bit ARM; elsewhere LLVM would call a runtime function the JIT
+    lacks."""
     machine = platform.machine().lower()
     if machine in ("arm64", "aarch64"):
         return True
@@ -142,10 +138,8 @@ def widen_bf16(bits, out):
 
 
 # --- a legacy block's 32 values as one vector -----------------------------------------------------------------
-# numba's own loops over 16 or 32 values were vectorized or not at LLVM's whim, and their integer work widened to 64
-# bits; these write LLVM's vector operations directly: a block's largest magnitude, or its range, as reductions of
-# integer keys, its codes lane by lane, Q5's fifth bits as one comparison's mask. The float32 operations are the
-# scalar ones, lane by lane.
+# numba's loops over 32 values are vectorized at LLVM's whim, their integer work widened to 64 bits; these write LLVM's
+# vector operations directly, the float32 ones those of the scalar code lane by lane.
 
 _BLOCK = 32  # values per block of the legacy types (kernels.py checks that each row is one block)
 _I32, _I8 = ir.IntType(32), ir.IntType(8)
@@ -200,8 +194,7 @@ def _flip(builder, bits):
 
 @intrinsic
 def _block_range(typingctx, x, i):
-    """(block i's maximum, its minimum) as float32: reductions of the values' order keys, which LLVM may reorder
-    (it may not reorder float ones)."""
+    """(block i's maximum, its minimum) as float32: reductions of the values' integer order keys."""
     if not _rows(x, types.float32):
         return None
 
@@ -216,9 +209,8 @@ def _block_range(typingctx, x, i):
 
 @intrinsic
 def _block_peak(typingctx, x, i):
-    """(the bits of block i's largest magnitude, the lane of the first value with it): one integer reduction of
-    the magnitudes' bits (which order them as numpy's abs does), and the first set bit of their comparison with
-    it, so the lane is numpy's argmax of abs. NaN and infinities have magnitudes beyond every finite one."""
+    """(the bits of block i's largest magnitude, the lane of the first value with it, as numpy's argmax of abs): an
+    integer reduction of the magnitudes' bits, then the first set bit of their comparison with it."""
     if not _rows(x, types.float32):
         return None
 
