@@ -412,9 +412,22 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _convert_commands(sub) -> None:
-    from .loaders.convert import WRITTEN_TYPES
+class _WrittenTypes:
+    """convert's --type choices: presets.written_types(), asked for (with torch, for the table of GGUF types) only
+    where a --type is given or a convert command's help is shown."""
 
+    def __contains__(self, name) -> bool:
+        from .loaders.convert.presets import written_types
+
+        return name in written_types()
+
+    def __iter__(self):
+        from .loaders.convert.presets import written_types
+
+        return iter(written_types())
+
+
+def _convert_commands(sub) -> None:
     convert = sub.add_parser("convert", help="write an encoder or a transformer in another form")
     kinds = convert.add_subparsers(dest="kind", required=True)
     p = kinds.add_parser("encoder", help="a text encoder as ComfyUI's single file (bf16 or scaled fp8) or as a "
@@ -422,16 +435,16 @@ def _convert_commands(sub) -> None:
     p.add_argument("path", help="the encoder: any layout the encoder loader reads")
     p.add_argument("out", help="the .safetensors or .gguf file to write")
     p.add_argument("--dtype", choices=("bf16", "fp8"), help="of a .safetensors OUT (default bf16)")
-    p.add_argument("--type", choices=WRITTEN_TYPES, help="of a .gguf OUT: the llama.cpp preset (docs/convert.md lists "
-                   "each tensor's type)")
+    p.add_argument("--type", choices=_WrittenTypes(), metavar="TYPE", help="of a .gguf OUT: %(choices)s; the "
+                   "llama.cpp preset (docs/convert.md lists each tensor's type)")
     p.add_argument("--force", action="store_true", help="replace what is at OUT (never written through a link)")
     p.set_defaults(run=_convert_encoder, command="convert encoder")
     p = kinds.add_parser("transformer", help="a transformer as GGUF, optionally with LoRAs baked in")
     p.add_argument("path", help="the transformer: a BFL file (bf16 or scaled fp8), a diffusers transformer folder or a "
                    "pipeline")
     p.add_argument("out", help="the .gguf file to write")
-    p.add_argument("--type", choices=WRITTEN_TYPES, required=True,
-                   help="the type of the weights (the README lists what stays unquantized)")
+    p.add_argument("--type", choices=_WrittenTypes(), metavar="TYPE", required=True,
+                   help="the type of the weights: %(choices)s (the README lists what stays unquantized)")
     p.add_argument("--lora", action=_Lora, dest="loras", metavar="FILE",
                    help="a LoRA (.safetensors, in any layout the Load FLUX.2 LoRA node reads) baked in; repeat for "
                    "more (needs ComfyUI)")

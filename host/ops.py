@@ -4,7 +4,7 @@ layer's input, at each forward. Encoder (CLIP) and transformer (MODEL) loads sha
 
 A state dict hands a packed weight over as "<layer>.weight" (the stored tensor) plus its companions
 ("<layer>.weight_scale", ".weight_scale_2", ".weight_packing", ".weight_gguf_type" ...:
-loaders.packing.COMPANIONS); every packed weight goes through the one dequantizer,
+loaders.formats.packing.COMPANIONS); every packed weight goes through the one dequantizer,
 loaders.formats.packed_dequant.dequantize. On the CPU a forward dequantizes into the thread's scratch buffer
 (forward_weight), not a new tensor.
 

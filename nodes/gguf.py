@@ -16,16 +16,16 @@ class Flux2DevGGUFTransformerLoader(io.ComfyNode):
         return schema(
             "Flux2DevGGUFTransformerLoader",
             "A FLUX.2 transformer quantized as .gguf ([dev], Klein 4B or Klein 9B: the file says which) from "
-            "models/diffusion_models or models/unet, such as city96's flux2-dev-Q4_K_M.gguf. Pick this one for .gguf "
-            f"files; for .safetensors files and pipeline folders use {title('Flux2DevTransformerSource')}. "
+            "models/diffusion_models or models/unet, such as city96's FLUX.2-dev-gguf files. Pick this one for "
+            f".gguf files; for .safetensors files and pipeline folders use {title('Flux2DevTransformerSource')}. "
             "Weights stay quantized in memory and are expanded one layer at a time while sampling; LoRAs apply on top "
             "as usual.",
             [
                 io.Combo.Input(
                     "gguf_name",
                     options=list(model_choices("gguf")),
-                    tooltip="A FLUX.2 transformer quantized as .gguf (for example flux2-dev-Q4_K_M.gguf), from "
-                    "models/diffusion_models or models/unet. Not a text encoder .gguf: those go to "
+                    tooltip="A FLUX.2 transformer quantized as .gguf (for example one of city96's FLUX.2-dev-gguf "
+                    "files), from models/diffusion_models or models/unet. Not a text encoder .gguf: those go to "
                     f"{title('Flux2DevEncoderLoader')}.",
                 ),
                 dtype_input(

@@ -1,5 +1,5 @@
 """ggml's own K-quant quantizers (quantize_row_q*_K_ref, what llama-quantize runs without an importance matrix),
-the independent reference of the pack's (loaders/formats/kquants.py).
+the independent reference of the pack's (loaders/formats/gguf_k.py).
 
 ggml-quants.c and the headers it includes come from llama-cpp-python's source distribution on PyPI (it vendors
 llama.cpp) and are compiled alone, once, with the system C compiler into a shared library kept in the test

@@ -27,7 +27,7 @@ DATA = TESTS / "data"
 # their types from here, not from the table of types (gguf_types.TYPES), so that a row dropped from the table fails
 # a test instead of silently leaving the tests.
 GGUF_FLOAT_TYPES = ("F32", "F16", "BF16")
-GGUF_QUANTIZED_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL",
+GGUF_QUANTIZED_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "IQ4_NL", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
                         "IQ4_XS")
 
 
@@ -49,25 +49,23 @@ def cuda_param(value):
 def numba_unavailable():
     """numba made impossible to import, as on a machine without it, so the reference paths run (torch, the K
     quantizers' plain Python); afterwards the compiled kernels load again."""
-    from comfyui_flux2dev.loaders.formats import compiled
+    from comfyui_flux2dev.loaders.formats import kernels
 
     with pytest.MonkeyPatch.context() as m:
         m.setitem(sys.modules, "numba", None)
-        for name in [name for name in sys.modules if name.startswith(compiled.MODULE_PREFIX)]:
+        for name in [name for name in sys.modules if name.startswith(kernels.MODULE_PREFIX)]:
             m.delitem(sys.modules, name)
-        compiled.kernel_module.cache_clear()
-        compiled._converts.cache_clear()
+        kernels.forget()
         try:
             yield
         finally:
-            compiled.kernel_module.cache_clear()
-            compiled._converts.cache_clear()
+            kernels.forget()
 
 
 def quantizer_paths(without_numba: str, autouse: bool = False):
     """The fixture `quantizer_path` of a quantizer's tests (assign it to that name in the test module): each test runs
     with numba's compiled kernels ("numba"), then with numba made impossible to import, on the path that stands in
-    (`without_numba`: "torch" for gguf_quant, "python" for the K-quants' plain port)."""
+    (`without_numba`: "torch" for the legacy and float types, "python" for the K-quants' plain port)."""
 
     @pytest.fixture(autouse=autouse, params=["numba", without_numba])
     def quantizer_path(request):

@@ -35,14 +35,13 @@ def bench_quantize(quick: bool) -> list[dict]:
     ceiling: a plain copy of the weights into a reused tensor on the quantizer's threads, measured just before it."""
     import gguf
 
-    from ...loaders.formats.gguf_quant import quantize
-    from ...loaders.formats.gguf_types import LEGACY_TYPES
-    from ...loaders.formats.steps import few_threads
+    from ...loaders.formats.gguf_types import LEGACY_TYPES, quantize
+    from ...loaders.formats.kernels import few_threads
 
     shape = _QUANT_SHAPES[quick]
     repeats, reference_repeats = (3, 1) if quick else (5, 2)
     values = (np.random.default_rng(0).standard_normal(shape) * 0.02).astype(np.float32)
-    # the copy's target, like the quantizers' outputs (quant_rows.quantized_buffer), in memory numpy allocates
+    # the copy's target, like the quantizers' outputs (gguf_types.quantized_buffer), in memory numpy allocates
     tensor, copied = torch.from_numpy(values), torch.from_numpy(np.empty_like(values))
     rows = []
     for qtype in LEGACY_TYPES:
@@ -60,29 +59,25 @@ def bench_quantize(quick: bool) -> list[dict]:
     return rows
 
 
-# What the hand-written vector code in numba_kernels.py must gain over its plain loops to stay.
+# What the hand-written vector code in numba_ops.py must gain over its plain loops to stay.
 VECTOR_GAIN = 1.3
 
 
 def bench_vector_kernels(quick: bool) -> list[dict]:
-    """Per legacy block type: seconds of the one-pass kernel (its vector intrinsics) and of the same kernel with
-    plain numba loops in their place (numba_kernels.LOOP_QUANTIZE), on one thread on the same float32 blocks of a
-    FLUX.2 shape, and whether their bytes are equal."""
-    import gguf
+    """Per legacy block type the pack writes: seconds of its one-pass quantizer (numba_ops' vector code bound) and of
+    the same kernel code with the plain loops it replaces (gguf_legacy's block ops), on one thread on the same float32
+    blocks of a FLUX.2 shape, and whether their bytes are equal."""
+    from ...loaders.formats import gguf_legacy, kernels
 
-    from ...loaders.formats import compiled
-
-    kernels = compiled._kernels()
     shape = _QUANT_SHAPES[quick]
     repeats = 3 if quick else 5
     blocks = (np.random.default_rng(1).standard_normal(shape) * 0.02).astype(np.float32).reshape(-1, 32)
     rows = []
-    for name, loops in kernels.LOOP_QUANTIZE.items():
-        vector = kernels.QUANTIZE[name]
-        size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[name]][1]
-        out, reference = np.empty((len(blocks), size), np.uint8), np.empty((len(blocks), size), np.uint8)
+    for row in (row for row in gguf_legacy.ROWS if row.write_kernel):
+        vector, loops = kernels.compiled(row.write_kernel), kernels.compiled(row.write_kernel, vector=False)
+        out, reference = (np.empty((len(blocks), row.block_bytes), np.uint8) for _ in range(2))
         vector(blocks, out), loops(blocks, reference)  # compiled before the timing
-        rows.append({"type": name, "shape": list(shape), "vector_s": best(lambda: vector(blocks, out), repeats),
+        rows.append({"type": row.name, "shape": list(shape), "vector_s": best(lambda: vector(blocks, out), repeats),
                      "loops_s": best(lambda: loops(blocks, reference), repeats),
                      "exact": bool(np.array_equal(out, reference))})
     return rows
@@ -109,14 +104,14 @@ def _ggml_reference():
 
 
 def bench_kquant(quick: bool) -> dict:
-    """Per K type: values per second of the pack's quantizer (kquants.quantize into one reused output) and of ggml's
+    """Per K type: values per second of the pack's quantizer (gguf_types.quantize into one reused output) and of ggml's
     compiled reference quantizer (quantize_row_q*_K_ref, -O2) on the same float32 weights of a FLUX.2 shape, both on
     one thread, and whether their bytes are equal. Where the reference cannot be built, the rows have the pack's
     figures only and `reference_missing` says why."""
     import gguf
 
-    from ...loaders.formats import compiled, kquants
-    from ...loaders.formats.gguf_types import K_TYPES
+    from ...loaders.formats import kernels
+    from ...loaders.formats.gguf_types import K_TYPES, quantize, type_of
 
     shape = _KQUANT_SHAPES[quick]
     repeats = 3 if quick else 5
@@ -125,12 +120,11 @@ def bench_kquant(quick: bool) -> dict:
     reference, missing = _ggml_reference()
     rows = []
     for qtype in K_TYPES:
-        out = kquants.quantize(tensor, qtype, threads=1)  # the first call also loads the compiled kernels: not timed
-        with one_thread():  # the range check's torch reductions too
-            pack_s = best(lambda: kquants.quantize(tensor, qtype, out=out, threads=1), repeats)
+        out = quantize(tensor, qtype, threads=1)  # the first call also loads the compiled kernels: not timed
+        with one_thread():
+            pack_s = best(lambda: quantize(tensor, qtype, out=out, threads=1), repeats)
         row = {"type": qtype.name, "shape": list(shape), "values": values.size,
-               "path": compiled.kquant_path(qtype.name),
-               "pack_s": pack_s}
+               "path": kernels.write_path(type_of(qtype)), "pack_s": pack_s}
         if reference is not None:
             ggml = lambda: reference.reference(qtype.name, values, gguf.GGML_QUANT_SIZES[qtype][1])  # noqa: E731
             row.update(reference_s=best(ggml, repeats), exact=bool(np.array_equal(out.numpy(), ggml())))
@@ -199,9 +193,9 @@ def format_quantize(rows: list[dict]) -> str:
 
 def format_kquant(result: dict) -> str:
     rows = result["rows"]
-    lines = [f"K-quant quantization of float32 weights on one thread, the same input for both (pack: kquants.quantize "
-             f"by its {rows[0]['path']} path;\nggml: its compiled quantize_row_q*_K_ref, the bytes llama-quantize "
-             "writes)",
+    lines = [f"K-quant quantization of float32 weights on one thread, the same input for both (pack: gguf_types."
+             f"quantize by its {rows[0]['path']} path;\nggml: its compiled quantize_row_q*_K_ref, the bytes "
+             "llama-quantize writes)",
              f"{'type':<6} {'shape':>12} {'pack Mval/s':>12} {'ggml Mval/s':>12} {'ratio':>7}  exact"]
     for r in rows:
         pack = f"{r['type']:<6} {'x'.join(map(str, r['shape'])):>12} {r['values'] / r['pack_s'] / 1e6:>12.1f}"

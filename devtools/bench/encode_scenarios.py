@@ -5,7 +5,7 @@ files of the same random encoder (quick: bf16 only).
 
 The quick encoder is the tiny test geometry (30 layers); the full one is the benchmark geometry: the real width
 of FLUX.2 [dev]'s Mistral-Small (hidden 5120, 32 query and 8 key/value heads of 128, MLP 32768, vocabulary
-131072) with 3 layers, read as hidden states 1, 2, 3 (loaders/variants.py), so the conditioning is as wide as
+131072) with 3 layers, read as hidden states 1, 2, 3 (loaders/models/variants.py), so the conditioning is as wide as
 real [dev]'s. Each file is
 measured in a fresh child process, after evicting it from the page cache. Needs the host (COMFYUI_ROOT)."""
 

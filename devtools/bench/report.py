@@ -183,7 +183,7 @@ def format_report(results: dict) -> str:
         f"the whole of its first {p['whole_head_chars'] / 1e6:.0f} million characters: "
         f"{p['whole_head_s'] * 1e3:.0f} ms",
         "",
-        "GGUF quantization of float32 weights (pack: gguf_quant.quantize into one reused output, as a conversion "
+        "GGUF quantization of float32 weights (pack: gguf_types.quantize into one reused output, as a conversion "
         "writes; gguf: gguf.quants.quantize;\nGB/s: bytes read and written, the pack's and a plain copy's of the same "
         "weights on the quantizer's threads, measured before the row)",
         format_quantize(results["quantize"]),

@@ -46,13 +46,12 @@ def bench_dequant(quick: bool) -> list[dict]:
     plain copy of the output size beside each row (a ceiling); and bit equality of the pack and gguf in float32."""
     import gguf
 
-    from ...loaders.formats import compiled
-    from ...loaders.formats.gguf_dequant import dequantize
-    from ...loaders.formats.gguf_types import QUANTIZED_TYPES
+    from ...loaders.formats import kernels
+    from ...loaders.formats.gguf_types import QUANTIZED_TYPES, dequantize
 
     n = _DEQUANT_VALUES[quick]
     repeats, reference_repeats = (3, 2) if quick else (9, 3)
-    path = compiled.path("cpu", torch.float16)
+    path = kernels.path("cpu", torch.float16)
     rng = np.random.default_rng(0)
     shape = (n // 4096, 4096)  # rows of 4096 values, like a weight matrix
     reused = torch.empty(shape, dtype=torch.float16)
@@ -126,7 +125,7 @@ def _previous_nvfp4(packed, companions):
 
 def _float_case(fmt: str, shape, rng):
     """(stored weight, companions, the previous dequantization) of a fp8 or NVFP4 weight."""
-    from ...loaders.formats.packed_dequant import swizzle_block_scales
+    from ..tiny.encoders import swizzle_block_scales
 
     g = torch.Generator().manual_seed(int(rng.integers(1 << 31)))
     if fmt == "fp8-scaled":
@@ -144,7 +143,7 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _copy_s(shape, repeats: int) -> float:
     """The ceiling: seconds of a plain copy of a fp16 tensor of this shape into a reused one, the faster of
-    torch's copy on every thread and on one (on a busy machine, one thread often wins: see steps.py)."""
+    torch's copy on every thread and on one (on a busy machine, one thread often wins: see kernels.py)."""
     src = torch.ones(shape, dtype=_FORWARD_DTYPE)
     dst = torch.zeros_like(src)
     with one_thread():
@@ -155,14 +154,14 @@ def _copy_s(shape, repeats: int) -> float:
 def _torch_path(fn):
     """fn run with the one-pass kernels switched off: the torch path, which runs on GPUs and wherever numba
     cannot."""
-    from ...loaders.formats import compiled
+    from ...loaders.formats import kernels
 
-    kernels = compiled.gguf, compiled.fp8, compiled.nvfp4
-    compiled.gguf = compiled.fp8 = compiled.nvfp4 = lambda *args: False
+    kernel = kernels.kernel
+    kernels.kernel = lambda *args: None
     try:
         return fn()
     finally:
-        compiled.gguf, compiled.fp8, compiled.nvfp4 = kernels
+        kernels.kernel = kernel
 
 
 def _forward_figures(stored, companions, shape, repeats: int) -> tuple[torch.Tensor, dict]:
@@ -170,7 +169,7 @@ def _forward_figures(stored, companions, shape, repeats: int) -> tuple[torch.Ten
     measured beside it (the load of a shared machine drifts), the path that ran, its time, the torch path's
     time, and whether the two paths gave the same bits."""
     from ...host.ops import forward_weight
-    from ...loaders.formats import compiled
+    from ...loaders.formats import kernels
 
     copy_s = _copy_s(shape, repeats)
     with torch.inference_mode():
@@ -179,7 +178,7 @@ def _forward_figures(stored, companions, shape, repeats: int) -> tuple[torch.Ten
         forward_s = best(forward, repeats)
         torch_s = _torch_path(lambda: best(forward, repeats))
         same = _same_bits(_torch_path(forward), got)
-    return got, {"shape": list(shape), "path": compiled.path("cpu", _FORWARD_DTYPE), "forward_s": forward_s,
+    return got, {"shape": list(shape), "path": kernels.path("cpu", _FORWARD_DTYPE), "forward_s": forward_s,
                  "torch_s": torch_s, "copy_s": copy_s, "exact": same}
 
 
@@ -232,7 +231,7 @@ def bench_contention(quick: bool) -> dict:
     import gguf
 
     from ...host.ops import forward_weight
-    from ...loaders.formats import compiled
+    from ...loaders.formats import kernels
     from ...loaders.formats.gguf_types import QUANTIZED_TYPES
 
     shape = _FORWARD_SHAPES[quick][0]
@@ -247,7 +246,7 @@ def bench_contention(quick: bool) -> dict:
                 forward_weight(stored, companions, _FORWARD_DTYPE, shape)  # loads the compiled kernel: not timed
                 forward = timings(lambda: forward_weight(stored, companions, _FORWARD_DTYPE, shape), repeats)
             reference = timings(lambda: gguf.quants.dequantize(raw, qtype), reference_repeats)
-            rows.append({"type": qtype.name, "path": compiled.path("cpu", _FORWARD_DTYPE),
+            rows.append({"type": qtype.name, "path": kernels.path("cpu", _FORWARD_DTYPE),
                          "forward_median_s": _median(forward), "forward_best_s": min(forward),
                          "reference_median_s": _median(reference)})
     return {"shape": list(shape), "competing_processes": _COMPETING_PROCESSES, "load_average": load, "rows": rows}
@@ -400,8 +399,8 @@ def _child_gguf_read(path: str) -> dict:
     """open_gguf, then every tensor dequantized to fp16 once, one at a time, as a forward pass does."""
     from gguf import GGMLQuantizationType
 
-    from ...loaders.formats.gguf_dequant import dequantize
     from ...loaders.formats.gguf_file import open_gguf, parse_count
+    from ...loaders.formats.gguf_types import dequantize
 
     def read(path: str) -> tuple[int, int]:
         gfile = open_gguf(path)

@@ -40,7 +40,7 @@ def write_whole_gguf(path: str, bf16_path: str, g, layers: int) -> None:
     import gguf
     from safetensors import safe_open
 
-    from ...loaders.formats.gguf_quant import quantize
+    from ...loaders.formats.gguf_types import quantize
     from ..tiny.encoders import gguf_encoder_writer, gguf_names
     from ..tiny.gguf_blocks import write_and_close
 

@@ -373,7 +373,7 @@ def save_input(case: Case, folder: Path, verdict: dict) -> Path:
     if case.kind is None:
         case.spec.write(path)
     (folder / "failure.json").write_text(json.dumps({**verdict, "rebuild": "the other files of the tree are the "
-                                                     "tiny fixture's, rebuilt by devtools/fuzz.py"},
+                                                     "tiny fixture's, rebuilt by devtools/fuzz/"},
                                                     indent=1, default=str))
     return path
 

@@ -370,19 +370,19 @@ def target_trees(target: str, fx: Fixtures) -> list[Tree]:
 
 # target -> what it calls
 TARGETS = {
-    "gguf-reader": "loaders.gguf_file.open_gguf (header, metadata, tensor table, every tensor view)",
-    "safetensors-header": "loaders.safetensors_file.read_header",
-    "shard-index": "loaders.files.shards and part_files on a sharded folder's index",
+    "gguf-reader": "loaders.formats.gguf_file.open_gguf (header, metadata, tensor table, every tensor view)",
+    "safetensors-header": "loaders.formats.safetensors_file.read_header",
+    "shard-index": "loaders.formats.files.shards and part_files on a sharded folder's index",
     "tekken-ladder": "tokenizers.resolve_tokenizer on a folder with tekken.json, then prompt_ids",
     "gguf-vocab": "open_gguf, then resolve_tokenizer with the GGUF's tokenizer.ggml.* metadata, then prompt_ids",
     "configs": "model_index.json (pipeline_class), params.json and config.json (plan_encoder)",
-    "inspect": "loaders.inspect.inspect_path on each kind of model",
-    "encoder": "loaders.encoder.load_encoder on each encoder layout, then prompt_ids",
-    "transformer": "loaders.transformer.load_transformer (BFL file, scaled fp8, diffusers folder)",
-    "gguf-transformer": "loaders.gguf_transformer.load_gguf_transformer",
-    "pipeline": "loaders.pipeline.describe_pipeline and dev_encoder_folder",
-    "cache-folder": "loaders.conditioning_cache: open, list, read, get, prune, put, remember, evict "
+    "inspect": "loaders.models.inspect.inspect_path on each kind of model",
+    "encoder": "loaders.models.encoder.load_encoder on each encoder layout, then prompt_ids",
+    "transformer": "loaders.models.transformer.load_transformer (BFL file, scaled fp8, diffusers folder)",
+    "gguf-transformer": "loaders.models.gguf_transformer.load_gguf_transformer",
+    "pipeline": "loaders.models.pipeline.describe_pipeline and dev_encoder_folder",
+    "cache-folder": "loaders.cache.store: open, list, read, get, prune, put, remember, evict "
                     "(a user's file beside)",
-    "prompts-file": "loaders.files.read_prompts, then prompt_ids of each prompt",
+    "prompts-file": "loaders.formats.files.read_prompts, then prompt_ids of each prompt",
 }
 LADDER_TARGETS = ("tekken-ladder", "gguf-vocab", "inspect", "encoder", "prompts-file")

@@ -16,7 +16,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ...loaders.formats.packed_dequant import swizzle_block_scales
 from ...tokenizers.ladder import bundled_tekken_path
 from .geometry import TINY_MISTRAL
 from .gguf_blocks import write_and_close
@@ -270,6 +269,17 @@ def write_fp8(path: str, *, spelling: str, per_channel: bool) -> None:
 
 
 _E2M1 = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
+
+
+def swizzle_block_scales(plain: torch.Tensor) -> torch.Tensor:
+    """Block scales [rows, blocks] in cuBLAS' 128x4 tiles, padded with zeros: the inverse of
+    packed_dequant.unswizzle_block_scales."""
+    rows, blocks = plain.shape
+    row_tiles, col_tiles = -(-rows // 128), -(-blocks // 4)
+    padded = torch.zeros(row_tiles * 128, col_tiles * 4, dtype=plain.dtype)
+    padded[:rows, :blocks] = plain
+    tiles = padded.reshape(row_tiles, 4, 32, col_tiles, 4).permute(0, 3, 2, 1, 4)
+    return tiles.reshape(row_tiles * 128, col_tiles * 4)
 
 
 def quantize_nvfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

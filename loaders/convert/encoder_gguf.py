@@ -15,104 +15,39 @@ float32. What is written is what llama.cpp's converter and llama-quantize write 
 - the tokenizer as llama.cpp writes a Tekken one: model "gpt2", pre "tekken", byte-level token strings, control
   types for the special tokens, merges derived from the ranks, bos 1 / eos 2 / unk 0 / pad 11: the vocabulary the
   tokenizer ladder found for the source;
-- each tensor's type by llama.cpp's own rules for LLMs (RAISES and FALLBACK below).
+- each tensor's type by llama.cpp's own rules for LLMs (presets.RAISES, and its types' fallbacks: the rows').
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
-from gguf import GGML_QUANT_SIZES, GGML_QUANT_VERSION, MODEL_ARCH, GGUFValueType, Keys, TokenType
+from gguf import GGML_QUANT_VERSION, MODEL_ARCH, GGUFValueType, Keys, TokenType
 from gguf import MODEL_TENSOR as T
 from gguf import GGMLQuantizationType as Q
 from gguf.tensor_mapping import get_tensor_name_map
 
 from ...errors import CorruptFileError, UnsupportedFormatError, WrongModelError
 from ..formats import packed_dequant, progress
-from ..formats.quant_rows import NotQuantizable, fits, quantized_nbytes
+from ..formats.gguf_row import NotQuantizable
+from ..formats.gguf_types import type_of
 from ..models.encoder import plan_encoder, planned_weights, read_weight, resolve_plan_tokenizer, undo_rotary_permute
 from ..models.encoder_identify import FINAL_NORM, LAYER_SHAPES
 from ..models.variants import MistralEncoderGeometry, layers_kept
 from .output import check_not_source, check_output, output_file
+from .presets import RAISES, At
 from .tensor_files import gguf_file, write_quantized
 from .transformer import TYPES
 
 ARCHITECTURE = "llama"
 CONTEXT_LENGTH = 131072  # Mistral-Small-3.x's max_position_embeddings
 FLOATS = (Q.F32, Q.F16, Q.BF16)
-QUANTIZED = tuple(name for name, written in TYPES.items() if written.weights not in FLOATS)
 # Token ids llama.cpp's converter states for Tekken (tokenizer_config.json's): bos <s>, eos </s>, unk <unk>, pad <pad>
 SPECIAL_IDS = {Keys.Tokenizer.BOS_ID: 1, Keys.Tokenizer.EOS_ID: 2, Keys.Tokenizer.UNK_ID: 0, Keys.Tokenizer.PAD_ID: 11}
 # The modules whose rows llama.cpp permutes -> their head count
 ROTARY = {"self_attn.q_proj": lambda g: g.heads, "self_attn.k_proj": lambda g: g.kv_heads}
 PARTS = list(LAYER_SHAPES)
-
-
-@dataclass(frozen=True)
-class At:
-    """Where a tensor is, as llama.cpp's rules see it."""
-
-    layer: int  # i_attention_wv / i_ffn_down: the layer, each layer having one of each
-    layers: int  # n_attention_wv / n_ffn_down: the file's block count (30)
-    gqa: int  # n_gqa(): heads / kv heads
-    columns: int  # ne[0]
-    base: Q  # the preset's default type
-
-
-def _more_bits(at: At) -> bool:
-    """llama-quant.cpp's use_more_bits: the first and last eighth of the layers and every third one between."""
-    n = at.layers
-    return at.layer < n // 8 or at.layer >= 7 * n // 8 or (at.layer - n // 8) % 3 == 2
-
-
-@dataclass(frozen=True)
-class Raise:
-    """A rule of llama.cpp's llama_tensor_get_type_impl: in `presets`, a `kind` tensor takes `qtype` where `applies`."""
-
-    presets: tuple[str, ...]
-    kind: T
-    qtype: Q
-    applies: Callable[[At], bool]
-
-
-def _always(at: At) -> bool:
-    return True
-
-
-# llama.cpp's per-tensor rules for a llama-architecture LLM without experts (Mistral-Small), line numbers of
-# src/llama-quant.cpp as vendored by llama-cpp-python 0.3.36; the first row that applies wins, else the preset's type
-# (K_PRESETS' weights type). Rules for other architectures, experts, 70B models or an importance matrix never apply.
-RAISES = (
-    # 490-511: with no output.weight, token_embd is quantized as the output tensor (tied embeddings): Q8_0 where its
-    # rows do not hold the preset type's blocks, else Q6_K (Q8_0 stays Q8_0)
-    Raise(QUANTIZED, T.TOKEN_EMBD, Q.Q8_0, lambda at: at.columns % GGML_QUANT_SIZES[at.base][0] != 0),
-    Raise(tuple(p for p in QUANTIZED if p != "Q8_0"), T.TOKEN_EMBD, Q.Q6_K, _always),
-    # 567-604: attn_v
-    Raise(("Q2_K",), T.ATTN_V, Q.Q4_K, lambda at: at.gqa >= 4),  # 568-569
-    Raise(("Q2_K",), T.ATTN_V, Q.Q3_K, _always),
-    Raise(("Q3_K_M",), T.ATTN_V, Q.Q5_K, lambda at: at.layer < 2),  # 583-584
-    Raise(("Q3_K_M",), T.ATTN_V, Q.Q4_K, _always),
-    Raise(("Q3_K_L",), T.ATTN_V, Q.Q5_K, _always),  # 586
-    Raise(("Q4_K_M", "Q5_K_M"), T.ATTN_V, Q.Q6_K, _more_bits),  # 590-591
-    Raise(("Q4_K_S",), T.ATTN_V, Q.Q5_K, lambda at: at.layer < 4),  # 592
-    # 624-668: ffn_down
-    Raise(("Q2_K",), T.FFN_DOWN, Q.Q3_K, _always),  # 627
-    Raise(("Q3_K_M",), T.FFN_DOWN, Q.Q5_K, lambda at: at.layer < at.layers // 16),  # 634-637
-    Raise(("Q3_K_M",), T.FFN_DOWN, Q.Q4_K, _always),
-    Raise(("Q3_K_L",), T.FFN_DOWN, Q.Q5_K, _always),  # 643-644
-    Raise(("Q4_K_M", "Q5_K_M"), T.FFN_DOWN, Q.Q6_K, _more_bits),  # 646-651, 657
-    Raise(("Q4_K_S",), T.FFN_DOWN, Q.Q5_K, lambda at: at.layer < at.layers // 8),  # 658
-    # 669-684: attn_output
-    Raise(("Q2_K",), T.ATTN_OUT, Q.Q3_K, _always),  # 679
-    Raise(("Q3_K_M",), T.ATTN_OUT, Q.Q4_K, _always),  # 681
-    Raise(("Q3_K_L",), T.ATTN_OUT, Q.Q5_K, _always),  # 682
-)
-# 390-437 (tensor_type_fallback): a K type whose 256-value blocks do not fit a tensor's rows falls back to a 32-value
-# type; where that does not fit either (as any 32-value type), F16. Only the tiny test models have such rows.
-FALLBACK = {Q.Q2_K: Q.Q4_0, Q.Q3_K: Q.Q4_0, Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0}
 
 
 def tensor_type(kind: T, layer: int, shape: tuple[int, ...], preset: str, gqa: int, layers: int) -> Q:
@@ -123,11 +58,15 @@ def tensor_type(kind: T, layer: int, shape: tuple[int, ...], preset: str, gqa: i
     base = TYPES[preset].weights
     if base in FLOATS:  # ggml_is_quantized(default_type) is false: every matrix takes it
         return base
-    at = At(layer, layers, gqa, shape[-1], base)
-    qtype = next((r.qtype for r in RAISES if r.kind == kind and preset in r.presets and r.applies(at)), base)
-    if not fits(qtype, shape):
-        qtype = FALLBACK.get(qtype, qtype)
-    return qtype if fits(qtype, shape) else Q.F16
+    row = type_of(base)
+    at = At(preset, row.name, row.fits(shape), layer, layers, gqa)
+    for r in RAISES:
+        if r.kind == kind.name and (r.presets is None or preset in r.presets) and r.applies(at):
+            row = type_of(Q[r.qtype])
+            break
+    if not row.fits(shape) and row.fallback:  # llama.cpp's tensor_type_fallback, then F16
+        row = type_of(Q[row.fallback])
+    return row.qtype if row.fits(shape) else Q.F16
 
 
 def _layer(host: str) -> int:
@@ -149,8 +88,7 @@ def rotary_interleave(weight: torch.Tensor, heads: int) -> torch.Tensor:
 
 def encoder_settings(arch: str, g: MistralEncoderGeometry, layers: int,
                      rope_theta: float) -> list[tuple[str, GGUFValueType, object]]:
-    """The {arch}.* settings llama.cpp writes for a Mistral text model of geometry `g` with `layers` layers
-    (devtools' tiny GGUF encoders state them too)."""
+    """The {arch}.* settings llama.cpp writes for a Mistral text model of geometry `g` with `layers` layers."""
     u32, f32 = GGUFValueType.UINT32, GGUFValueType.FLOAT32
     return [(key.format(arch=arch), vtype, value) for key, vtype, value in (
         (Keys.LLM.BLOCK_COUNT, u32, layers),
@@ -215,7 +153,7 @@ def convert_encoder_gguf(src: str, out: str, *, qtype: str, force: bool = False)
         kind, name = names.get_type_and_name(host, try_suffixes=(".weight",))
         shape = (g.width,) if host == FINAL_NORM else plan.source.entries[plan.mapping[host]][1]
         written[host] = name, tensor_type(kind, _layer(host), shape, qtype, g.heads // g.kv_heads, layers), shape
-    layout = {name: (t, shape, quantized_nbytes(t, shape)) for name, t, shape in written.values()}
+    layout = {name: (t, shape, type_of(t).nbytes(shape)) for name, t, shape in written.values()}
     metadata = [
         (Keys.General.ARCHITECTURE, GGUFValueType.STRING, ARCHITECTURE),
         *encoder_settings(ARCHITECTURE, g, layers, plan.rope_theta),

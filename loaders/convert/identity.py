@@ -27,9 +27,7 @@ import torch
 from ...errors import WrongModelError
 from ..cache.store import ContentDigest, tensors_digest
 from ..formats import packed_dequant, packing, progress
-from ..formats.gguf_quant import quantize
-from ..formats.gguf_types import WRITE_TYPES
-from ..formats.quant_rows import fits
+from ..formats.gguf_types import quantize, type_of
 from ..models.inspect import check_comparable
 
 IDENTICAL = "identical"
@@ -106,10 +104,8 @@ def _entries(sd: dict, key: str) -> dict[str, torch.Tensor]:
 
 def _logical_shape(stored: torch.Tensor, companions: dict) -> tuple[int, ...]:
     if packing.GGUF_TYPE in companions:
-        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-
-        block, size = GGML_QUANT_SIZES[GGMLQuantizationType(int(companions[packing.GGUF_TYPE]))]
-        return (*stored.shape[:-1], stored.shape[-1] // size * block)
+        row = type_of(int(companions[packing.GGUF_TYPE]))
+        return (*stored.shape[:-1], stored.shape[-1] // row.block_bytes * row.block_values)
     return tuple(stored.shape)
 
 
@@ -154,12 +150,10 @@ def is_cast(dense: torch.Tensor, entries: dict, name: str) -> bool:
         cast = fp8_cast(dense, scale.reshape(-1, 1) if scale.numel() > 1 else scale.reshape(()), weight.dtype)
         return torch.equal(cast.view(torch.uint8), weight.view(torch.uint8))
     if packing.GGUF_TYPE in companions:
-        from gguf import GGMLQuantizationType
-
-        qtype = GGMLQuantizationType(int(companions[packing.GGUF_TYPE]))
-        if qtype not in WRITE_TYPES or not fits(qtype, tuple(dense.shape)) or not torch.isfinite(dense).all():
+        row = type_of(int(companions[packing.GGUF_TYPE]))
+        if not row.writer or not row.fits(tuple(dense.shape)) or not torch.isfinite(dense).all():
             return False
-        return torch.equal(quantize(dense, qtype).reshape(-1), weight.reshape(-1))
+        return torch.equal(quantize(dense, row).reshape(-1), weight.reshape(-1))
     if companions or not weight.is_floating_point() or weight.dtype.itemsize >= dense.dtype.itemsize:
         return False
     return torch.equal(dense.to(weight.dtype).view(torch.int8), weight.view(torch.int8))

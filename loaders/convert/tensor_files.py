@@ -14,9 +14,8 @@ from typing import BinaryIO
 
 import torch
 
-from ..formats.gguf_quant import quantize
-from ..formats.kquants import check_pace
-from ..formats.quant_rows import UNLIMITED, check_peak, quantized_buffer, quantized_nbytes
+from ..formats.gguf_types import check_pace, check_peak, quantize, quantized_buffer, type_of
+from ..formats.kernels import chunks
 from ..formats.safetensors_file import SAFETENSORS_DTYPES
 
 GGUF_ALIGNMENT = 32  # gguf-py's and llama.cpp's default
@@ -111,7 +110,7 @@ def gguf_file(f: BinaryIO, metadata: list[tuple[str, object, object]],
               tensors: dict[str, tuple[object, tuple[int, ...], int]]) -> TensorFile:
     """A GGUF (version 3) file of `metadata` ([(key, GGUFValueType, value)], in order; an array's value is (element
     type, items)) and `tensors` ({name: (GGMLQuantizationType, torch shape, bytes)}, in the order given), each
-    tensor's data aligned to 32 bytes; refused first where the K types' quantizers cannot keep pace (check_pace)."""
+    tensor's data aligned to 32 bytes; refused first where the quantizers cannot keep pace (check_pace)."""
     check_pace((qtype, shape) for qtype, shape, _ in tensors.values())
     head = [b"GGUF", struct.pack("<IQQ", _GGUF_VERSION, len(tensors), len(metadata))]
     for key, vtype, value in metadata:
@@ -135,13 +134,13 @@ _ROW_VALUES = 1 << 24  # values quantized and written at a time, so no full-size
 def write_quantized(file: TensorFile, name: str, values: torch.Tensor, qtype) -> None:
     """`values` quantized as `qtype` (a GGMLQuantizationType) in chunks of rows, each written at its place in the
     GGUF `file`; NotQuantizable where a value does not fit the type."""
+    row = type_of(qtype)
     if values.dtype == torch.float64 and values.numel():  # before the quantizer's float32 cast makes 1e300 infinite
-        check_peak(max(values.amax().item(), -values.amin().item()), limited=qtype not in UNLIMITED)
+        check_peak(max(values.amax().item(), -values.amin().item()), limited=row.limited)
     rows = values.reshape(-1, values.shape[-1] if values.dim() else 1)
-    step = max(1, _ROW_VALUES // rows.shape[1])
-    row_bytes = quantized_nbytes(qtype, (rows.shape[1],))
+    parts = chunks(rows.shape[0], rows.shape[1], values=_ROW_VALUES)
     # one output buffer for every chunk: fresh memory per chunk costs more in page faults than quantizing it
-    buffer = quantized_buffer(qtype, min(step, rows.shape[0]), rows.shape[1])
-    for start in range(0, rows.shape[0], step):
-        part = rows[start : start + step]
-        file.write(name, quantize(part, qtype, out=buffer[: part.shape[0]]), at=start * row_bytes)
+    buffer = quantized_buffer(row, parts[0].stop if parts else 0, rows.shape[1])
+    for part in parts:
+        file.write(name, quantize(rows[part], row, out=buffer[: part.stop - part.start]),
+                   at=part.start * row.row_bytes(rows.shape[1]))

@@ -36,11 +36,11 @@ from gguf import GGMLQuantizationType as Q
 
 from ...errors import CorruptFileError, UnsupportedFormatError
 from ..formats import packed_dequant, progress
-from ..formats.gguf_types import K_TYPES
-from ..formats.quant_rows import NotQuantizable, fits, quantized_nbytes
+from ..formats.gguf_row import NotQuantizable
+from ..formats.gguf_types import K_TYPES, type_of
 from ..models.transformer import TransformerPlan, plan_transformer
-from . import K_PRESETS, WRITTEN_TYPES
 from .output import check_not_source, check_output, output_file
+from .presets import K_PRESETS, written_types
 from .tensor_files import gguf_file, write_quantized
 
 ARCHITECTURE = "flux"  # what FLUX GGUF files (city96's conversions and FLUX.2's among them) state
@@ -57,7 +57,7 @@ class Written:
 
 
 TYPES = {name: Written(*(Q[t] for t in K_PRESETS.get(name, (name, name))), LlamaFileType[f"MOSTLY_{name}"])
-         for name in WRITTEN_TYPES}
+         for name in written_types()}
 QKV = ("attn_qkv.weight", "attn.qkv.weight", "attention.qkv.weight")  # lcpp.patch's spellings of a fused qkv
 SMALL = 1024  # values: a tensor this small stays F32 (ComfyUI-GGUF's QUANTIZATION_THRESHOLD)
 VECTOR = Q.F32
@@ -88,7 +88,7 @@ UNQUANTIZED = (
          lambda key, shape, qtype: key.startswith(("double_stream_modulation_img.", "double_stream_modulation_txt.",
                                                    "single_stream_modulation."))),
     # in a K type, such rows fall back to F16 (lcpp.patch)
-    Keep("rows that do not hold whole blocks of the type", lambda key, shape, qtype: not fits(qtype, shape),
+    Keep("rows that do not hold whole blocks of the type", lambda key, shape, qtype: not type_of(qtype).fits(shape),
          lambda qtype: Q.F16 if qtype in K_TYPES else _file_float(qtype)),
 )
 
@@ -108,7 +108,7 @@ def gguf_plan(shapes: dict[str, tuple[int, ...]], qtype: str) -> tuple[list, dic
     layout = {}
     for key, shape in sorted(shapes.items()):
         stored = tensor_type(key, shape, written)[0]
-        layout[key] = (stored, shape, quantized_nbytes(stored, shape))
+        layout[key] = (stored, shape, type_of(stored).nbytes(shape))
     metadata = [
         ("general.architecture", GGUFValueType.STRING, ARCHITECTURE),
         ("general.quantization_version", GGUFValueType.UINT32, GGML_QUANT_VERSION),

@@ -423,7 +423,7 @@ def _quant_type(path: str, name: str, raw_type: int) -> GGMLQuantizationType:
     except ValueError:
         qtype = None
     if qtype is None or qtype not in GGML_QUANT_SIZES:
-        from .gguf_dequant import read_types
+        from .gguf_types import read_types
 
         raise UnsupportedFormatError(
             f"{path}: tensor {name!r} has quantization type {raw_type}, which this version of the pack "

@@ -1,14 +1,13 @@
-"""The pack's on-disk cache of its numba kernels' machine code (numba_kernels.py, kquant_kernels.py), in place of
-numba's own (cache=True). numba's trusts its files: an entry garbled, truncated or empty fails the kernel, one
-swapped with another kernel's crashes the process inside numba, and a full folder, or none writable, fails a kernel
-that had compiled. Here every entry is checked before numba sees it (its digest, then the kernel and signature it
-was written for), one that fails a check is a miss (the kernel is compiled again and the entry written afresh), and
-one that cannot be written is skipped: the kernel compiled in memory runs.
+"""The on-disk cache of the compiled kernels' machine code (kernels.py), in place of numba's cache=True (numba 0.68),
+which trusts its files: an entry garbled or empty fails the kernel, one swapped with another's crashes the process,
+and a full or read-only folder fails a kernel that had compiled. Here an entry is checked (its digest, then the kernel
+and signature it was written for) before numba sees it, one that fails is a miss, compiled again and rewritten, and
+one that cannot be written is skipped. numba's private parts it uses: a dispatcher's cache slot and its interface
+(NullCache), and a compiled result's _reduce and _rebuild, as numba's own cache calls them.
 
-The entries of one kernel source live in a folder of the pack's own, named by a digest of that source, numba's and
-Python's versions and the CPU, in the first of these that can be written: NUMBA_CACHE_DIR where set, the __pycache__
-beside the source, the user's cache folder. The pack writes nowhere else, and each entry under a fresh name first,
-renamed onto the entry's name once complete."""
+Its one folder is named by the formats' digest, numba's and Python's versions and the CPU, in the first place that
+can be written: NUMBA_CACHE_DIR, the __pycache__ beside the sources, the user's cache folder. Each entry is written
+under a fresh name, then renamed onto its own."""
 
 from __future__ import annotations
 
@@ -36,20 +35,20 @@ log = logging.getLogger(__name__)
 _MAGIC = b"flux2dev numba kernel 1\n"
 
 
-def _bases(source: Path) -> tuple[str, ...]:
+def _bases() -> tuple[str, ...]:
     """Where the folder may go, in the order tried."""
-    return (*([config.CACHE_DIR] if config.CACHE_DIR else []), str(source.parent / "__pycache__"),
+    return (*([config.CACHE_DIR] if config.CACHE_DIR else []), str(Path(__file__).with_name("__pycache__")),
             AppDirs(appname="numba", appauthor=False).user_cache_dir)
 
 
 @functools.cache
-def folder(source: Path, module_name: str) -> Path | None:
-    """The cache folder of the kernels in `source`, loaded as `module_name` (which holds a digest of the source), or
-    None (logged once) where no place for it can be written."""
-    stamp = "\n".join((module_name, numba.__version__, sys.version, binding.get_host_cpu_name(),
+def folder(digest: str) -> Path | None:
+    """The cache folder of the kernels compiled from sources of `digest`, or None (logged once) where no place for
+    it can be written."""
+    stamp = "\n".join((digest, numba.__version__, sys.version, binding.get_host_cpu_name(),
                        binding.get_host_cpu_features().flatten()))
-    name = f"flux2dev-{source.stem}-{hashlib.sha256(stamp.encode()).hexdigest()[:16]}"
-    for base in _bases(source):
+    name = f"flux2dev-kernels-{hashlib.sha256(stamp.encode()).hexdigest()[:16]}"
+    for base in _bases():
         try:
             path = Path(base) / name
             path.mkdir(parents=True, exist_ok=True)
@@ -57,23 +56,22 @@ def folder(source: Path, module_name: str) -> Path | None:
             return path
         except OSError:
             continue
-    log.warning("No folder can be written for the compiled kernels of %s (tried %s); they are compiled again in "
-                "every process, which takes seconds to a minute.", source.name, ", ".join(_bases(source)))
+    log.warning("No folder can be written for the compiled kernels (tried %s); they are compiled again in every "
+                "process, which takes seconds to a minute.", ", ".join(_bases()))
     return None
 
 
-def keep_on_disk(kernels, source: Path, module_name: str) -> None:
-    """Each numba dispatcher in `kernels` (compiled from `source`, loaded as `module_name`) loads its machine code
-    from this cache and saves it there."""
-    where = folder(source, module_name)
+def keep_on_disk(kernels, digest: str) -> None:
+    """Each numba dispatcher in `kernels` (compiled from sources of `digest`) loads its machine code from this cache
+    and saves it there."""
+    where = folder(digest)
     for kernel in kernels:
         kernel._cache = KernelCache(kernel.py_func, where)
 
 
 def _closure_value(value):
-    """What a value a kernel closes over adds to its key: a numba function it calls (numba_kernels' block functions)
-    by its name and code, as the kernel itself is keyed (numba's pickle of a dispatcher differs from process to
-    process); any other value (a constant) as it is."""
+    """A value a kernel closes over, as its key holds it: a numba function it calls by its name and code (numba's
+    pickle of a dispatcher differs between processes), a constant as it is."""
     if isinstance(value, Dispatcher):
         code = value.py_func.__code__
         return value.py_func.__qualname__, code.co_code, repr(code.co_consts)
@@ -148,7 +146,6 @@ class KernelCache(NullCache):
             if not isinstance(e, OSError):
                 raise
             _unsaved(self._folder, e)
-
 
 
 # Folders that a kernel could not be saved in (logged once each)

@@ -1,39 +1,29 @@
-"""The exact dequantization of the packed weight formats (packing.FORMATS: what a stored tensor is, told from
-headers without torch), one function a format, and the state-dict entries of GGUF tensors.
+"""The exact dequantization of the packed weight formats (packing.FORMATS: what a stored tensor is, told from headers
+without torch, each row with its dequantizer here), one function a format, and the state-dict entries of GGUF
+tensors.
 
-The loaders keep packed weights as stored, each with its companions under the host's suffixes, and the
-host's layers (host/ops.py) call `dequantize` per layer at run time, so a fp8 model costs fp8 memory. Each format
-does ComfyUI 0.33's float32 operations (comfy-kitchen's reference functions, comfy/quant_ops.py's layouts) in the
-same order, chunk by chunk into the output. On the CPU, fp8 and NVFP4 go through the one-pass kernels
-(compiled.py) where numba runs, with the same bits.
+The loaders keep packed weights as stored, each with its companions under the host's suffixes, and the host's layers
+(host/ops.py) call `dequantize` per layer at run time, so a fp8 model costs fp8 memory. Each format does ComfyUI
+0.33's float32 operations (comfy-kitchen's reference functions, comfy/quant_ops.py's layouts) in the same order,
+chunk by chunk into the output. On the CPU, fp8 and NVFP4 run one-pass kernels (kernel code, compiled by kernels.py)
+where numba runs, with the same bits.
 """
 
 from __future__ import annotations
 
 import functools
+import sys
 
+import numpy as np
 import torch
 
 from ...errors import CorruptFileError, UnsupportedFormatError
-from . import compiled
-from .packing import (
-    CONVROT_W4A4,
-    FORMATS,
-    FP8_SCALED,
-    GGUF,
-    GGUF_TYPE,
-    INT8,
-    INT8_CONVROT,
-    MXFP8,
-    NVFP4,
-    W4A8,
-    PackedFormat,
-    Shape,
-    settings,
-    stored_format,
-)
+from . import kernels
+from .gguf_row import jit, put
+from .gguf_types import dequantize as dequantize_gguf
+from .gguf_types import type_of
+from .packing import FORMATS, FP8_SCALED, GGUF, GGUF_TYPE, PackedFormat, stored_format
 from .safetensors_file import SAFETENSORS_DTYPES, torch_dtype
-from .steps import few_threads, fill_by_rows, output
 
 FP8_DTYPES = tuple(torch_dtype(d) for d in FP8_SCALED.dtypes)
 NVFP4_BLOCK = 16
@@ -43,75 +33,6 @@ MXFP8_BLOCK = 32
 _E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 # ConvRot's regular 4x4 Hadamard matrix; the size-n one is its Kronecker power, divided by sqrt(n).
 _HADAMARD_4 = ((1, 1, 1, -1), (1, 1, -1, 1), (1, -1, 1, 1), (-1, 1, 1, 1))
-
-
-def _gguf_dequantize(weight: torch.Tensor, companions: dict, dtype: torch.dtype, shape: Shape,
-                     out=None) -> torch.Tensor:
-    from .gguf_dequant import dequantize as gguf_dequantize
-
-    return gguf_dequantize(weight, int(companions[GGUF_TYPE]), shape, dtype, out=out)
-
-
-def _fp8_dequantize(weight: torch.Tensor, companions: dict, dtype: torch.dtype, shape: Shape, out=None) -> torch.Tensor:
-    return dequantize_fp8(weight, companions["weight_scale"], dtype, out=out)
-
-
-def _nvfp4_dequantize(weight: torch.Tensor, companions: dict, dtype: torch.dtype, shape: Shape,
-                      out=None) -> torch.Tensor:
-    pre_quant_scale = companions.get("pre_quant_scale")
-    if pre_quant_scale is None:
-        return dequantize_nvfp4(weight, companions["weight_scale"], companions["weight_scale_2"], dtype, out=out)
-    # The host multiplies the layer's input by it; the same product, on the weight's columns, in float32.
-    values = dequantize_nvfp4(weight, companions["weight_scale"], companions["weight_scale_2"], torch.float32)
-    if pre_quant_scale.numel() != values.shape[1]:
-        raise CorruptFileError(
-            f"An NVFP4 weight of {values.shape[1]} inputs has a pre_quant_scale of {pre_quant_scale.numel()} values; "
-            "it needs one per input. The file is damaged; download it again."
-        )
-    values.mul_(pre_quant_scale.to(device=weight.device, dtype=torch.float32).reshape(1, -1))
-    return values.to(dtype) if out is None else out.copy_(values)
-
-
-def _mxfp8_dequantize(weight: torch.Tensor, companions: dict, dtype: torch.dtype, shape: Shape,
-                      out=None) -> torch.Tensor:
-    return dequantize_mxfp8(weight, companions["weight_scale"], dtype, out=out)
-
-
-def _int8_dequantize(weight: torch.Tensor, companions: dict, dtype: torch.dtype, shape: Shape,
-                     out=None) -> torch.Tensor:
-    return dequantize_int8(weight, companions["weight_scale"], dtype, out=out)
-
-
-def _int8_convrot_dequantize(weight: torch.Tensor, companions: dict, dtype: torch.dtype, shape: Shape,
-                             out=None) -> torch.Tensor:
-    (group,) = settings(companions)
-    return dequantize_int8(weight, companions["weight_scale"], dtype, convrot_group=group, out=out)
-
-
-def _convrot_w4a4_dequantize(weight: torch.Tensor, companions: dict, dtype: torch.dtype, shape: Shape,
-                             out=None) -> torch.Tensor:
-    (group,) = settings(companions)
-    return dequantize_convrot_w4a4(weight, companions["weight_scale"], group, dtype, out=out)
-
-
-def _w4a8_dequantize(weight: torch.Tensor, companions: dict, dtype: torch.dtype, shape: Shape,
-                     out=None) -> torch.Tensor:
-    group, convrot_group = settings(companions)
-    return dequantize_w4a8(weight, companions["weight_s_rel"], companions["weight_s_channel"],
-                           companions.get("weight_codebook"), group, convrot_group, dtype, out=out)
-
-
-# format label -> (weight, companions, dtype, shape, out=None) -> values
-DEQUANTIZE = {
-    FP8_SCALED.label: _fp8_dequantize,
-    NVFP4.label: _nvfp4_dequantize,
-    MXFP8.label: _mxfp8_dequantize,
-    INT8.label: _int8_dequantize,
-    INT8_CONVROT.label: _int8_convrot_dequantize,
-    CONVROT_W4A4.label: _convrot_w4a4_dequantize,
-    W4A8.label: _w4a8_dequantize,
-    GGUF.label: _gguf_dequantize,
-}
 
 
 def split_entries(entries: dict[str, torch.Tensor], key: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -129,13 +50,11 @@ def from_gguf(key: str, tensor) -> dict[str, torch.Tensor]:
     float tensors, a quantized weight kept packed (rows of whole blocks, a view of the mapped file) with its
     type beside it, and any other quantized tensor (1-D ones, rare) dequantized, as no layer reads those
     packed."""
-    from .gguf_dequant import FLOAT_TYPES
-    from .gguf_dequant import dequantize as gguf_dequantize
-
-    if tensor.qtype in FLOAT_TYPES:
-        return {key: tensor.data.view(FLOAT_TYPES[tensor.qtype]).reshape(tensor.shape)}
+    row = type_of(tensor.qtype)
+    if row.float_dtype:
+        return {key: tensor.data.view(getattr(torch, row.float_dtype)).reshape(tensor.shape)}
     if len(tensor.shape) < 2 or not key.endswith(".weight"):
-        return {key: gguf_dequantize(tensor.data, tensor.qtype, tensor.shape, torch.float32)}
+        return {key: dequantize_gguf(tensor.data, row, tensor.shape, torch.float32)}
     return {key: tensor.data.view(*tensor.shape[:-1], -1),
             key[: -len("weight")] + GGUF_TYPE: torch.tensor(int(tensor.qtype))}
 
@@ -165,7 +84,7 @@ def dequantize(
                 f"A {found.label} weight {list(weight.shape)} came as {weight.dtype}; {found.label} weights are stored "
                 f"as {', '.join(found.dtypes)}. Load the model again."
             )
-        return DEQUANTIZE[found.label](weight, companions, dtype, tuple(shape), out=out)
+        return found.dequantize(sys.modules[__name__], weight, companions, dtype, tuple(shape), out=out)
     if any(SAFETENSORS_DTYPES.get(str(weight.dtype)) in f.dtypes for f in FORMATS):
         raise UnsupportedFormatError(
             f"A {weight.dtype} weight {list(weight.shape)} came without the companions its packing needs "
@@ -192,9 +111,14 @@ def dequantize_fp8(
             f"A fp8 weight of {codes.shape[0]} rows has {scale.shape[0]} scales; it needs one, or one per row. "
             "The file is damaged; download it again."
         )
-    out = output(out, weight.shape, dtype, weight.device)
-    if compiled.fp8(codes, weight.dtype, scale, out):
-        return out
+    out = kernels.output(out, weight.shape, dtype, weight.device)
+    kernel = kernels.kernel(_fp8_rows, "fp8", weight.device, dtype)
+    if kernel is not None:
+        c, s, o = codes.contiguous().numpy(), scale.reshape(-1).contiguous().numpy(), kernels.array(out, codes.shape[1])
+        book = _fp8_book(weight.dtype, weight.device).numpy()
+        if kernels.run("fp8", c.shape[0], lambda first, stop: kernel(c[first:stop], s if s.shape[0] == 1 else
+                                                                    s[first:stop], o[first:stop], book)):
+            return out
     per_row = scale.shape[0] > 1
     book = _fp8_book(weight.dtype, weight.device)
 
@@ -202,9 +126,37 @@ def dequantize_fp8(
         torch.index_select(book, 0, codes[rows].reshape(-1).int(), out=v.view(-1))
         v.mul_(scale[rows] if per_row else scale)
 
-    with few_threads(weight.device):
-        fill_by_rows(out.view(codes.shape), fill)
+    with kernels.few_threads(weight.device):
+        kernels.fill_by_rows(out.view(codes.shape), fill)
     return out
+
+
+@jit(nogil=True)
+def _fp8_rows(codes, scales, out, book):
+    """out[r, c] = book[codes[r, c]] * scales[r] (scales of length 1: one for every row); book: fp8 byte -> float32."""
+    per_row = scales.shape[0] > 1
+    for r in range(codes.shape[0]):
+        s = scales[r if per_row else 0]
+        c, o = codes[r], out[r]
+        for k in range(c.shape[0]):
+            put(o, k, book[c[k]] * s)
+
+
+def dequantize_nvfp4_layer(weight: torch.Tensor, companions: dict, dtype: torch.dtype, *,
+                           out: torch.Tensor | None = None) -> torch.Tensor:
+    """An NVFP4 weight from its companions: times the pre_quant_scale by which the host multiplies the layer's input,
+    where it has one (the same product, on the weight's columns, in float32)."""
+    pre_quant_scale = companions.get("pre_quant_scale")
+    if pre_quant_scale is None:
+        return dequantize_nvfp4(weight, companions["weight_scale"], companions["weight_scale_2"], dtype, out=out)
+    values = dequantize_nvfp4(weight, companions["weight_scale"], companions["weight_scale_2"], torch.float32)
+    if pre_quant_scale.numel() != values.shape[1]:
+        raise CorruptFileError(
+            f"An NVFP4 weight of {values.shape[1]} inputs has a pre_quant_scale of {pre_quant_scale.numel()} values; "
+            "it needs one per input. The file is damaged; download it again."
+        )
+    values.mul_(pre_quant_scale.to(device=weight.device, dtype=torch.float32).reshape(1, -1))
+    return values.to(dtype) if out is None else out.copy_(values)
 
 
 def unswizzle_block_scales(scales: torch.Tensor, rows: int, blocks: int) -> torch.Tensor:
@@ -213,16 +165,6 @@ def unswizzle_block_scales(scales: torch.Tensor, rows: int, blocks: int) -> torc
     tiles = scales.reshape(row_tiles, col_tiles, 32, 4, 4)  # [row tile, col tile, r % 32, r // 32, c]
     plain = tiles.permute(0, 3, 2, 1, 4).reshape(row_tiles * 128, col_tiles * 4)
     return plain[:rows, :blocks]
-
-
-def swizzle_block_scales(plain: torch.Tensor) -> torch.Tensor:
-    """The inverse of unswizzle_block_scales (pads with zeros); used to write test checkpoints."""
-    rows, blocks = plain.shape
-    row_tiles, col_tiles = -(-rows // 128), -(-blocks // 4)
-    padded = torch.zeros(row_tiles * 128, col_tiles * 4, dtype=plain.dtype)
-    padded[:rows, :blocks] = plain
-    tiles = padded.reshape(row_tiles, 4, 32, col_tiles, 4).permute(0, 3, 2, 1, 4)
-    return tiles.reshape(row_tiles * 128, col_tiles * 4)
 
 
 @functools.cache
@@ -247,11 +189,17 @@ def dequantize_nvfp4(
             f"{tensor_scale.numel()} tensor scales; it needs {tiled} (one per {NVFP4_BLOCK} values, in 128x4 tiles) "
             "and one. The file is damaged; download it again."
         )
-    out = output(out, (rows, cols), dtype, packed.device)
+    out = kernels.output(out, (rows, cols), dtype, packed.device)
     tensor_scale = tensor_scale.to(device=packed.device, dtype=torch.float32)
     block_scales = _as_bytes_of(block_scales, torch.float8_e4m3fn, "NVFP4 block scales")
-    if compiled.nvfp4(packed, block_scales, tensor_scale, _E2M1, out):
-        return out
+    kernel = kernels.kernel(_nvfp4_rows, "NVFP4", packed.device, dtype)
+    if kernel is not None:
+        tiled, scale = block_scales.contiguous().view(torch.uint8).reshape(-1).numpy(), tensor_scale.reshape(1).numpy()
+        book, values = _fp8_book(block_scales.dtype, packed.device).numpy(), np.array(_E2M1, np.float32)
+        p, o = packed.contiguous().numpy(), kernels.array(out, cols)
+        if kernels.run("NVFP4", rows, lambda first, stop: kernel(p[first:stop], tiled, scale, o[first:stop], book,
+                                                                 values, first)):
+            return out
     scales = unswizzle_block_scales(block_scales, rows, cols // NVFP4_BLOCK)
     pairs = _e2m1_pairs(packed.device)
 
@@ -260,9 +208,28 @@ def dequantize_nvfp4(
         block = scales[chunk].to(torch.float32) * tensor_scale
         v.view(v.shape[0], -1, NVFP4_BLOCK).mul_(block.unsqueeze(-1))
 
-    with few_threads(packed.device):
-        fill_by_rows(out, fill)
+    with kernels.few_threads(packed.device):
+        kernels.fill_by_rows(out, fill)
     return out
+
+
+@jit(nogil=True)
+def _nvfp4_rows(packed, tiled, tensor_scale, out, book, e2m1, first_row):
+    """E2M1 value * (book[block scale] * tensor_scale[0]), the even element in the high nibble; the block scales in
+    cuBLAS' 128x4 tiling (tiled: its bytes, [roundup(rows, 128) * roundup(blocks, 4)]), where row r and block c sit in
+    tile (r // 128, c // 4) at (r % 32) * 16 + (r // 32 % 4) * 4 + c % 4. packed and out are the weight's rows from
+    first_row on."""
+    col_tiles = (packed.shape[1] // 8 + 3) // 4
+    ts = tensor_scale[0]
+    for i in range(packed.shape[0]):
+        p, o, r = packed[i], out[i], first_row + i
+        row_at = (r >> 7) * col_tiles * 512 + (r & 31) * 16 + ((r >> 5) & 3) * 4
+        for c in range(packed.shape[1] // 8):
+            s = book[tiled[row_at + (c >> 2) * 512 + (c & 3)]] * ts
+            for k in range(8):
+                q = np.int32(p[c * 8 + k])
+                put(o, c * 16 + 2 * k, e2m1[q >> 4] * s)
+                put(o, c * 16 + 2 * k + 1, e2m1[q & 15] * s)
 
 
 def _as_bytes_of(scales: torch.Tensor, dtype: torch.dtype, what: str) -> torch.Tensor:
@@ -305,7 +272,7 @@ def _check_group(inputs: int, group: int, what: str) -> None:
 def _unrotate(v: torch.Tensor, group: int) -> None:
     """Rows v [n, inputs] (float32) back from ConvRot's basis, in place: each group of `group` inputs times the
     transposed Hadamard matrix, as the host's _rotate_weight (the matrix is its own inverse). A matmul, on every
-    thread (steps.py): 2 x group float32 operations a value, most of a ConvRot weight's dequantization on the CPU."""
+    thread (kernels.py): 2 x group float32 operations a value, most of a ConvRot weight's dequantization on the CPU."""
     h = _hadamard(group, v.device)
     v.copy_(torch.matmul(v.view(v.shape[0], -1, group), h.T).view(v.shape))
 
@@ -321,16 +288,16 @@ def dequantize_int8(
     if convrot_group is not None:
         _check_group(inputs, convrot_group, "ConvRot INT8 weight")
     per_row = scale.shape[0] > 1
-    out = output(out, weight.shape, dtype, weight.device)
+    out = kernels.output(out, weight.shape, dtype, weight.device)
 
     def fill(chunk: slice, v: torch.Tensor) -> None:
-        with few_threads(weight.device):
+        with kernels.few_threads(weight.device):
             v.copy_(weight[chunk])
             v.mul_(scale[chunk] if per_row else scale)
         if convrot_group is not None:
             _unrotate(v, convrot_group)
 
-    fill_by_rows(out, fill)
+    kernels.fill_by_rows(out, fill)
     return out
 
 
@@ -358,14 +325,14 @@ def dequantize_mxfp8(
     scales = _as_bytes_of(block_scales, torch.uint8, "MXFP8 block scales")
     plain = unswizzle_block_scales(scales, rows, inputs // MXFP8_BLOCK)
     codes, book, powers = weight.view(torch.uint8), _fp8_book(weight.dtype, weight.device), _e8m0_book(weight.device)
-    out = output(out, weight.shape, dtype, weight.device)
+    out = kernels.output(out, weight.shape, dtype, weight.device)
 
     def fill(chunk: slice, v: torch.Tensor) -> None:
         torch.index_select(book, 0, codes[chunk].reshape(-1).int(), out=v.view(-1))
         v.view(v.shape[0], -1, MXFP8_BLOCK).mul_(powers[plain[chunk].int()].unsqueeze(-1))
 
-    with few_threads(weight.device):
-        fill_by_rows(out, fill)
+    with kernels.few_threads(weight.device):
+        kernels.fill_by_rows(out, fill)
     return out
 
 
@@ -398,15 +365,15 @@ def dequantize_convrot_w4a4(
     scale = _scale_of_rows(scale, rows, packed.device, "ConvRot W4A4 weight", ((rows,), (rows, 1)))
     _check_group(inputs, convrot_group, "ConvRot W4A4 weight")
     pairs = _nibble_pairs(_SIGNED_NIBBLES, packed.device)
-    out = output(out, (rows, inputs), dtype, packed.device)
+    out = kernels.output(out, (rows, inputs), dtype, packed.device)
 
     def fill(chunk: slice, v: torch.Tensor) -> None:
-        with few_threads(packed.device):
+        with kernels.few_threads(packed.device):
             _nibbles(packed, pairs, chunk, v)
             v.mul_(scale[chunk])
         _unrotate(v, convrot_group)
 
-    fill_by_rows(out, fill)
+    kernels.fill_by_rows(out, fill)
     return out
 
 
@@ -441,15 +408,15 @@ def dequantize_w4a8(
         book = codebook.to(device=device, dtype=torch.float32)
         codes = torch.arange(256, device=device)
         pairs = torch.stack((book[codes & 0x0F], book[codes >> 4]), dim=1).view(torch.float64).reshape(256)
-    out = output(out, (rows, inputs), dtype, device)
+    out = kernels.output(out, (rows, inputs), dtype, device)
 
     def fill(chunk: slice, v: torch.Tensor) -> None:
-        with few_threads(device):
+        with kernels.few_threads(device):
             _nibbles(packed, pairs, chunk, v)
             v.view(v.shape[0], groups, group).mul_(s_rel[chunk].unsqueeze(-1))
             v.round_().clamp_(-127, 127)  # the host's int8 grid
             v.mul_(s_channel[chunk])
         _unrotate(v, convrot_group)
 
-    fill_by_rows(out, fill)
+    kernels.fill_by_rows(out, fill)
     return out

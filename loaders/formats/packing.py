@@ -1,28 +1,11 @@
 """What a stored tensor is, from headers alone and without torch: the packed weight formats of encoder and
 transformer checkpoints in one table (FORMATS), how each is detected, the shape it is stored in, the companions
 it needs (the tensors stored beside the weight, in every spelling met in the wild), the settings its declaration
-carries and the word the pack reports for it. Their exact dequantization is packed_dequant.py's (DEQUANTIZE, by
-the row's label), as ComfyUI 0.33 (comfy/quant_ops.py's QUANT_ALGOS, through comfy-kitchen) dequantizes them.
+carries, the word the pack reports for it, and its dequantizer, by packed_dequant.py's torch functions, as ComfyUI
+0.33 (comfy/quant_ops.py's QUANT_ALGOS, through comfy-kitchen) dequantizes them.
 
-- Scaled fp8 (float8_e4m3fn, float8_e5m2): float8 weight [out, in] times a float32 scale, per tensor (one value)
-  or per output channel ([out] or [out, 1]).
-- NVFP4 (nvfp4): uint8 weight [out, in/2], two E2M1 codes per byte, the even-indexed element in the high nibble;
-  float8_e4m3fn block scales, one per 16 inputs, stored in cuBLAS' 128x4 tiled layout padded to
-  [roundup(out,128), roundup(in/16,4)]; a float32 per-tensor scale; optionally a pre_quant_scale [in], by which
-  the host multiplies the layer's input (so the pack multiplies the weight's columns).
-- MXFP8 (mxfp8): float8_e4m3fn weight [out, in]; one E8M0 scale (a power of two, 2^(byte - 127); byte 0 is 0) per
-  32 inputs, in the same 128x4 tiling.
-- INT8 (int8_tensorwise): int8 weight [out, in] times a float32 scale, one for the tensor or one per row ([out, 1]).
-  With ConvRot ("convrot": true) the rows were rotated before quantization: each group of convrot_groupsize
-  inputs (a power of 4) is multiplied back by the normalized regular Hadamard matrix of that size.
-- ConvRot W4A4 (convrot_w4a4): int8 [out, in/2], two signed 4-bit values per byte (the even element in the low
-  nibble), times one float32 scale per row, then rotated back as ConvRot INT8.
-- W4A8 (asym_w4a8_int8): int8 [out, in/2] of unsigned 4-bit codes (the even element in the low nibble), each
-  group of group_size codes decoded through the 16-value weight_codebook (or code - 8 without one), times its
-  weight_s_rel (float8_e4m3fn or float32 [out, in/group_size]), rounded to an integer in [-127, 127], times the
-  row's weight_s_channel [out], then rotated back as ConvRot INT8.
-- GGUF: uint8 rows of the file's raw blocks along the last dimension, with the GGMLQuantizationType
-  number as weight_gguf_type (loaders/gguf_dequant.py).
+Each format's bytes and values are as docs/dequantization.md's table of comfy_quant formats gives them; GGUF weights
+are uint8 rows of the file's raw blocks, with the type's number beside them as weight_gguf_type (gguf_types.py).
 
 A safetensors weight's format is the one its `<layer>.comfy_quant` tensor declares (ComfyUI's JSON
 {"format": ...} and the format's settings); only where nothing is declared is it guessed from the stored dtype,
@@ -88,6 +71,7 @@ class PackedFormat:
     # (weight name, its stored shape, its companions' stored shapes by stored suffix, its declaration) -> what is
     # wrong with a weight its declaration names this format, or None: checks the headers alone can make
     check: Callable[[str, Shape, dict[str, Shape], dict], str | None] | None = None
+    dequantize: Callable | None = None  # its dequantizer (below)
 
     @property
     def stored_companions(self) -> tuple[str, ...]:
@@ -128,33 +112,75 @@ def _w4a8_check(name: str, stored: Shape, companions: dict[str, Shape], declarat
             "bf16 file.")
 
 
+# The rows' dequantizers: (packed_dequant, weight, companions by suffix, dtype, logical shape, out=None) -> values.
+# packed_dequant.dequantize hands itself in: its functions are torch, which this module does not import.
+
+
+def _gguf_values(dq, weight, companions, dtype, shape, out=None):
+    return dq.dequantize_gguf(weight, int(companions[GGUF_TYPE]), shape, dtype, out=out)  # gguf_types.dequantize
+
+
+def _fp8_values(dq, weight, companions, dtype, shape, out=None):
+    return dq.dequantize_fp8(weight, companions["weight_scale"], dtype, out=out)
+
+
+def _nvfp4_values(dq, weight, companions, dtype, shape, out=None):
+    return dq.dequantize_nvfp4_layer(weight, companions, dtype, out=out)
+
+
+def _mxfp8_values(dq, weight, companions, dtype, shape, out=None):
+    return dq.dequantize_mxfp8(weight, companions["weight_scale"], dtype, out=out)
+
+
+def _int8_values(dq, weight, companions, dtype, shape, out=None):
+    return dq.dequantize_int8(weight, companions["weight_scale"], dtype, out=out)
+
+
+def _int8_convrot_values(dq, weight, companions, dtype, shape, out=None):
+    (group,) = settings(companions)
+    return dq.dequantize_int8(weight, companions["weight_scale"], dtype, convrot_group=group, out=out)
+
+
+def _w4a4_values(dq, weight, companions, dtype, shape, out=None):
+    (group,) = settings(companions)
+    return dq.dequantize_convrot_w4a4(weight, companions["weight_scale"], group, dtype, out=out)
+
+
+def _w4a8_values(dq, weight, companions, dtype, shape, out=None):
+    group, convrot_group = settings(companions)
+    return dq.dequantize_w4a8(weight, companions["weight_s_rel"], companions["weight_s_channel"],
+                              companions.get("weight_codebook"), group, convrot_group, dtype, out=out)
+
+
 WEIGHT_SCALE = {"weight_scale": "weight_scale", "input_scale": None}
 
-GGUF = PackedFormat("gguf", ("U8",), (GGUF_TYPE,), {}, _gguf_stored_shape)
+GGUF = PackedFormat("gguf", ("U8",), (GGUF_TYPE,), {}, _gguf_stored_shape, dequantize=_gguf_values)
 NVFP4 = PackedFormat(
     "nvfp4", ("U8",), ("weight_scale", "weight_scale_2"),
     {**WEIGHT_SCALE, "weight_scale_2": "weight_scale_2", "pre_quant_scale": "pre_quant_scale"}, _halved,
-    declared=("nvfp4",), logical_shape=_doubled, rank=2, optional=("pre_quant_scale",),
+    declared=("nvfp4",), logical_shape=_doubled, rank=2, optional=("pre_quant_scale",), dequantize=_nvfp4_values,
 )
 FP8_SCALED = PackedFormat(
     "fp8-scaled", ("F8_E4M3", "F8_E5M2"), ("weight_scale",),
     {**WEIGHT_SCALE, "scale_weight": "weight_scale", "scale_input": None}, _same,
-    declared=("float8_e4m3fn", "float8_e5m2"), guessed=True,
+    declared=("float8_e4m3fn", "float8_e5m2"), guessed=True, dequantize=_fp8_values,
 )
 MXFP8 = PackedFormat("mxfp8", ("F8_E4M3",), ("weight_scale", PACKING), WEIGHT_SCALE, _same, declared=("mxfp8",),
-                     rank=2)
+                     rank=2, dequantize=_mxfp8_values)
 INT8 = PackedFormat("int8", ("I8",), ("weight_scale", PACKING), WEIGHT_SCALE, _same, declared=("int8_tensorwise",),
-                    rank=2)
+                    rank=2, dequantize=_int8_values)
 INT8_CONVROT = PackedFormat("int8-convrot", ("I8",), ("weight_scale", PACKING), WEIGHT_SCALE, _same,
-                            declared=("int8_tensorwise",), rank=2, flag="convrot", settings=(CONVROT_GROUP,))
+                            declared=("int8_tensorwise",), rank=2, flag="convrot", settings=(CONVROT_GROUP,),
+                            dequantize=_int8_convrot_values)
 CONVROT_W4A4 = PackedFormat("convrot-w4a4", ("I8",), ("weight_scale", PACKING), WEIGHT_SCALE, _halved,
-                            declared=("convrot_w4a4",), logical_shape=_doubled, rank=2, settings=(CONVROT_GROUP,))
+                            declared=("convrot_w4a4",), logical_shape=_doubled, rank=2, settings=(CONVROT_GROUP,),
+                            dequantize=_w4a4_values)
 W4A8 = PackedFormat(
     "w4a8", ("I8",), ("weight_s_rel", "weight_s_channel", PACKING),
     {"weight_s_rel": "weight_s_rel", "weight_s_channel": "weight_s_channel", "weight_codebook": "weight_codebook",
      "input_scale": None}, _halved,
     declared=("asym_w4a8_int8",), logical_shape=_doubled, rank=2, optional=("weight_codebook",),
-    settings=(W4A8_GROUP, CONVROT_GROUP), check=_w4a8_check,
+    settings=(W4A8_GROUP, CONVROT_GROUP), check=_w4a8_check, dequantize=_w4a8_values,
 )
 FORMATS = (FP8_SCALED, NVFP4, MXFP8, INT8, INT8_CONVROT, CONVROT_W4A4, W4A8, GGUF)
 BY_LABEL = {f.label: f for f in FORMATS}

@@ -1,6 +1,6 @@
 """`flux2dev inspect`: what the pack sees in a file or folder, from headers alone (no weights are read).
 
-The kind of a checkpoint is told by loaders/kinds.py (tensor names, GGUF architectures); each kind then
+The kind of a checkpoint is told by loaders/models/kinds.py (tensor names, GGUF architectures); each kind then
 has one describer, which runs the same identification as that kind's loader, so inspect fails where a
 load would, with the same message."""
 

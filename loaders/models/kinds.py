@@ -21,7 +21,7 @@ KIND_BY_NAMES = (
 )
 
 # general.architecture of a GGUF file (None: the key is absent) -> (kind, what it is in the user's words).
-# "encoder" rows are read by the text encoder loader (loaders/encoder_layouts.py has one layout each).
+# "encoder" rows are read by the text encoder loader (loaders/models/encoder_layouts.py has one layout each).
 GGUF_ARCHITECTURES = {
     None: ("transformer", "a FLUX transformer (city96-style conversion)"),
     "flux": ("transformer", "a FLUX transformer"),

@@ -21,8 +21,7 @@ from comfyui_flux2dev.loaders.convert.output import check_output, output_file
 from comfyui_flux2dev.loaders.convert.tensor_files import gguf_file, safetensors_file
 from comfyui_flux2dev.loaders.formats.files import new_file
 from comfyui_flux2dev.loaders.formats.gguf_file import open_gguf
-from comfyui_flux2dev.loaders.formats.gguf_quant import quantize
-from comfyui_flux2dev.loaders.formats.quant_rows import quantized_nbytes
+from comfyui_flux2dev.loaders.formats.gguf_types import quantize, type_of
 from comfyui_flux2dev.loaders.formats.safetensors_file import SafetensorsFiles
 
 TENSORS = {
@@ -94,7 +93,7 @@ def test_gguf_is_read_back_by_gguf_and_the_pack(tmp_path):
     metadata = [("general.architecture", V.STRING, "flux"), ("general.file_type", V.UINT32, 3)]
     with new_file(path) as f:
         file = gguf_file(f, metadata,
-                         {k: (types[k], v.shape, quantized_nbytes(types[k], v.shape)) for k, v in values.items()})
+                         {k: (types[k], v.shape, type_of(types[k]).nbytes(v.shape)) for k, v in values.items()})
         for name in reversed(values):
             file.write(name, quantize(torch.from_numpy(values[name]), types[name]))
         file.finish()

@@ -18,10 +18,11 @@ import torch
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 
+from comfyui_flux2dev.devtools.tiny.encoders import swizzle_block_scales
 from comfyui_flux2dev.devtools.tiny.gguf_blocks import FP16_FIELDS
 from comfyui_flux2dev.errors import CorruptFileError
-from comfyui_flux2dev.loaders.formats import compiled, packed_dequant, steps
-from comfyui_flux2dev.loaders.formats.gguf_dequant import dequantize
+from comfyui_flux2dev.loaders.formats import gguf_legacy, kernels, packed_dequant
+from comfyui_flux2dev.loaders.formats.gguf_types import BY_TYPE, dequantize
 from helpers import GGUF_QUANTIZED_TYPES, numba_unavailable, run_python
 from test_gguf_quant import quantization_cases
 
@@ -61,9 +62,9 @@ def _edge_blocks(qtype: Q, seed: int) -> np.ndarray:
 def test_numba_runs_here():
     """The tests' environment has numba: a broken install fails here rather than leaving the fallback tested twice."""
     for dtype in DTYPES.values():
-        assert compiled.path("cpu", dtype) == "numba"
-    assert compiled.path("meta", torch.float16) == "torch"  # GPUs and other devices keep the torch path
-    assert compiled.path("cpu", torch.float64) == "torch"
+        assert kernels.path("cpu", dtype) == "numba"
+    assert kernels.path("meta", torch.float16) == "torch"  # GPUs and other devices keep the torch path
+    assert kernels.path("cpu", torch.float64) == "torch"
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -113,7 +114,7 @@ def test_nvfp4_equals_torch_path(tensor_scale, dtype):
     packed[0, :256] = torch.arange(256, dtype=torch.uint8)  # every pair of codes
     block_scales = torch.arange(rows * cols // 16).remainder(256).to(torch.uint8).view(torch.float8_e4m3fn)
     block_scales = block_scales.reshape(rows, cols // 16)
-    tiled = packed_dequant.swizzle_block_scales(block_scales)
+    tiled = swizzle_block_scales(block_scales)
     scale2 = torch.tensor(tensor_scale)
     got = packed_dequant.dequantize_nvfp4(packed, tiled, scale2, DTYPES[dtype])
     with numba_unavailable():
@@ -130,15 +131,15 @@ def test_without_numba_the_torch_path_runs_and_says_so(caplog, monkeypatch):
     the torch path steps through many chunks."""
     qtype, shape = Q.Q4_K, (10, 512)
     raw = _edge_blocks(qtype, seed=1)[:10]
-    monkeypatch.setitem(steps.CHUNK_VALUES, "cpu", 3 * 256)
+    monkeypatch.setitem(kernels.CHUNK_VALUES, "cpu", 3 * 256)
     with np.errstate(all="ignore"):
         want = torch.from_numpy(gguf.quants.dequantize(raw, qtype).reshape(shape))
-    with numba_unavailable(), caplog.at_level(logging.WARNING, logger=compiled.__name__):
-        assert compiled.path("cpu", torch.float16) == "torch"
+    with numba_unavailable(), caplog.at_level(logging.WARNING, logger=kernels.__name__):
+        assert kernels.path("cpu", torch.float16) == "torch"
         _same(dequantize(torch.from_numpy(raw), qtype, shape, torch.float32), want)
         _same(dequantize(torch.from_numpy(raw), qtype, shape, torch.float16), want.half())
     assert caplog.text.count("need numba") == 1
-    assert compiled.path("cpu", torch.float16) == "numba"  # back once numba can be imported
+    assert kernels.path("cpu", torch.float16) == "numba"  # back once numba can be imported
 
 
 @pytest.mark.parametrize("dtype", ("float16", "bfloat16"))
@@ -151,7 +152,7 @@ def test_the_kernels_cast_as_torch_does(dtype):
     low = torch.cat([mantissas, ties - 1, ties, ties + 1]) & 0x7FFFFF
     values = (high[:, None] | low[None, :]).reshape(-1).to(torch.int32).view(torch.float32)
     got = torch.empty(values.shape, dtype=DTYPES[dtype])
-    compiled._kernels().convert(values.numpy(), got.view(compiled._VIEWS[got.dtype]).numpy())
+    kernels.numba_ops().convert(values.numpy(), got.view(kernels.VIEWS[got.dtype]).numpy())
     _same(got, values.to(DTYPES[dtype]))
 
 
@@ -163,10 +164,10 @@ def test_without_the_cpus_fp16_instruction_the_kernels_convert_by_ops():
         import gguf, numpy as np, torch
         from gguf import GGMLQuantizationType as Q
         from comfyui_flux2dev.devtools.tiny.gguf_blocks import random_blocks
-        from comfyui_flux2dev.loaders.formats import compiled
-        from comfyui_flux2dev.loaders.formats.gguf_dequant import dequantize
+        from comfyui_flux2dev.loaders.formats import kernels
+        from comfyui_flux2dev.loaders.formats.gguf_types import dequantize
 
-        assert not compiled._kernels().HARDWARE_FP16 and compiled.path("cpu", torch.float16) == "numba"
+        assert not kernels.numba_ops().HARDWARE_FP16 and kernels.path("cpu", torch.float16) == "numba"
         raw = random_blocks(Q.Q6_K, (64, 1024), np.random.default_rng(0))
         with np.errstate(all="ignore"):
             want = gguf.quants.dequantize(raw, Q.Q6_K).astype(np.float16)
@@ -182,16 +183,15 @@ def test_without_the_cpus_fp16_instruction_the_kernels_convert_by_ops():
 def test_a_conversion_unlike_torch_keeps_the_torch_path(caplog, monkeypatch):
     """The once-per-process check of the kernels' fp16 cast: where it disagrees with torch's (here: made to),
     fp16 stays on the torch path, with a warning, and other dtypes keep the kernels."""
-    kernels = compiled._kernels()
-    compiled._converts.cache_clear()
-    monkeypatch.setattr(kernels, "convert", lambda values, out: out.fill(0))
+    kernels._converts.cache_clear()
+    monkeypatch.setattr(kernels.numba_ops(), "convert", lambda values, out: out.fill(0))
     try:
-        with caplog.at_level(logging.WARNING, logger=compiled.__name__):
-            assert compiled.path("cpu", torch.float16) == "torch"
+        with caplog.at_level(logging.WARNING, logger=kernels.__name__):
+            assert kernels.path("cpu", torch.float16) == "torch"
         assert "unlike torch" in caplog.text
-        assert compiled.path("cpu", torch.float32) == "numba"
+        assert kernels.path("cpu", torch.float32) == "numba"
     finally:
-        compiled._converts.cache_clear()
+        kernels._converts.cache_clear()
 
 
 def test_several_threads_give_the_same_bits(monkeypatch):
@@ -201,7 +201,7 @@ def test_several_threads_give_the_same_bits(monkeypatch):
     raw = torch.from_numpy(_edge_blocks(qtype, seed=2)[:37])
     weight, scale = _fp8_cases(torch.float8_e4m3fn, per_row=True)
     packed = torch.randint(0, 256, (133, 64), dtype=torch.uint8, generator=torch.Generator().manual_seed(5))
-    tiled = packed_dequant.swizzle_block_scales(
+    tiled = swizzle_block_scales(
         torch.rand(133, 8, generator=torch.Generator().manual_seed(6)).to(torch.float8_e4m3fn))
 
     def everything():
@@ -209,19 +209,20 @@ def test_several_threads_give_the_same_bits(monkeypatch):
                 packed_dequant.dequantize_fp8(weight, scale, torch.bfloat16),
                 packed_dequant.dequantize_nvfp4(packed, tiled, torch.tensor(0.5), torch.float32))
 
-    monkeypatch.setattr(compiled, "cpu_threads", lambda: 1)
+    monkeypatch.setattr(kernels, "cpu_threads", lambda: 1)
     one = everything()
-    monkeypatch.setattr(compiled, "cpu_threads", lambda: 3)
+    monkeypatch.setattr(kernels, "cpu_threads", lambda: 3)
     for got, want in zip(everything(), one):
         _same(got, want)
 
 
 @pytest.mark.parametrize("name", ("Q8_0", "Q5_1", "Q5_0", "Q4_1", "Q4_0"))
 def test_the_vector_quantizers_equal_their_plain_loops(name):
-    """The hand-written vector code (the intrinsics in numba_kernels.py) against the same kernel with plain numba
-    loops in its place, on the quantizer tests' weights and edge blocks, and on blocks it refuses (its answer)."""
-    kernels = compiled._kernels()
-    vector, loops = kernels.QUANTIZE[name], kernels.LOOP_QUANTIZE[name]
+    """The hand-written vector code (numba_ops.py) against the same kernel with the plain loops it replaces
+    (gguf_legacy's block ops), on the quantizer tests' weights and edge blocks, and on blocks it refuses (its
+    answer)."""
+    code = BY_TYPE[Q[name]].write_kernel
+    vector, loops = kernels.compiled(code), kernels.compiled(code, vector=False)
     refused = np.full((3, 32), 0.5, np.float32)
     refused[0, 3], refused[1, 7], refused[2, 31] = np.nan, -np.inf, 70000.0
     cases = [*((case, values) for case, values in quantization_cases(Q[name]) if case != "many-chunks"),
@@ -233,7 +234,7 @@ def test_the_vector_quantizers_equal_their_plain_loops(name):
         fits = vector(blocks, got)
         assert fits == loops(blocks, want), case
         assert not fits or np.array_equal(got, want), case
-    assert set(kernels.LOOP_QUANTIZE) == set(kernels.QUANTIZE) - {"F16", "BF16"}
+    assert {row.name for row in gguf_legacy.ROWS if row.write_kernel} == {"Q8_0", "Q5_1", "Q5_0", "Q4_1", "Q4_0"}
 
 
 def test_sizes_are_checked_before_any_kernel_reads():
@@ -247,24 +248,24 @@ def test_sizes_are_checked_before_any_kernel_reads():
 
 
 _EVERY_KERNEL_ONCE = """
-    import json, numba, torch
-    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType as Q
-    from comfyui_flux2dev.loaders.formats import compiled, gguf_quant, packed_dequant
-    from comfyui_flux2dev.loaders.formats.gguf_dequant import dequantize
-    GGUF, QUANTIZE = compiled._kernels().GGUF, compiled._kernels().QUANTIZE
-    for name in GGUF:
-        block_size, type_size = GGML_QUANT_SIZES[Q[name]]
+    import json, torch
+    from comfyui_flux2dev.loaders.formats import kernels, packed_dequant
+    from comfyui_flux2dev.loaders.formats.gguf_types import TYPES, dequantize, quantize
+    for row in TYPES:
         for dtype in (torch.float32, torch.float16, torch.bfloat16):
-            dequantize(torch.zeros(2, type_size, dtype=torch.uint8), Q[name], (2 * block_size,), dtype)
-    for name in QUANTIZE:
+            if row.read_kernel:
+                dequantize(torch.zeros(2, row.block_bytes, dtype=torch.uint8), row, (2 * row.block_values,), dtype)
         for dtype in (torch.float32, torch.bfloat16):
-            gguf_quant.quantize(torch.ones(2, 64, dtype=dtype), Q[name])
+            if row.write_kernel and row.writer == "gguf-py":
+                quantize(torch.ones(2, 64, dtype=dtype), row)
     packed_dequant.dequantize_fp8(torch.zeros(4, 8).to(torch.float8_e4m3fn), torch.ones(1), torch.float16)
-    kernels = compiled._kernels()
-    used = {k: v.stats for k, v in vars(kernels).items() if isinstance(v, numba.core.registry.CPUDispatcher)}
-    used |= {f"quantize {k}": v.stats for k, v in QUANTIZE.items()} \
-        | {f"dequantize {k}": v.stats for k, v in GGUF.items()}
-    print(json.dumps({k: [sum(s.cache_hits.values()), sum(s.cache_misses.values())] for k, s in used.items()}))
+    ops = kernels.numba_ops()
+    used = {"convert": ops.convert, "widen_bf16": ops.widen_bf16, "fp8": kernels._entry(packed_dequant._fp8_rows)}
+    used |= {f"quantize {row.name}": kernels._entry(row.write_kernel) for row in TYPES
+             if row.write_kernel and row.writer == "gguf-py"}
+    used |= {f"dequantize {row.name}": kernels._entry(row.read_kernel) for row in TYPES if row.read_kernel}
+    print(json.dumps({k: [sum(v.stats.cache_hits.values()), sum(v.stats.cache_misses.values())]
+                      for k, v in used.items()}))
 """
 
 

@@ -13,9 +13,8 @@ from gguf import GGMLQuantizationType as Q
 
 from comfyui_flux2dev.devtools.tiny.gguf_blocks import random_blocks
 from comfyui_flux2dev.errors import CorruptFileError, UnsupportedFormatError
-from comfyui_flux2dev.loaders.formats import gguf_dequant, steps
-from comfyui_flux2dev.loaders.formats.gguf_dequant import dequantize
-from comfyui_flux2dev.loaders.formats.gguf_types import READ_TYPES
+from comfyui_flux2dev.loaders.formats import gguf_types, kernels
+from comfyui_flux2dev.loaders.formats.gguf_types import READ_TYPES, dequantize
 from helpers import GGUF_FLOAT_TYPES, GGUF_QUANTIZED_TYPES
 
 # Types gguf-py can quantize: their test data is real quantizer output rather than random blocks.
@@ -75,7 +74,7 @@ def test_exact_against_gguf_numpy(qtype, shape, device):
 def test_chunk_boundaries(qtype, monkeypatch, device):
     """Tensors spanning many chunks, the last one partial, give the same values as one pass."""
     block_size = gguf.GGML_QUANT_SIZES[qtype][0]
-    monkeypatch.setitem(steps.CHUNK_VALUES, device.type, 3 * block_size)
+    monkeypatch.setitem(kernels.CHUNK_VALUES, device.type, 3 * block_size)
     shape = (10, 2 * 256)
     raw = _quantized(qtype, shape, seed=7)
     got = dequantize(torch.from_numpy(raw).to(device), qtype, shape, dtype=torch.float32)
@@ -104,8 +103,8 @@ def test_fallback_to_numpy_warns(caplog, device):
     values land on the device the bytes came from."""
     shape = (2, 256)
     raw = _tq2_blocks(shape)
-    gguf_dequant._warned.discard(Q.TQ2_0)
-    with caplog.at_level(logging.WARNING, logger=gguf_dequant.__name__):
+    gguf_types._warned.discard(Q.TQ2_0)
+    with caplog.at_level(logging.WARNING, logger=gguf_types.__name__):
         got = dequantize(torch.from_numpy(raw).to(device), Q.TQ2_0, shape, dtype=torch.float32)
     assert got.device.type == device.type
     _assert_bits_equal(got, _reference(raw, Q.TQ2_0, shape))

@@ -12,42 +12,42 @@ import torch
 from gguf import GGMLQuantizationType as Q
 
 from comfyui_flux2dev.errors import UnsupportedFormatError
-from comfyui_flux2dev.loaders.formats import compiled, quant_rows, steps
-from comfyui_flux2dev.loaders.formats.gguf_quant import quantize
-from comfyui_flux2dev.loaders.formats.gguf_types import LEGACY_TYPES, WRITE_TYPES
-from comfyui_flux2dev.loaders.formats.quant_rows import NotQuantizable
+from comfyui_flux2dev.loaders.formats import kernels
+from comfyui_flux2dev.loaders.formats.gguf_row import NotQuantizable
+from comfyui_flux2dev.loaders.formats.gguf_types import BY_TYPE, LEGACY_TYPES, WRITE_TYPES, quantize
 from helpers import quantizer_paths
 
 quantizer_path = quantizer_paths("torch", autouse=True)
 
 
 @pytest.mark.parametrize("qtype", [q for q in LEGACY_TYPES if q != Q.F32], ids=lambda q: q.name)
-def test_the_one_pass_kernels_run_for_float32_and_bfloat16_values(quantizer_path, qtype):
+def test_the_one_pass_kernels_run_for_float32_bfloat16_and_other_float_values(quantizer_path, qtype):
+    """float32 and bfloat16 values as they are, others converted to float32 a chunk at a time."""
     block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
     out = torch.empty(4, type_size, dtype=torch.uint8)
-    for dtype in (torch.float32, torch.bfloat16):
-        assert compiled.gguf_quantize(qtype.name, torch.ones(4, block_size, dtype=dtype), out) \
-            == (quantizer_path == "numba")
-    assert not compiled.gguf_quantize(qtype.name, torch.ones(4, block_size, dtype=torch.float16), out)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        assert kernels.quantize(BY_TYPE[qtype], torch.ones(4, block_size, dtype=dtype), out) \
+            is (True if quantizer_path == "numba" else None)
+
 
 def test_a_kernel_whose_conversion_is_unlike_torch_leaves_its_type_to_the_torch_path(quantizer_path, monkeypatch):
     """BF16 writes with the kernels' bfloat16 cast, the others with their fp16 cast: where one disagrees with
-    torch's on this machine (compiled._converts, here made to), the types that need it take the torch path."""
-    monkeypatch.setattr(compiled, "_converts", lambda dtype: dtype != torch.bfloat16)
+    torch's on this machine (kernels._converts, here made to), the types that need it take the torch path."""
+    monkeypatch.setattr(kernels, "_converts", lambda dtype: dtype != torch.bfloat16)
     values = torch.randn(4, 64)
-    assert not compiled.gguf_quantize("BF16", values.view(-1, 1), torch.empty(256, 2, dtype=torch.uint8))
-    assert compiled.gguf_quantize("F16", values.view(-1, 1), torch.empty(256, 2, dtype=torch.uint8)) \
-        == (quantizer_path == "numba")
+    assert kernels.quantize(BY_TYPE[Q.BF16], values.view(-1, 1), torch.empty(256, 2, dtype=torch.uint8)) is None
+    assert kernels.quantize(BY_TYPE[Q.F16], values.view(-1, 1), torch.empty(256, 2, dtype=torch.uint8)) \
+        is (True if quantizer_path == "numba" else None)
     want = gguf.quants.quantize(values.numpy(), Q.BF16).view(np.uint8)
     assert np.array_equal(quantize(values, Q.BF16).numpy(), want.reshape(4, 128))
 
 
 def test_the_writer_table_holds_the_types_convert_offers():
-    """The writer's table is the GGUF types convert's --type choices write (loaders.convert.WRITTEN_TYPES, which the
-    docs list, a test in tests/pack checks; the K presets' types) and F32, which small tensors stay in."""
-    from comfyui_flux2dev.loaders.convert import K_PRESETS, WRITTEN_TYPES
+    """The writer's table is the GGUF types convert's --type choices write (loaders.convert.presets.written_types(),
+    which the docs list, a test in tests/pack checks; the K presets' types) and F32, which small tensors stay in."""
+    from comfyui_flux2dev.loaders.convert.presets import K_PRESETS, written_types
 
-    used = {*(t for t in WRITTEN_TYPES if t not in K_PRESETS), *(t for pair in K_PRESETS.values() for t in pair)}
+    used = {*(t for t in written_types() if t not in K_PRESETS), *(t for pair in K_PRESETS.values() for t in pair)}
     assert sorted(q.name for q in WRITE_TYPES) == sorted({*used, "F32"})
     with pytest.raises(UnsupportedFormatError, match="not IQ4_NL"):
         quantize(torch.zeros(1, 256), Q.IQ4_NL)
@@ -93,17 +93,17 @@ def quantization_cases(qtype):
     yield "bf16-valued", torch.from_numpy(rng.standard_normal((257, 96)).astype(np.float32)).bfloat16().float().numpy()
     yield "edges", _edge_blocks(qtype)
     # every side of float16's and bfloat16's rounding ties and range limits (subnormals too), as far as they fit
-    edges = compiled._edge_values()
+    edges = kernels._edge_values()
     edges = edges[np.isfinite(edges) & (np.abs(edges) <= 65504)]
     yield "conversion-edges", np.resize(edges, (-(-edges.size // 32), 32))
-    yield "many-chunks", rng.standard_normal((steps.CHUNK_VALUES["cpu"] // 512 * 3 + 7, 512)).astype(np.float32)
+    yield "many-chunks", rng.standard_normal((kernels.CHUNK_VALUES["cpu"] // 512 * 3 + 7, 512)).astype(np.float32)
 
 
 @pytest.mark.parametrize("qtype", LEGACY_TYPES, ids=lambda q: q.name)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_bytes_equal_the_reference(qtype, dtype, monkeypatch):
     """float32 values, and the same values rounded to bfloat16 (what most sources hold), read as they are."""
-    monkeypatch.setitem(steps.CHUNK_VALUES, "cpu", 1 << 18)  # many-chunks: three chunks and a part, in a test's time
+    monkeypatch.setitem(kernels.CHUNK_VALUES, "cpu", 1 << 18)  # many-chunks: three chunks and a part, in a test's time
     for name, values in quantization_cases(qtype):
         if dtype == torch.bfloat16:  # 65504 rounds up to 65536: the largest bfloat16 float16 holds is 65280
             values = np.clip(values, -65280, 65280)
@@ -131,14 +131,14 @@ def test_low_precision_input_and_an_out_buffer(qtype):
     """bfloat16 values are widened exactly; `out` receives the same bytes as a new tensor."""
     values = torch.randn(40, 128).bfloat16()
     want = gguf.quants.quantize(values.float().numpy(), qtype).view(np.uint8)
-    out = torch.full((40, quant_rows.row_bytes(qtype, 128)), 0xAB, dtype=torch.uint8)
+    out = torch.full((40, BY_TYPE[qtype].row_bytes(128)), 0xAB, dtype=torch.uint8)
     assert quantize(values, qtype, out=out) is out
     assert np.array_equal(out.numpy(), want.reshape(out.shape))
 
 
 @pytest.mark.parametrize("qtype", LEGACY_TYPES, ids=lambda q: q.name)
 def test_an_out_buffer_of_another_shape_is_refused_untouched(qtype):
-    row = quant_rows.row_bytes(qtype, 128)
+    row = BY_TYPE[qtype].row_bytes(128)
     for shape in ((39, row), (40, row - 2), (41, row)):
         out = torch.full(shape, 0xAB, dtype=torch.uint8)
         with pytest.raises(ValueError, match="out must be"):
@@ -166,7 +166,7 @@ def test_values_that_are_not_finite_are_refused(qtype, dtype, bits):
 def test_values_beyond_float16_are_refused_where_a_float16_field_holds_them(qtype, dtype):
     values = torch.zeros(1, 64, dtype=dtype)
     values[0, 3] = -70000.0
-    if qtype in quant_rows.UNLIMITED:  # the writers' table of them, which must agree with the kernels
+    if not BY_TYPE[qtype].limited:  # the rows' word for them, which must agree with the kernels
         quantize(values, qtype)
         return
     with pytest.raises(NotQuantizable, match="beyond float16"):
@@ -176,7 +176,7 @@ def test_values_beyond_float16_are_refused_where_a_float16_field_holds_them(qtyp
 def test_rows_that_hold_no_whole_block_are_refused():
     with pytest.raises(ValueError, match="whole Q8_0 blocks of 32"):
         quantize(torch.zeros(2, 48), Q.Q8_0)
-    assert not quant_rows.fits(Q.Q4_0, (5, 48)) and quant_rows.fits(Q.Q4_0, (5, 64)) and quant_rows.fits(Q.F16, (3,))
+    assert not BY_TYPE[Q.Q4_0].fits((5, 48)) and BY_TYPE[Q.Q4_0].fits((5, 64)) and BY_TYPE[Q.F16].fits((3,))
 
 
 @pytest.mark.parametrize("qtype", LEGACY_TYPES, ids=lambda q: q.name)
@@ -186,7 +186,7 @@ def test_runs_of_blocks_on_several_threads_and_a_bad_value_in_the_last_block(qty
     a run at a time: the same bytes as gguf-py across runs, and a value that does not fit found in the last block."""
     values = torch.randn(37, 32 * 300, generator=torch.Generator().manual_seed(3)).to(dtype)
     want = gguf.quants.quantize(values.float().numpy(), qtype).view(np.uint8).reshape(37, -1)
-    monkeypatch.setattr(compiled, "cpu_threads", lambda: 3)
+    monkeypatch.setattr(kernels, "cpu_threads", lambda: 3)
     assert np.array_equal(quantize(values, qtype).numpy(), want)
     values[-1, -1] = float("inf")
     with pytest.raises(NotQuantizable, match="NaN or infinite"):

@@ -15,10 +15,9 @@ from gguf import GGMLQuantizationType as Q
 
 from comfyui_flux2dev.errors import UnsupportedFormatError
 from comfyui_flux2dev.loaders.convert.tensor_files import gguf_file
-from comfyui_flux2dev.loaders.formats import compiled, kquants, steps
-from comfyui_flux2dev.loaders.formats.gguf_types import BY_TYPE, K_TYPES
-from comfyui_flux2dev.loaders.formats.kquants import quantize
-from comfyui_flux2dev.loaders.formats.quant_rows import NotQuantizable, quantized_nbytes
+from comfyui_flux2dev.loaders.formats import gguf_types, kernels
+from comfyui_flux2dev.loaders.formats.gguf_row import NotQuantizable
+from comfyui_flux2dev.loaders.formats.gguf_types import BY_TYPE, K_TYPES, quantize
 from helpers import quantizer_paths, time_bound
 
 quantizer_path = quantizer_paths("python")
@@ -87,7 +86,7 @@ def test_bytes_equal_ggml(ggml, quantizer_path, qtype):
         bad = np.flatnonzero((got != want).any(axis=1))
         first = bad[0] if bad.size else None
         assert bad.size == 0, f"{name}: {bad.size} rows differ, first {first}: {got[first][:24]} != {want[first][:24]}"
-    assert compiled.kquant_path(qtype.name) == quantizer_path
+    assert kernels.write_path(BY_TYPE[qtype]) == quantizer_path
 
 
 @pytest.mark.parametrize("qtype", K_TYPES, ids=lambda q: q.name)
@@ -100,11 +99,11 @@ def test_bfloat16_values_are_quantized_as_their_float32_values(ggml, qtype):
 
 @pytest.mark.parametrize("qtype", K_TYPES, ids=lambda q: q.name)
 def test_chunks_and_threads_change_no_byte(qtype, monkeypatch):
-    """Rows are quantized a chunk at a time (steps.CHUNK_VALUES), each chunk in runs of blocks on several threads:
+    """Rows are quantized a chunk at a time (kernels.CHUNK_VALUES), each chunk in runs of blocks on several threads:
     chunks of three rows on three threads, and every row in one chunk on one thread, give the same bytes."""
     values = torch.randn(7, 512, generator=torch.Generator().manual_seed(6)).bfloat16()
     whole = quantize(values, qtype, threads=1)
-    monkeypatch.setitem(steps.CHUNK_VALUES, "cpu", 3 * 512)
+    monkeypatch.setitem(kernels.CHUNK_VALUES, "cpu", 3 * 512)
     assert torch.equal(quantize(values, qtype, threads=3), whole)
 
 
@@ -141,15 +140,15 @@ def test_values_beyond_float16_are_refused(qtype):
 def test_blocks_with_scales_float16_cannot_hold_are_refused(qtype, field):
     for at in BY_TYPE[qtype].scale_fields:
         blocks = np.zeros((3, gguf.GGML_QUANT_SIZES[qtype][1]), np.uint8)
-        kquants._check_scales(qtype, blocks)
+        gguf_types.check_scales(qtype, blocks)
         blocks[2, at : at + 2] = np.array([field], "<u2").view(np.uint8)
         with pytest.raises(NotQuantizable, match="scales are beyond float16"):
-            kquants._check_scales(qtype, blocks)
+            gguf_types.check_scales(qtype, blocks)
 
 
 def test_other_types_and_partial_blocks_are_refused():
-    with pytest.raises(UnsupportedFormatError, match="not Q8_0"):
-        quantize(torch.zeros(1, 256), Q.Q8_0)
+    with pytest.raises(UnsupportedFormatError, match="not IQ4_XS"):
+        quantize(torch.zeros(1, 256), Q.IQ4_XS)
     with pytest.raises(ValueError, match="whole Q6_K blocks"):
         quantize(torch.zeros(1, 384), Q.Q6_K)
 
@@ -159,9 +158,9 @@ def test_work_the_plain_path_would_take_minutes_on_is_refused_at_once(quantizer_
     Without numba a tensor or a conversion (its GGUF layout) like that is refused before any of it is quantized or
     written, saying what to install; with numba it goes ahead."""
     shape = (3072, 3072)
-    layout = {"w": (Q.Q4_K, shape, quantized_nbytes(Q.Q4_K, shape))}
+    layout = {"w": (Q.Q4_K, shape, BY_TYPE[Q.Q4_K].nbytes(shape))}
     if quantizer_path == "numba":
-        kquants.check_pace([(Q.Q4_K, shape)])
+        gguf_types.check_pace([(Q.Q4_K, shape)])
         gguf_file(io.BytesIO(), [], layout)
         return
     with time_bound(5):

@@ -18,7 +18,7 @@ from gguf import GGMLQuantizationType as Q
 
 from comfyui_flux2dev.devtools.tiny.gguf_blocks import random_blocks
 from comfyui_flux2dev.loaders.formats import packed_dequant, packing
-from comfyui_flux2dev.loaders.formats.gguf_dequant import FLOAT_TYPES
+from comfyui_flux2dev.loaders.formats.gguf_types import BY_TYPE
 from helpers import GGUF_FLOAT_TYPES, GGUF_QUANTIZED_TYPES
 
 META = torch.device("meta")
@@ -28,9 +28,9 @@ SHAPE = (256, 512)  # two NVFP4 scale tiles tall, two K-quant blocks wide
 def _gguf(name: str) -> tuple[dict, tuple[int, ...]]:
     """(stored weight and companions as the loaders keep them, the logical shape) of a GGUF weight: random blocks,
     or a float type's bytes."""
-    qtype = Q[name]
-    if qtype in FLOAT_TYPES:
-        values = torch.randn(SHAPE, generator=torch.Generator().manual_seed(0)).to(FLOAT_TYPES[qtype])
+    qtype, float_dtype = Q[name], BY_TYPE[Q[name]].float_dtype
+    if float_dtype:
+        values = torch.randn(SHAPE, generator=torch.Generator().manual_seed(0)).to(getattr(torch, float_dtype))
         raw = values.view(torch.uint8)
     else:
         raw = torch.from_numpy(random_blocks(qtype, SHAPE, np.random.default_rng(0)))
@@ -98,9 +98,9 @@ def _forget_what_was_made() -> None:
     """Drop what the dequantizers keep between calls (code books, index orders: their functools caches) and the
     CPU scratch buffer, so that the run under test makes them anew."""
     from comfyui_flux2dev.host import ops
-    from comfyui_flux2dev.loaders.formats import gguf_dequant, steps
+    from comfyui_flux2dev.loaders.formats import gguf_legacy, gguf_row, gguf_types
 
-    for module in (packed_dequant, gguf_dequant, steps):
+    for module in (packed_dequant, gguf_row, gguf_types, gguf_legacy):
         for value in vars(module).values():
             if callable(getattr(value, "cache_clear", None)):
                 value.cache_clear()

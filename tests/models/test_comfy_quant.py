@@ -275,4 +275,4 @@ def test_settings_a_format_cannot_have_are_refused(tmp_path, bases):
 
 
 def test_every_format_row_has_its_dequantizer():
-    assert set(packed_dequant.DEQUANTIZE) == {f.label for f in packing.FORMATS}
+    assert all(callable(f.dequantize) for f in packing.FORMATS)

@@ -1,4 +1,4 @@
-"""The bad-input matrix. Each bad input (tests/bad_files.py: the wrong kind of model for a
+"""The bad-input matrix. Each bad input (tests/pack/bad_files.py: the wrong kind of model for a
 loader, a folder without weights, half a sharded set, an index naming a file outside the model folder, an
 empty file, a folder named like a file, a symlink loop, odd file names, a FIFO) given to each loader, to
 `flux2dev inspect`'s reader and to the tokenizer ladder ends in the pack's own error type, whose message

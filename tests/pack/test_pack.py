@@ -119,12 +119,12 @@ def test_every_relative_link_in_the_readme_and_docs_points_at_a_file_and_heading
 
 def test_the_docs_list_the_types_convert_writes():
     """The README and the command line's page name `convert transformer --type`'s choices as the command has them."""
-    from comfyui_flux2dev.loaders.convert import WRITTEN_TYPES
+    from comfyui_flux2dev.loaders.convert.presets import written_types
 
     root = pathlib.Path(__file__).resolve().parents[2]
-    assert f"({', '.join(WRITTEN_TYPES)})" in (root / "README.md").read_text(encoding="utf-8")
+    assert f"({', '.join(written_types())})" in (root / "README.md").read_text(encoding="utf-8")
     page = (root / "docs" / "command-line.md").read_text(encoding="utf-8")
-    assert "--type " + "\\|".join(WRITTEN_TYPES) + " " in page  # a table cell: each | escaped
+    assert "--type " + "\\|".join(written_types()) + " " in page  # a table cell: each | escaped
 
 
 def test_the_readme_names_each_node_and_model_file_as_the_pack_has_them():

@@ -1,5 +1,5 @@
 """The tokenizer ladder, rung by rung, on real files made here, against an independent reference: the HF
-tokenizer transformers 4.57 builds from the same vocabulary (tests/tokenizer_reference.py, run in a
+tokenizer transformers 4.57 builds from the same vocabulary (tests/tokenizer/tokenizer_reference.py, run in a
 subprocess under .venv/oldest). Every test runs again on the oldest supported releases (transformers_matrix)."""
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 file (how Mistral-Small-3.1's tokenizer.json, the one BFL and diffusers load, was made), with the special
 tokens passed as strings (mistral-common 1.13 hands out dicts, which that function cannot key on).
 
-    python -P tests/tokenizer_reference.py TEKKEN_JSON CORPUS_JSONL OUT_DIR
+    python -P tests/tokenizer/tokenizer_reference.py TEKKEN_JSON CORPUS_JSONL OUT_DIR
 
 writes OUT_DIR/hf/ (the tokenizer saved by transformers) and OUT_DIR/reference.json (the ids)."""
 
