@@ -133,13 +133,18 @@ def dequantize_fp8(
 
 @jit(nogil=True)
 def _fp8_rows(codes, scales, out, book):
-    """out[r, c] = book[codes[r, c]] * scales[r] (scales of length 1: one for every row); book: fp8 byte -> float32."""
+    """out[r, c] = book[codes[r, c]] * scales[r] (scales of length 1: one for every row); book: fp8 byte -> float32.
+    A row's 256 possible values are made once in out's type, then each value is one lookup."""
     per_row = scales.shape[0] > 1
+    table = np.empty(256, out.dtype)
     for r in range(codes.shape[0]):
-        s = scales[r if per_row else 0]
+        if r == 0 or per_row:
+            s = scales[r if per_row else 0]
+            for b in range(256):
+                put(table, b, book[b] * s)
         c, o = codes[r], out[r]
         for k in range(c.shape[0]):
-            put(o, k, book[c[k]] * s)
+            o[k] = table[c[k]]
 
 
 def dequantize_nvfp4_layer(weight: torch.Tensor, companions: dict, dtype: torch.dtype, *,
@@ -218,18 +223,23 @@ def _nvfp4_rows(packed, tiled, tensor_scale, out, book, e2m1, first_row):
     """E2M1 value * (book[block scale] * tensor_scale[0]), the even element in the high nibble; the block scales in
     cuBLAS' 128x4 tiling (tiled: its bytes, [roundup(rows, 128) * roundup(blocks, 4)]), where row r and block c sit in
     tile (r // 128, c // 4) at (r % 32) * 16 + (r // 32 % 4) * 4 + c % 4. packed and out are the weight's rows from
-    first_row on."""
-    col_tiles = (packed.shape[1] // 8 + 3) // 4
+    first_row on. The 16 values of each of the 256 block scales are made once in out's type: a lookup per value."""
     ts = tensor_scale[0]
+    table = np.empty(256 * 16, out.dtype)
+    for b in range(256):
+        s = book[b] * ts
+        for q in range(16):
+            put(table, b * 16 + q, e2m1[q] * s)
+    col_tiles = (packed.shape[1] // 8 + 3) // 4
     for i in range(packed.shape[0]):
         p, o, r = packed[i], out[i], first_row + i
         row_at = (r >> 7) * col_tiles * 512 + (r & 31) * 16 + ((r >> 5) & 3) * 4
         for c in range(packed.shape[1] // 8):
-            s = book[tiled[row_at + (c >> 2) * 512 + (c & 3)]] * ts
+            at = np.int32(tiled[row_at + (c >> 2) * 512 + (c & 3)]) * 16
             for k in range(8):
                 q = np.int32(p[c * 8 + k])
-                put(o, c * 16 + 2 * k, e2m1[q >> 4] * s)
-                put(o, c * 16 + 2 * k + 1, e2m1[q & 15] * s)
+                o[c * 16 + 2 * k] = table[at + (q >> 4)]
+                o[c * 16 + 2 * k + 1] = table[at + (q & 15)]
 
 
 def _as_bytes_of(scales: torch.Tensor, dtype: torch.dtype, what: str) -> torch.Tensor:
