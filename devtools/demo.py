@@ -13,10 +13,12 @@ from ..host import COMFYUI_ROOT_ENV
 from ..tokenizers.prompt import PADDING_MODES
 from . import tiny
 from .headless import HeadlessComfy
+from .tiny.encoders import write_encoders
 from .tiny.geometry import test_models_env
 from .workflows import node, official_dev_graph
 
 DEMO_PARTS = ("text_encoders", "unet", "vae")
+DEMO_ENCODER = "mistral_3_small_flux2_bf16.safetensors"  # of the tiny encoders, the one the graph loads
 IMAGE_NAME = "flux2dev-demo.png"
 
 
@@ -24,7 +26,7 @@ def demo_graph(prompt: str) -> dict:
     return official_dev_graph(
         model=node("Flux2DevGGUFTransformerLoader", gguf_name="flux2-dev-tiny-Q4_K.gguf",
                    dequant_dtype="default", patch_dtype="float32"),
-        clip=node("Flux2DevEncoderLoader", encoder="mistral_3_small_flux2_bf16.safetensors",
+        clip=node("Flux2DevEncoderLoader", encoder=DEMO_ENCODER,
                   padding=PADDING_MODES[0], allow_network=False),
         vae=node("Flux2DevVAESource", vae="flux2-ae.safetensors"),
         prompt=prompt, width=256, height=256, steps=4, filename_prefix="flux2dev-demo",
@@ -36,7 +38,8 @@ def run_demo(out: Path, prompt: str) -> Path:
     if not root:
         raise HostError(f"The demo needs a ComfyUI tree: set {COMFYUI_ROOT_ENV}, or run it as `bash tests/run demo`.")
     models = out / "models"
-    tiny.write_all(models, parts=DEMO_PARTS)
+    tiny.write_all(models, parts=("unet", "vae"), manifest=False)
+    write_encoders(str(models / "text_encoders"), names=(DEMO_ENCODER,))
     with HeadlessComfy(root, models={part: [models / part] for part in DEMO_PARTS},
                        env=test_models_env(models)) as server:
         outputs = server.run(demo_graph(prompt))

@@ -16,7 +16,7 @@ PanicException), more than --cpu seconds of CPU, blocking (a hang without CPU us
 shards outside it. Inputs run in forked worker processes that live until one fails, so a hang or a blowup
 never takes the harness down.
 
-    python -m comfyui_flux2dev.devtools fuzz                     # quick mode: 300 inputs per target (the tests')
+    python -m comfyui_flux2dev.devtools fuzz                     # quick mode: 100 inputs per target (the tests')
     python -m comfyui_flux2dev.devtools fuzz --long              # the campaign: 20,000 inputs per target
     python -m comfyui_flux2dev.devtools fuzz --target gguf-reader --seed 7 --index 123   # one input, traceback
 """

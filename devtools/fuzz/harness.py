@@ -28,7 +28,7 @@ from .files import FILE_KINDS, FileSpec, Gguf, JsonDoc, JsonLines, RawFile, Safe
 from .mutations import mutate_bytes, mutate_gguf, mutate_json, mutate_lines, mutate_safetensors
 from .targets import LADDER_TARGETS, TARGETS, Fixtures, Tree, target_trees
 
-QUICK_INPUTS = 300  # per target in the quick run (the tests run it with seed 0)
+QUICK_INPUTS = 100  # per target in the quick run (the tests run it with seed 0)
 LONG_INPUTS = 20000  # per target in the long campaign (`fuzz --long`), a developer's run
 # The regression corpus: by target, the seed-0 indices of inputs that once failed. Every run with seed 0 runs them
 # besides its own; an input the long campaign finds is fixed, then its index joins here.

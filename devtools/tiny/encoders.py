@@ -452,10 +452,12 @@ ENCODERS = (
 )
 
 
-def write_encoders(root: str) -> list[dict]:
-    """Every tiny encoder (ENCODERS) under root; manifest entries with paths relative to root."""
+def write_encoders(root: str, names: tuple[str, ...] | None = None) -> list[dict]:
+    """Every tiny encoder (ENCODERS), or those `names` names, under root; manifest entries with paths relative to
+    root."""
     os.makedirs(root, exist_ok=True)
-    for encoder in ENCODERS:
+    chosen = [e for e in ENCODERS if names is None or e.name in names]
+    for encoder in chosen:
         encoder.write(os.path.join(root, encoder.name))
     return [{"path": e.name, "kind": "encoder", "layout": e.layout, "variant": "dev", "format": e.format}
-            for e in ENCODERS]
+            for e in chosen]

@@ -101,9 +101,12 @@ def test_models_of_two_kinds_and_whole_pipelines_are_refused(tiny_root):
 # --- the figures, through the host -------------------------------------------------------------------------------
 
 
-def test_the_command_reports_identity_and_figures(comfy_host, pairs, tmp_path):
+def test_the_command_reports_identity_and_figures(comfy_host, pairs, tmp_path, capsys):
     """Through the command line as a user runs it: a copy gives cosine 1 and no difference for every prompt of a
-    prompts file; its fp8 conversion is close and not equal; two seeds are far apart at every timestep."""
+    prompts file; then in this process: its fp8 conversion is close and not equal; two seeds are far apart at every
+    timestep."""
+    from comfyui_flux2dev.cli import main
+
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text('"a red fox in the snow"\n"three cats on a sofa"\n')
     done = run_flux2dev("compare", *pairs["copy"], "--prompts", prompts, "--json")
@@ -114,13 +117,12 @@ def test_the_command_reports_identity_and_figures(comfy_host, pairs, tmp_path):
     assert all(r["cosine"] == pytest.approx(1.0, abs=1e-12) and r["rel_l2"] == 0 and r["max_abs"] == 0
                for r in report["parity"]["rows"])
 
-    done = run_flux2dev("compare", *pairs["fp8"])
-    assert done.returncode == 0, done.stderr
-    assert "identity: 61 identical, 210 B is a cast of A" in done.stdout and "worst: " in done.stdout
+    assert main(["compare", *map(str, pairs["fp8"])]) == 0
+    out = capsys.readouterr().out
+    assert "identity: 61 identical, 210 B is a cast of A" in out and "worst: " in out
 
-    done = run_flux2dev("compare", *pairs["seeds"], "--json")
-    assert done.returncode == 0, done.stderr
-    rows = json.loads(done.stdout)["parity"]["rows"]
+    assert main(["compare", *map(str, pairs["seeds"]), "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)["parity"]["rows"]
     assert [r["timestep"] for r in rows] == [0.9, 0.5, 0.1] \
         and all(r["cosine"] < 0.9 and r["rel_l2"] > 0.3 for r in rows)
 

@@ -141,7 +141,7 @@ def test_quantize_rows_are_exact_for_every_written_type_and_conversions_are_meas
 def test_vector_kernel_rows_set_each_block_kernel_beside_its_plain_loops(results):
     """Each legacy block type's one-pass kernel is measured beside the same kernel with plain loops, same bytes."""
     rows = results["vector_kernels"]
-    assert [r["type"] for r in rows] == ["Q8_0", "Q5_1", "Q5_0", "Q4_1", "Q4_0"]
+    assert sorted(r["type"] for r in rows) == ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]
     assert all(r["exact"] is True and _positive(r["vector_s"]) and _positive(r["loops_s"]) for r in rows), rows
     assert "plain numba loops" in bench.format_report(results)
 
@@ -173,8 +173,7 @@ def test_header_and_report(results):
 
 def test_upsampling_rows_run_the_pack_and_transformers_on_the_same_chat(results):
     u = results["upsampling"]
-    assert [r["name"] for r in u["rows"]] == ["pack bf16", "transformers bf16", "pack float32", "transformers float32",
-                                              "pack fp8", "pack GGUF Q4_0"]
+    assert [r["name"] for r in u["rows"]] == ["pack bf16", "transformers bf16", "pack fp8", "pack GGUF Q4_0"]
     assert len({r["prompt_tokens"] for r in u["rows"]}) == 1
     assert all(r["new_tokens"] == 8 and r["tokens_per_s"] > 0 and r["first_token_s"] > 0 for r in u["rows"])
     # the pack's rows against the machine's limits, measured in the same run
