@@ -185,6 +185,7 @@ def _convert_encoder(args) -> None:
     from .loaders.models.encoder import plan_encoder
 
     plan_encoder(args.path)  # the source refused from its headers, before torch is imported (planned again)
+    _check_type(args)
     if suffix == ".gguf":
         from .loaders.convert.encoder_gguf import convert_encoder_gguf
 
@@ -232,6 +233,7 @@ def _convert_transformer(args) -> None:
         from .host.lora_bake import LoraBake
 
         bake = LoraBake(args.loras)
+    _check_type(args)
     from .loaders.convert.transformer import convert_transformer
 
     with _progress("writing the transformer, tensors"):
@@ -413,18 +415,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 class _WrittenTypes:
-    """convert's --type choices: presets.written_types(), asked for (with torch, for the table of GGUF types) only
-    where a --type is given or a convert command's help is shown."""
+    """convert's --type names (presets.written_types()): they come from the table of GGUF types, which imports torch,
+    so the help lists them when shown and _check_type checks a --type after the torch-free refusals."""
 
-    def __contains__(self, name) -> bool:
+    def __str__(self) -> str:
         from .loaders.convert.presets import written_types
 
-        return name in written_types()
+        return ", ".join(written_types())
 
-    def __iter__(self):
-        from .loaders.convert.presets import written_types
 
-        return iter(written_types())
+def _check_type(args) -> None:
+    from .loaders.convert.presets import written_types
+
+    if args.type is not None and args.type not in written_types():
+        raise InputError(f"--type {args.type} is not a type convert writes; use one of {_WrittenTypes()}.")
 
 
 def _convert_commands(sub) -> None:
@@ -435,16 +439,16 @@ def _convert_commands(sub) -> None:
     p.add_argument("path", help="the encoder: any layout the encoder loader reads")
     p.add_argument("out", help="the .safetensors or .gguf file to write")
     p.add_argument("--dtype", choices=("bf16", "fp8"), help="of a .safetensors OUT (default bf16)")
-    p.add_argument("--type", choices=_WrittenTypes(), metavar="TYPE", help="of a .gguf OUT: %(choices)s; the "
-                   "llama.cpp preset (docs/convert.md lists each tensor's type)")
+    p.add_argument("--type", metavar="TYPE", help="of a .gguf OUT: %(written)s; the llama.cpp preset "
+                   "(docs/convert.md lists each tensor's type)").written = _WrittenTypes()
     p.add_argument("--force", action="store_true", help="replace what is at OUT (never written through a link)")
     p.set_defaults(run=_convert_encoder, command="convert encoder")
     p = kinds.add_parser("transformer", help="a transformer as GGUF, optionally with LoRAs baked in")
     p.add_argument("path", help="the transformer: a BFL file (bf16 or scaled fp8), a diffusers transformer folder or a "
                    "pipeline")
     p.add_argument("out", help="the .gguf file to write")
-    p.add_argument("--type", choices=_WrittenTypes(), metavar="TYPE", required=True,
-                   help="the type of the weights: %(choices)s (the README lists what stays unquantized)")
+    p.add_argument("--type", metavar="TYPE", required=True, help="the type of the weights: %(written)s (the README "
+                   "lists what stays unquantized)").written = _WrittenTypes()
     p.add_argument("--lora", action=_Lora, dest="loras", metavar="FILE",
                    help="a LoRA (.safetensors, in any layout the Load FLUX.2 LoRA node reads) baked in; repeat for "
                    "more (needs ComfyUI)")
