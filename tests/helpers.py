@@ -6,6 +6,7 @@ dequantizes."""
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 import signal
 import struct
@@ -91,6 +92,20 @@ def run_flux2dev(*args, env: dict | None = None, timeout: int = 600) -> subproce
     """The user's command, `flux2dev ARGS`, as a user runs it."""
     return subprocess.run([sys.executable, "-P", "-m", "comfyui_flux2dev.cli", *map(str, args)], capture_output=True,
                           text=True, timeout=timeout, env={**os.environ, **(env or {})})
+
+
+def flux2dev_here(*args) -> subprocess.CompletedProcess:
+    """`flux2dev ARGS` in this process: run_flux2dev's main and its output, without a fresh interpreter's start (for
+    commands whose checks do not depend on a fresh process)."""
+    from comfyui_flux2dev.cli import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            status = main([str(a) for a in args])
+        except SystemExit as e:
+            status = e.code
+    return subprocess.CompletedProcess(list(args), status, out.getvalue(), err.getvalue())
 
 
 def run_devtools(*args, env: dict | None = None, timeout: int = 1200) -> subprocess.CompletedProcess:

@@ -25,7 +25,7 @@ from cache_keys import key_of
 from comfyui_flux2dev.errors import CacheError, CorruptFileError
 from comfyui_flux2dev.loaders.cache import store as cc
 from comfyui_flux2dev.loaders.cache.store import TAG, ConditioningCache
-from helpers import DATA, restricted, run_flux2dev, run_python, time_bound
+from helpers import DATA, flux2dev_here, restricted, run_flux2dev, run_python, time_bound
 
 ENTRY_BYTES = 4096  # about what one small entry below takes
 
@@ -125,7 +125,7 @@ def test_relative_cache_names_stay_inside_the_user_folder(comfy_host, tmp_path):
 def test_max_size_refuses_what_is_not_a_positive_size_and_deletes_nothing(cache_dir, size):
     ConditioningCache(cache_dir).put(key_of("a"), _tensors())
     before = _snapshot(cache_dir)
-    out = run_flux2dev("cache", str(cache_dir), "--prune", f"--max-size={size}")
+    out = flux2dev_here("cache", str(cache_dir), "--prune", f"--max-size={size}")
     assert out.returncode == 2 and "is not a size" in out.stderr and "unexpectedly" not in out.stderr, out.stderr
     assert _snapshot(cache_dir) == before
 
@@ -135,7 +135,7 @@ def test_max_size_takes_a_number_with_an_optional_binary_unit(cache_dir, size, k
     cache = ConditioningCache(cache_dir)
     for k in (key_of("a"), key_of("b")):
         cache.put(k, _tensors())
-    out = run_flux2dev("cache", str(cache_dir), f"--max-size={size}", "--json")
+    out = flux2dev_here("cache", str(cache_dir), f"--max-size={size}", "--json")
     assert out.returncode == 0, out.stderr
     assert len(json.loads(out.stdout)["entries"]) == kept
 
@@ -145,7 +145,7 @@ def test_the_command_refuses_a_models_folder_and_changes_nothing(tmp_path):
     models.mkdir()
     _model_file(models / "mistral_3_small_flux2_bf16.safetensors")
     before = _snapshot(models)
-    out = run_flux2dev("cache", str(models), "--prune", "--max-size", "1")
+    out = flux2dev_here("cache", str(models), "--prune", "--max-size", "1")
     assert out.returncode == 2 and "did not write" in out.stderr
     assert _snapshot(models) == before
 
@@ -258,7 +258,7 @@ def test_special_files_at_the_cache_names_stop_no_eviction(cache_dir, tmp_path, 
         assert {p.name for p in reopened.evict(0)} == {reopened.path_of(k).name for k in keys}
         reopened.put(key_of("new"), _tensors())
         assert reopened.get(key_of("new")) is not None
-    out = run_flux2dev("cache", str(cache_dir), "--prune", "--json")
+        out = flux2dev_here("cache", str(cache_dir), "--prune", "--json")
     assert out.returncode == 0, out.stderr
     assert len(json.loads(out.stdout)["entries"]) == 1
 
@@ -384,7 +384,7 @@ def test_a_bad_prompts_file_is_refused_with_its_line_number(tekken_folder, tmp_p
     data, message = BAD_PROMPTS[case]
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_bytes(data)
-    out = run_flux2dev("tokenize", str(tekken_folder), "--prompts", str(prompts))
+    out = flux2dev_here("tokenize", str(tekken_folder), "--prompts", str(prompts))
     assert out.returncode == 2 and message in out.stderr, out.stderr
     assert "unexpectedly" not in out.stderr
 
@@ -405,7 +405,7 @@ def test_prompts_files_split_on_newlines_alone_with_a_byte_order_mark_allowed(te
     prompts.write_bytes(b"\xef\xbb\xbf" + "\n".join(json.dumps(p, ensure_ascii=False) for p in lines[:3]).encode()
                         + b"\n" + json.dumps(lines[3]).encode() + b"\r\n\n")
     assert read_prompts(prompts) == lines
-    out = run_flux2dev("tokenize", str(tekken_folder), "--prompts", str(prompts), "--json")
+    out = flux2dev_here("tokenize", str(tekken_folder), "--prompts", str(prompts), "--json")
     assert out.returncode == 0, out.stderr
     assert len(out.stdout.splitlines()) == 4
 
@@ -513,7 +513,7 @@ def test_listing_survives_stored_keys_of_the_wrong_types(cache_dir):
         text = json.dumps(odd)
         save_file(_tensors(), str(cache_dir / (hashlib.sha256(text.encode()).hexdigest() + ".safetensors")),
                   metadata={"flux2dev_key": text, "flux2dev_checksum": "x"})
-    out = run_flux2dev("cache", str(cache_dir), "--json")
+    out = flux2dev_here("cache", str(cache_dir), "--json")
     assert out.returncode == 0, out.stderr
     rows = json.loads(out.stdout)["entries"]
     assert len(rows) == 4 and sorted(r["tokens"] is None for r in rows) == [False, True, True, True]

@@ -194,6 +194,7 @@ def test_a_workflow_saved_before_the_new_titles_runs_unchanged(comfy_server):
 
 
 @pytest.mark.server
+@pytest.mark.one_host  # what `tiny --comfyui` writes; the examples run on every host (test_each_example_runs_...)
 def test_tiny_comfyui_writes_models_and_tiny_workflows_that_run_there(tmp_path):
     comfyui = tmp_path / "ComfyUI"
     own = comfyui / "models" / "text_encoders" / examples.ENCODER  # a user's file named like a tiny model
