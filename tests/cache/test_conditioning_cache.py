@@ -226,6 +226,7 @@ for prompt in sys.argv[3:]:
 """
 
 
+@pytest.mark.one_host  # the cache's files under two writers; the host's encode is checked on every host
 def test_two_processes_filling_one_cache_leave_only_valid_entries(comfy_host, encoder, tmp_path):
     cache = tmp_path / "cache"
     prompts = [f"prompt number {i}" for i in range(6)]

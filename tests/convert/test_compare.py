@@ -101,6 +101,7 @@ def test_models_of_two_kinds_and_whole_pipelines_are_refused(tiny_root):
 # --- the figures, through the host -------------------------------------------------------------------------------
 
 
+@pytest.mark.one_host  # the command's report; the host runs the models it compares in every host's model tests
 def test_the_command_reports_identity_and_figures(comfy_host, pairs, tmp_path, capsys):
     """Through the command line as a user runs it: a copy gives cosine 1 and no difference for every prompt of a
     prompts file; then in this process: its fp8 conversion is close and not equal; two seeds are far apart at every

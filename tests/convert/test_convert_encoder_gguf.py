@@ -199,6 +199,7 @@ def _cond(clip, prompt):
     return clip.encode_from_tokens(clip.tokenize(prompt), return_dict=True)["cond"]
 
 
+@pytest.mark.one_host  # the pack's dequantizers and un-permute; the host's encoder runs on every host in test_encoder
 @pytest.mark.parametrize("preset", PRESETS)
 def test_the_pack_gives_the_conditioning_of_the_round_tripped_weights(comfy_host, written, preset, tmp_path):
     """The pack's GGUF loader (its dequantizers, its un-permute from the stated head counts) against the same

@@ -151,11 +151,14 @@ def _swap(entries: list[Path]) -> None:
         f.write_bytes(other)
 
 
+def _garble(f: Path) -> None:
+    data = f.read_bytes()
+    f.write_bytes(data[: len(data) // 3] + bytes(b ^ 0x5A for b in data[len(data) // 3 :]))
+
+
 _DAMAGE = {
-    "garbled": lambda entries: [f.write_bytes(f.read_bytes()[: f.stat().st_size // 3]
-                                              + bytes(b ^ 0x5A for b in f.read_bytes()[f.stat().st_size // 3 :]))
-                                for f in entries],
-    "empty": lambda entries: [f.write_bytes(b"") for f in entries],
+    # every other entry garbled, the rest emptied: each process meets both
+    "garbled-or-emptied": lambda entries: [_garble(f) if i % 2 else f.write_bytes(b"") for i, f in enumerate(entries)],
     "swapped": _swap,
 }
 
