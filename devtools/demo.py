@@ -33,13 +33,19 @@ def demo_graph(prompt: str) -> dict:
     )
 
 
+def write_demo_models(models: Path) -> None:
+    """The tiny models the demo's graph loads (of the tiny encoders, its own alone); the manifest, written last, says
+    the folder is complete."""
+    write_encoders(str(models / "text_encoders"), names=(DEMO_ENCODER,))
+    tiny.write_all(models, parts=("unet", "vae"))
+
+
 def run_demo(out: Path, prompt: str) -> Path:
     root = os.environ.get(COMFYUI_ROOT_ENV)
     if not root:
         raise HostError(f"The demo needs a ComfyUI tree: set {COMFYUI_ROOT_ENV}, or run it as `bash tests/run demo`.")
     models = out / "models"
-    tiny.write_all(models, parts=("unet", "vae"), manifest=False)
-    write_encoders(str(models / "text_encoders"), names=(DEMO_ENCODER,))
+    write_demo_models(models)
     with HeadlessComfy(root, models={part: [models / part] for part in DEMO_PARTS},
                        env=test_models_env(models)) as server:
         outputs = server.run(demo_graph(prompt))

@@ -399,12 +399,12 @@ def sample_on_gpu(models: Path, log: Path) -> dict:
     (written there when missing); the server's log goes to `log`."""
     from ..host import COMFYUI_ROOT_ENV
     from . import tiny
-    from .demo import DEMO_PARTS
+    from .demo import DEMO_PARTS, write_demo_models
     from .headless import HeadlessComfy
     from .tiny.geometry import test_models_env
 
     if not (models / tiny.MANIFEST).is_file():
-        tiny.write_all(models, parts=DEMO_PARTS)
+        write_demo_models(models)
     with HeadlessComfy(os.environ[COMFYUI_ROOT_ENV], models={p: [models / p] for p in DEMO_PARTS},
                        env=test_models_env(models), gpu=True) as server:
         try:
