@@ -1,13 +1,9 @@
 """The K GGUF types, super-blocks of 256 values in sub-blocks with 4- to 8-bit scales (Q2_K to Q6_K), and IQ4_XS
 (IQ4's book in the same frame). Each is read in gguf-py's float32 operations, in torch and in the one-pass kernel; the
 Q*_K types are written as ggml writes them without an importance matrix (quantize_row_q*_K_ref of ggml-quants.c), by
-a port of its C that does every float operation as a float32 one in C's order, with ggml's own nearest_int, fp16
-conversions and byte truncations, so the bytes equal ggml's for any input. The searches of a block's groups run side
-by side, a group a lane of one scratch array, so that numba turns the loops over the lanes into vector instructions;
-where numba cannot run, the same code runs as plain Python (gguf_types.check_pace).
-
-Values that are not finite or beyond float16, and blocks whose fp16 scales came out infinite or NaN, are refused:
-ggml would write NaN scales or all-zero blocks, which load and then spoil every image."""
+a port of its C that does every float operation in float32 in C's order, so the bytes equal ggml's for any input. A
+block's groups are searched side by side, a group a lane of one scratch array, so that numba vectorizes the loops.
+Values not finite or beyond float16, and blocks whose fp16 scales came out infinite or NaN, are refused."""
 
 from __future__ import annotations
 
@@ -47,8 +43,7 @@ def _signed6(low: torch.Tensor, high: torch.Tensor) -> torch.Tensor:
 
 
 def _by_groups(groups: int):
-    """The `apply` of a type with `groups` scales a block: each group's values times its scale, less its min where
-    the type has one."""
+    """The `apply` of a type with `groups` scales a block: values times their scale, less their min where it has one."""
     def apply(v, dl, *ml):
         v = v.view(-1, groups, QK_K // groups).mul_(dl)
         if ml:
@@ -84,9 +79,7 @@ def _q3_k_codes(b):
 
 
 def _k4_scales(b):
-    """Q4_K/Q5_K: d and dmin, then eight 6-bit scales and mins packed into 12 bytes (three little-endian words: low
-    bits of the first four scales, of the first four mins, and the low nibbles of the last four of each with their top
-    bits in the first two words), as d * scale and dmin * min, [n, 8, 1] each; the headers transposed once into rows."""
+    """Q4_K/Q5_K: d * scale and dmin * min of each sub-block (as _k4_scale_min reads them), [n, 8, 1] each."""
     n = b.shape[0]
     head = torch.empty((4, n), dtype=torch.int32, device=b.device)
     head.copy_(b.view(torch.int32)[:, 0:4].t())
@@ -101,7 +94,6 @@ def _k4_scales(b):
         ),
         dim=1,
     )
-    # [2, n, 8]: d * scales and dmin * mins each contiguous
     scaled = torch.empty((2, n, 8), device=b.device)
     torch.mul(d_dmin.transpose(0, 1), sc_mn.view(torch.uint8).view(n, 2, 8).transpose(0, 1), out=scaled)
     return scaled[0].unsqueeze(-1), scaled[1].unsqueeze(-1)
@@ -352,8 +344,8 @@ def _clamp(v, low, high):
 
 @_ggml
 def _peaks(n, groups, x, s):
-    """Each group's values into the XS plane; its first value of the largest magnitude (0 where all are 0) in PEAK,
-    that magnitude in AMAX; w = x * x and wx = w * x in the WS and WX planes."""
+    """Each group's values, w = x * x and wx = w * x into their planes; its first value of the largest magnitude (0
+    where all are 0) in PEAK, that magnitude in AMAX."""
     for g in range(groups):
         s[_PEAK + g], s[_AMAX + g] = F32(0.0), F32(0.0)
     for i in range(n):
@@ -461,9 +453,7 @@ def _make_q3_quants(n, groups, nmax, x, L, scales, s):
 
 @_ggml
 def _make_qkx2_quants(n, groups, nmax, x, weights, L, scales, mins, rmin, rdelta, nstep, use_mad, s):
-    """make_qkx2_quants for `groups` groups of n values side by side, a lane each (group g: x[n * g:n * g + n] and the
-    same part of weights and L): its scale in scales[g], the min to subtract in mins[g], its codes 0..nmax in L; s is
-    the scratch (SCRATCH values)."""
+    """make_qkx2_quants for `groups` groups side by side, as make_qx_quants; the min to subtract in mins[g]."""
     for i in range(n):
         for g in range(groups):
             s[_XS + _LANES * i + g], s[_WS + _LANES * i + g] = x[n * g + i], weights[n * g + i]
@@ -540,20 +530,35 @@ def _pack_crumbs(o, at, L):
 
 
 @_ggml
+def _largest(values):
+    """The largest of `values`, 0 where none is above 0."""
+    top = F32(0.0)
+    for j in range(values.shape[0]):
+        if values[j] > top:
+            top = values[j]
+    return top
+
+
+@_ggml
+def _peak(scales):
+    """Q3_K and Q6_K: the first of 16 scales with the largest magnitude, and that magnitude (0, 0 where all are 0)."""
+    peak, magnitude = F32(0.0), F32(0.0)
+    for j in range(16):
+        if abs(scales[j]) > magnitude:
+            peak, magnitude = scales[j], abs(scales[j])
+    return peak, magnitude
+
+
+@_ggml
 def q2_k(blocks, out):
     L, weights, scratch = np.empty(QK_K, np.int32), np.empty(QK_K, np.float32), np.empty(SCRATCH, np.float32)
     scales, mins = np.empty(16, np.float32), np.empty(16, np.float32)
     for i in range(blocks.shape[0]):
         x, o = blocks[i], out[i]
-        max_scale, max_min = F32(0.0), F32(0.0)
         for k in range(QK_K):
             weights[k] = abs(x[k])
         _make_qkx2_quants(16, 16, 3, x, weights, L, scales, mins, F32(-0.5), F32(0.1), 15, True, scratch)
-        for j in range(16):
-            if scales[j] > max_scale:
-                max_scale = scales[j]
-            if mins[j] > max_min:
-                max_min = mins[j]
+        max_scale, max_min = _largest(scales), _largest(mins)
         if max_scale > F32(0.0):
             iscale = F32(15.0) / max_scale
             for j in range(16):
@@ -581,17 +586,6 @@ def q2_k(blocks, out):
 
 
 @_ggml
-def _peak(scales):
-    """Q3_K and Q6_K: the first of a block's 16 scales with the largest magnitude, and that magnitude (0, 0 where all
-    are 0)."""
-    peak, magnitude = F32(0.0), F32(0.0)
-    for j in range(16):
-        if abs(scales[j]) > magnitude:
-            peak, magnitude = scales[j], abs(scales[j])
-    return peak, magnitude
-
-
-@_ggml
 def q3_k(blocks, out):
     L, scales, scratch = np.empty(QK_K, np.int32), np.empty(16, np.float32), np.empty(SCRATCH, np.float32)
     for i in range(blocks.shape[0]):
@@ -614,9 +608,7 @@ def q3_k(blocks, out):
         else:
             d = _put_fp16(o, 108, F32(0.0))
         for j in range(16):
-            sc = np.int32(o[96 + j]) & 15 if j < 8 else np.int32(o[96 + j - 8]) >> 4
-            sc = (sc | (((np.int32(o[104 + j % 4]) >> (2 * (j // 4))) & 3) << 4)) - 32
-            dj = d * F32(sc)
+            dj = _q3_k_scale(o, j, d)
             if dj == F32(0.0):
                 continue
             for ii in range(16):
@@ -633,9 +625,7 @@ def q3_k(blocks, out):
 
 @_ggml
 def _q45_search(blocks, i, nmax, rmin, nstep, values, weights, L, scales, mins, scratch):
-    """Q4_K and Q5_K's searches of blocks i and i + 1 side by side (16 groups of 32 values: a lane each), or of block
-    i twice where it is the last: the values and their weights in `values` and `weights` [512], the scales and mins
-    in scales[16] and mins[16] (block i's first), the codes in L[512]."""
+    """Q4_K and Q5_K's searches of blocks i and i + 1 (or i twice, the last) side by side, block i's results first."""
     for h in range(2):
         x = blocks[min(i + h, blocks.shape[0] - 1)]
         for j in range(8):
@@ -652,12 +642,7 @@ def _q45_search(blocks, i, nmax, rmin, nstep, values, weights, L, scales, mins, 
 @_ggml
 def _q45_k(x, o, nmax, L, scales, mins):
     """Q4_K and Q5_K's common part once searched: d, dmin and the 6-bit scales and mins at o[0:16], the codes in L."""
-    max_scale, max_min = F32(0.0), F32(0.0)
-    for j in range(8):
-        if scales[j] > max_scale:
-            max_scale = scales[j]
-        if mins[j] > max_min:
-            max_min = mins[j]
+    max_scale, max_min = _largest(scales), _largest(mins)
     inv_scale = F32(63.0) / max_scale if max_scale > F32(0.0) else F32(0.0)
     inv_min = F32(63.0) / max_min if max_min > F32(0.0) else F32(0.0)
     for j in range(8):
@@ -672,24 +657,16 @@ def _q45_k(x, o, nmax, L, scales, mins):
     d = _put_fp16(o, 0, max_scale / F32(63.0))
     dmin = _put_fp16(o, 2, max_min / F32(63.0))
     for j in range(8):
-        if j < 4:  # get_scale_min_k4
-            sc, m = np.int32(o[4 + j]) & 63, np.int32(o[8 + j]) & 63
-        else:
-            sc = (np.int32(o[8 + j]) & 15) | ((np.int32(o[j]) >> 6) << 4)
-            m = (np.int32(o[8 + j]) >> 4) | ((np.int32(o[4 + j]) >> 6) << 4)
-        dj = d * F32(sc)
+        dj, dm = _k4_scale_min(o, j, d, dmin)
         if dj == F32(0.0):
             continue
-        dm = dmin * F32(m)
         for ii in range(32):
             L[32 * j + ii] = _clamp(_nearest_int((x[32 * j + ii] + dm) / dj), 0, nmax)
 
 
 @_ggml
 def _q45_kernel(blocks, out, nmax, rmin, nstep):
-    """Q4_K (nmax 15) and Q5_K (nmax 31): blocks searched two at a time (_q45_search), then each one's scales and codes
-    (_q45_k) and its code bytes: Q4_K's codes n + k and n + k + 32 (n = 0, 64, ...) as the low and high nibble of byte
-    16 + n / 2 + k; Q5_K's the same from byte 48, their fifth bits at bits n / 32 and n / 32 + 1 of qh byte 16 + k."""
+    """Q4_K (nmax 15) and Q5_K (nmax 31): blocks searched two at a time, then written one by one, as _k4 reads them."""
     codes, values = np.empty(2 * QK_K, np.int32), np.empty(2 * QK_K, np.float32)
     weights = np.empty(2 * QK_K, np.float32)
     scales, mins, scratch = np.empty(16, np.float32), np.empty(16, np.float32), np.empty(SCRATCH, np.float32)
@@ -752,8 +729,7 @@ def q6_k(blocks, out):
 
 
 def _checked(quantize, scale_fields: tuple[int, ...]):
-    """A quantizer of the port that refuses (False) blocks holding a value that is not finite or beyond float16, and
-    blocks whose written fp16 scales came out infinite or NaN."""
+    """The port's quantizer, False at a value not finite or beyond float16, or an fp16 scale written infinite or NaN."""
     @_ggml
     def checked(x, o):
         for i in range(x.shape[0]):
