@@ -1,9 +1,9 @@
 """The legacy GGUF types, blocks of 32 values with one fp16 scale (and a minimum in the _1 types): Q8_0, Q4_0, Q4_1,
 Q5_0, Q5_1, and IQ4_NL (4-bit codes through a non-linear book). Each is read in gguf-py's float32 operations, in
 torch and in the one-pass kernel; the first five are written as gguf.quants.quantize writes them, in the kernel and in
-torch, but for a zero minimum or maximum, written +0 (numpy's give either sign, by lane order), and a block whose
-inverse scale overflows, whose codes are 0 (any decode to 0 under its scale of 0). Values that are not finite or
-beyond float16 are refused: the reference would write NaN scales or infinities that spoil every image."""
+torch, but for a zero minimum or maximum, written +0 (numpy's give either sign), and a block whose inverse scale
+overflows, whose codes are 0 (they decode to 0 all the same). Values that are not finite or beyond float16 are
+refused: the reference would write NaN scales or infinities that spoil every image."""
 
 from __future__ import annotations
 
@@ -63,19 +63,22 @@ def _spread16(device: torch.device) -> torch.Tensor:
     return torch.from_numpy((bit << 4).astype(np.uint8).view(np.int64).reshape(256)).to(device)
 
 
-def _fifth_bits(qh: torch.Tensor) -> torch.Tensor:
-    """Q5_0/Q5_1's 32-bit high-bit field [n, 4] as int64 words [n, 4] holding 16 where the bit is set."""
-    return torch.index_select(_spread16(qh.device), 0, qh.reshape(-1).to(torch.int32)).view(qh.shape[0], 4)
+def _nibble_codes(at: int, offset: int, fifth_at: int = 0):
+    """Q4_0/Q4_1/Q5_0/Q5_1's codes: the nibbles from byte `at`, with the fifth bits of the 32-bit field at `fifth_at`
+    where it is given, less `offset` (then as int8)."""
+    def codes(b):
+        q = unpack(b[:, at : at + 16], 1, NIBBLES, 15)
+        if fifth_at:
+            qh = b[:, fifth_at : fifth_at + 4].reshape(-1).to(torch.int32)
+            q = q.view(-1, 4).bitwise_or_(torch.index_select(_spread16(b.device), 0, qh).view(-1, 4))
+        return as_bytes(q).sub_(offset).view(torch.int8) if offset else as_bytes(q)
 
-
-def _q5_codes(b, qh: int, qs: int):
-    return unpack(b[:, qs : qs + 16], 1, NIBBLES, 15).view(-1, 4).bitwise_or_(_fifth_bits(b[:, qh : qh + 4]))
+    return codes
 
 
 def iq4_pair_codes(qs: torch.Tensor) -> torch.Tensor:
     """IQ4 bytes [n, 16 * k] (k runs of 32 values: low nibbles first, then high ones) as the int32 index, first |
-    second << 4, of every pair of neighbouring values in value order: for the int16 word of bytes 2i and 2i+1, their
-    low nibbles, then their high ones; four words at a time in an int64."""
+    second << 4, of every pair of neighbouring values in value order, four int16 words at a time in an int64."""
     n, short_lanes = qs.shape[0], 0x0001000100010001
     packed = words(qs, torch.int64).view(n, -1, 2)
     low, high = 0x000F * short_lanes, 0x00F0 * short_lanes
@@ -88,22 +91,6 @@ def iq4_pair_codes(qs: torch.Tensor) -> torch.Tensor:
 
 def _q8_0_codes(b):
     return b[:, 2:].view(torch.int8)
-
-
-def _q4_0_codes(b):
-    return as_bytes(unpack(b[:, 2:18], 1, NIBBLES, 15)).sub_(8).view(torch.int8)
-
-
-def _q4_1_codes(b):
-    return as_bytes(unpack(b[:, 4:20], 1, NIBBLES, 15))
-
-
-def _q5_0_codes(b):
-    return as_bytes(_q5_codes(b, 2, 6)).sub_(16).view(torch.int8)
-
-
-def _q5_1_codes(b):
-    return as_bytes(_q5_codes(b, 4, 8))
 
 
 def _iq4_nl_codes(b):
@@ -168,8 +155,7 @@ def _q5_1(b, o, w, halves):
         put(o, 16 + k, d * F32((q >> 4) | _bit16(qh, 16 + k)) + m)
 
 
-# The IQ4 book as two int64 words of eight int8 values each: shifts pick a code's byte, and vectorize (a lookup would
-# be a gather).
+# The IQ4 book as two int64 words of eight int8 values each: a shift picks a code's byte, and vectorizes (not a gather)
 _IQ4_WORDS = tuple(int(w) for w in np.array(IQ4_VALUES, np.int8).view(np.int64))
 
 
@@ -190,14 +176,12 @@ def _iq4_nl(b, o, w, halves):
 
 
 # --- writing, in torch ----------------------------------------------------------------------------------------
-# Each works on a chunk of blocks in a gguf_row.Scratch's buffers, in few passes: the blocks' maximum and minimum serve
-# the checks and the scales, truncation is a cast (through int8: torch's cast to uint8 is not vectorised), and each
-# returns a block's fields as bytes, in the order of ggml's block_* structs.
+# Each works on a chunk of blocks in a Scratch's buffers and returns a block's fields as bytes, in the order of ggml's
+# block_* structs; truncation is a cast (through int8: torch's cast to uint8 is not vectorised).
 
 
 def _range(b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each block's maximum and minimum ([n, 1]), the chunk refused first where a value is not finite or beyond
-    float16 (NaN spreads into the maximum)."""
+    """Each block's maximum and minimum ([n, 1]), once the chunk's values are checked (NaN spreads into the maximum)."""
     high, low = b.amax(dim=1, keepdim=True), b.amin(dim=1, keepdim=True)
     check_peak(max(high.max().item(), -low.min().item()), limited=True)
     return high, low
@@ -223,7 +207,7 @@ def _zeroed(q: torch.Tensor, overflowed: torch.Tensor | None) -> torch.Tensor:
 
 def _signed_max(b: torch.Tensor, high: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
     """Per block, the value of largest magnitude with its sign, [n, 1]; on a tie of +m and -m the first (numpy's
-    argmax), found on the tied blocks alone."""
+    argmax)."""
     signed = torch.where(high >= -low, high, low)
     tied = (high == -low).view(-1).nonzero().view(-1)
     if tied.numel():
@@ -243,7 +227,7 @@ def _codes(s, values: torch.Tensor, scale: torch.Tensor, offset: float, top: int
 
 def _nibbles(q: torch.Tensor, masked: bool) -> torch.Tensor:
     """32 codes per block as 16 bytes: the first 16 in the low nibbles, the last 16 in the high ones (fifth bits
-    masked off), eight codes at a time as int64 words."""
+    masked off)."""
     low, high = q.view(torch.int64)[:, :2], q.view(torch.int64)[:, 2:]
     if masked:
         low, high = low & 0x0F * BYTE_LANES, high & 0x0F * BYTE_LANES
@@ -276,59 +260,46 @@ def _write_q8_0(b: torch.Tensor, s) -> list[torch.Tensor]:
     return [_half_bytes(d), _zeroed(q, overflowed).view(torch.uint8)]
 
 
-def _write_signed(half: int):
-    """Q4_0 (half 8) or Q5_0 (half 16): d = the first value of largest magnitude / -half, codes trunc(x / d + half +
-    0.5) up to 2 half - 1; Q5_0's fifth bits between d and the code bytes."""
-    def write(b: torch.Tensor, s) -> list[torch.Tensor]:
-        d = _signed_max(b, *_range(b)).div_(-half)
-        q = _codes(s, b, d, half + 0.5, 2 * half - 1)
-        return [_half_bytes(d), *([_fifth_bit_field(q)] if half == 16 else []), _nibbles(q, masked=half == 16)]
+def _write_nibbles(top: int, minimum: bool):
+    """Codes up to `top` (15 or 31, with fifth bits between the header and the nibbles). Q4_0/Q5_0: d = the first value
+    of largest magnitude / -half (half = (top + 1) / 2), codes trunc(x / d + half + 0.5). Q4_1/Q5_1 (`minimum`):
+    d = (max - min) / top, m = min (a zero as +0), codes trunc((x - min) / d + 0.5)."""
+    half = (top + 1) // 2
 
-    return write
-
-
-def _write_min_max(levels: int):
-    """Q4_1 (levels 15) or Q5_1 (31): d = (max - min) / levels, m = min, codes trunc((x - min) / d + 0.5), laid out
-    as the signed types'. A zero minimum or maximum is +0."""
     def write(b: torch.Tensor, s) -> list[torch.Tensor]:
         high, low = _range(b)
-        high, low = high.add_(0.0), low.add_(0.0)
-        d = (high - low).div_(levels)
-        shifted = torch.sub(b, low, out=s.blocks(s.x, b.shape[0]))  # in place where x holds b
-        q = _codes(s, shifted, d, 0.5, levels)
-        fifth = [_fifth_bit_field(q)] if levels == 31 else []
-        return [_half_bytes(d), _half_bytes(low), *fifth, _nibbles(q, masked=levels == 31)]
+        if minimum:
+            high, low = high.add_(0.0), low.add_(0.0)
+            d = (high - low).div_(top)
+            shifted = torch.sub(b, low, out=s.blocks(s.x, b.shape[0]))  # in place where x holds b
+            q, header = _codes(s, shifted, d, 0.5, top), [_half_bytes(d), _half_bytes(low)]
+        else:
+            d = _signed_max(b, high, low).div_(-half)
+            q, header = _codes(s, b, d, half + 0.5, top), [_half_bytes(d)]
+        return [*header, *([_fifth_bit_field(q)] if top == 31 else []), _nibbles(q, masked=top == 31)]
 
     return write
 
 
 # --- writing, kernel code ---------------------------------------------------------------------------------------
-# Each kernel mirrors the torch functions above in float32 and returns False at a value that is not finite or beyond
-# float16. The four block ops below are plain loops: numba_ops.py's vector versions replace them in the fast build.
+# Each mirrors the torch functions above and returns False at a value not finite or beyond float16. The four block ops
+# below are plain loops: numba_ops.py's vector versions replace them in the fast build.
 
 
 @jit
-def _key(v):
-    """A float32's order key: its bits as int32, all but the sign flipped where it is set (-0 below +0, NaN beyond
-    the infinity of its sign)."""
-    k = np.int32(bits(v))
+def _flip(k):
+    """int32 float32 bits <-> order keys: all but the sign flipped where it is set (-0 below +0); its own inverse."""
     return k ^ ((k >> 31) & np.int32(0x7FFFFFFF))
-
-
-@jit
-def _value(key):
-    """The float32 of an order key (the flip is its own inverse)."""
-    return from_bits(np.uint32(key ^ ((key >> 31) & np.int32(0x7FFFFFFF))))
 
 
 @jit
 def block_range(x, i):
     """(block i's maximum, its minimum) as float32, found on the values' order keys."""
-    high = low = _key(x[i, 0])
+    high = low = _flip(np.int32(bits(x[i, 0])))
     for k in range(1, 32):
-        key = _key(x[i, k])
+        key = _flip(np.int32(bits(x[i, k])))
         high, low = max(high, key), min(low, key)
-    return _value(high), _value(low)
+    return from_bits(np.uint32(_flip(high))), from_bits(np.uint32(_flip(low)))
 
 
 @jit
@@ -343,9 +314,8 @@ def block_peak(x, i):
 
 @jit
 def put_codes(x, i, o, inverse, low, top, minimum, at, fifth_at):
-    """Block i's codes: trunc(x * inverse + (top + 1) / 2 + 0.5), or where they count from the `minimum`,
-    trunc((x - low) * inverse + 0.5), clipped to 0..top; code k in the low nibble of byte `at` + k of o[i], code
-    16 + k in its high nibble; where `fifth_at` (else 0), bit 4 of code k at bit k of the 32-bit field there."""
+    """Block i's codes, as _codes, _nibbles and _fifth_bit_field write them: from byte `at` of o[i], their fifth bits
+    at `fifth_at` (else 0); `minimum`: they count from `low`."""
     offset = F32(0.5) if minimum else F32((top + 1) // 2 + 0.5)
     fifth = U32(0)
     for k in range(16):
@@ -401,48 +371,32 @@ def _quantize_q8_0(x, o):
     return True
 
 
-def _signed_kernel(half: int, fifth_at: int, at: int):
-    """_write_signed's kernel, its codes at byte `at` (the fifth bits at `fifth_at`, else 0), compiled per type."""
-    top, divisor = 2 * half - 1, F32(-half)
+def _nibble_kernel(top: int, minimum: bool, fifth_at: int, at: int):
+    """_write_nibbles' kernel: codes at byte `at`, their fifth bits at `fifth_at` (else 0); compiled per type."""
+    levels, divisor, header = F32(top), F32(-(top + 1) // 2), 4 if minimum else 2
 
     @jit(nogil=True)
     def quantize(x, o):
         for i in range(x.shape[0]):
-            peak, lane = block_peak(x, i)
-            if peak > F16_MAX_BITS:
-                return False
-            d = x[i, lane] / divisor
+            if minimum:
+                high, low = block_range(x, i)
+                if max(magnitude(high), magnitude(low)) > F16_MAX_BITS:
+                    return False
+                high, low = high + F32(0.0), low + F32(0.0)  # a zero as +0
+                d = (high - low) / levels
+            else:
+                peak, lane = block_peak(x, i)
+                if peak > F16_MAX_BITS:
+                    return False
+                d, low = x[i, lane] / divisor, F32(0.0)
             _put_fp16(o, i, 0, d)
+            if minimum:
+                _put_fp16(o, i, 2, low)
             inverse = _inverse_of(d)
             if np.isinf(inverse):
-                _zero_codes(o, i, 2)
+                _zero_codes(o, i, header)
                 continue
-            put_codes(x, i, o, inverse, F32(0.0), top, False, at, fifth_at)
-        return True
-
-    return quantize
-
-
-def _min_max_kernel(top: int, fifth_at: int, at: int):
-    """_write_min_max's kernel."""
-    levels = F32(top)
-
-    @jit(nogil=True)
-    def quantize(x, o):
-        for i in range(x.shape[0]):
-            high, low = block_range(x, i)
-            # the larger magnitude of the two ends: above F16_MAX_BITS where any value is not finite or beyond fp16
-            if max(magnitude(high), magnitude(low)) > F16_MAX_BITS:
-                return False
-            high, low = high + F32(0.0), low + F32(0.0)  # a zero as +0
-            d = (high - low) / levels
-            _put_fp16(o, i, 0, d)
-            _put_fp16(o, i, 2, low)
-            inverse = _inverse_of(d)
-            if np.isinf(inverse):
-                _zero_codes(o, i, 4)
-                continue
-            put_codes(x, i, o, inverse, low, top, True, at, fifth_at)
+            put_codes(x, i, o, inverse, low, top, minimum, at, fifth_at)
         return True
 
     return quantize
@@ -451,16 +405,17 @@ def _min_max_kernel(top: int, fifth_at: int, at: int):
 ROWS = (
     GGUFType(Q.Q8_0, 32, 34, (0,), read=ReadSteps(_d, _q8_0_codes, times_d), read_kernel=block_reader(_q8_0, 1),
              writer="gguf-py", write_kernel=_quantize_q8_0, write_torch=_write_q8_0),
-    GGUFType(Q.Q4_0, 32, 18, (0,), read=ReadSteps(_d, _q4_0_codes, times_d), read_kernel=block_reader(_q4_0, 2),
-             writer="gguf-py", write_kernel=_signed_kernel(8, 0, 2), write_torch=_write_signed(8)),
-    GGUFType(Q.Q4_1, 32, 20, (0, 2), read=ReadSteps(_d_m, _q4_1_codes, _times_d_plus_m),
-             read_kernel=block_reader(_q4_1, 2), writer="gguf-py", write_kernel=_min_max_kernel(15, 0, 4),
-             write_torch=_write_min_max(15)),
-    GGUFType(Q.Q5_0, 32, 22, (0,), read=ReadSteps(_d, _q5_0_codes, times_d), read_kernel=block_reader(_q5_0, 2),
-             writer="gguf-py", write_kernel=_signed_kernel(16, 2, 6), write_torch=_write_signed(16)),
-    GGUFType(Q.Q5_1, 32, 24, (0, 2), read=ReadSteps(_d_m, _q5_1_codes, _times_d_plus_m),
-             read_kernel=block_reader(_q5_1, 2), writer="gguf-py", write_kernel=_min_max_kernel(31, 4, 8),
-             write_torch=_write_min_max(31)),
+    GGUFType(Q.Q4_0, 32, 18, (0,), read=ReadSteps(_d, _nibble_codes(2, 8), times_d), read_kernel=block_reader(_q4_0, 2),
+             writer="gguf-py", write_kernel=_nibble_kernel(15, False, 0, 2), write_torch=_write_nibbles(15, False)),
+    GGUFType(Q.Q4_1, 32, 20, (0, 2), read=ReadSteps(_d_m, _nibble_codes(4, 0), _times_d_plus_m),
+             read_kernel=block_reader(_q4_1, 2), writer="gguf-py", write_kernel=_nibble_kernel(15, True, 0, 4),
+             write_torch=_write_nibbles(15, True)),
+    GGUFType(Q.Q5_0, 32, 22, (0,), read=ReadSteps(_d, _nibble_codes(6, 16, 2), times_d),
+             read_kernel=block_reader(_q5_0, 2), writer="gguf-py", write_kernel=_nibble_kernel(31, False, 2, 6),
+             write_torch=_write_nibbles(31, False)),
+    GGUFType(Q.Q5_1, 32, 24, (0, 2), read=ReadSteps(_d_m, _nibble_codes(8, 0, 4), _times_d_plus_m),
+             read_kernel=block_reader(_q5_1, 2), writer="gguf-py", write_kernel=_nibble_kernel(31, True, 4, 8),
+             write_torch=_write_nibbles(31, True)),
     GGUFType(Q.IQ4_NL, 32, 18, (0,), read=ReadSteps(_d, _iq4_nl_codes, times_d, IQ4_VALUES),
              read_kernel=block_reader(_iq4_nl, 2)),
 )
