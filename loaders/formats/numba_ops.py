@@ -1,10 +1,8 @@
 """numba's side of the kernels: the ops the kernel code calls (gguf_row.py's, gguf_legacy.py's block ops), compiled for
-what they stand for: bit casts, the conversion of a float32 to the output dtype (`put`: the output array's type,
-float32, uint16 for fp16 bits or int16 for bfloat16 bits, picks it, rounding to nearest even as torch's cast), and a
-legacy block's 32 values worked on as one vector, in LLVM IR. kernels.py binds OPS over the plain versions of these
-names (the VECTOR ones only in the fast build) and runs `convert` and `widen_bf16`. No float operation is fused (no
-fast-math). The code trusts its indexes (kernels.py checks the sizes). Loaded by kernels.py alone, under a name of its
-own, so it imports nothing of the pack."""
+what they stand for: bit casts, the conversion of a float32 to the output dtype (`put`: the output array's type picks
+it, rounding to nearest even as torch's cast), and a legacy block's 32 values worked on as one vector, in LLVM IR.
+kernels.py binds OPS over the plain versions of these names (the VECTOR ones only in the fast build). No float
+operation is fused (no fast-math); indexes are trusted (kernels.py checks the sizes). It imports nothing of the pack."""
 
 from __future__ import annotations
 
@@ -22,8 +20,7 @@ _F32 = np.float32
 
 def _hardware_fp16() -> bool:
     """Whether the compiled code may convert float32 to fp16 with the CPU's own instruction: x86 with F16C (numba
-    compiles for the host CPU unless told another) or 64-bit ARM; elsewhere LLVM would call a runtime function the JIT
-    lacks."""
+    compiles for the host CPU unless told another) or 64-bit ARM; elsewhere LLVM would call a function the JIT lacks."""
     machine = platform.machine().lower()
     if machine in ("arm64", "aarch64"):
         return True
@@ -37,37 +34,31 @@ def _hardware_fp16() -> bool:
 HARDWARE_FP16 = _hardware_fp16()
 
 
-@intrinsic
-def _bits(typingctx, x):
-    """A float32's bits as uint32 (a bitcast)."""
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.IntType(32))
+def _cast(result, argument, build):
+    """An intrinsic that converts one value: build(builder, value) emits its IR."""
+    @intrinsic
+    def cast(typingctx, x):
+        def codegen(context, builder, signature, args):
+            return build(builder, args[0])
 
-    return types.uint32(types.float32), codegen
+        return result(argument), codegen
 
-
-@intrinsic
-def _from_bits(typingctx, x):
-    """uint32 bits as the float32 they encode (a bitcast)."""
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(args[0], ir.FloatType())
-
-    return types.float32(types.uint32), codegen
+    return cast
 
 
-@intrinsic
-def _fp16_by_cpu(typingctx, x):
-    """float32 -> fp16 bits by the CPU's conversion instruction (LLVM's fptrunc)."""
-    def codegen(context, builder, signature, args):
-        return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
-
-    return types.uint16(types.float32), codegen
+# A float32's bits as uint32 and back (bitcasts); float32 -> fp16 bits by the CPU's instruction (LLVM's fptrunc);
+# bfloat16 bits (int16) -> float32
+_bits = _cast(types.uint32, types.float32, lambda builder, x: builder.bitcast(x, ir.IntType(32)))
+_from_bits = _cast(types.float32, types.uint32, lambda builder, x: builder.bitcast(x, ir.FloatType()))
+_fp16_by_cpu = _cast(types.uint16, types.float32,
+                     lambda builder, x: builder.bitcast(builder.fptrunc(x, ir.HalfType()), ir.IntType(16)))
+_from_bf16 = _cast(types.float32, types.int16, lambda builder, x: builder.bitcast(
+    builder.shl(builder.zext(x, ir.IntType(32)), ir.Constant(ir.IntType(32), 16)), ir.FloatType()))
 
 
 @njit
 def _fp16_by_ops(f):
-    """float32 -> fp16 bits, overflow to inf, subnormals exact (the scaling trick of the FP16 library: the float32
-    adder does the rounding)."""
+    """float32 -> fp16 bits (the scaling trick of the FP16 library: the float32 adder does the rounding)."""
     base = (abs(f) * _F32(2.0**112)) * _F32(2.0**-110)
     w = _bits(f)
     shl1 = _U32(w + w)
@@ -113,20 +104,9 @@ def _put_typed(out, i, v):
 
 @njit(nogil=True)
 def convert(values, out):
-    """float32 values into `out` (one of the output array types): the conversion, checked once per process against
-    torch's cast (kernels.py)."""
+    """float32 values into `out` (one of the output array types): the conversion kernels.py checks against torch's."""
     for i in range(values.shape[0]):
         _put(out, i, values[i])
-
-
-@intrinsic
-def _from_bf16(typingctx, h):
-    """bfloat16 bits (int16) -> float32."""
-    def codegen(context, builder, signature, args):
-        wide = builder.shl(builder.zext(args[0], _I32), ir.Constant(_I32, 16))
-        return builder.bitcast(wide, ir.FloatType())
-
-    return types.float32(types.int16), codegen
 
 
 @njit(nogil=True)
