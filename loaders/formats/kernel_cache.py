@@ -1,13 +1,8 @@
-"""The on-disk cache of the compiled kernels' machine code (kernels.py), in place of numba's cache=True (numba 0.68),
-which trusts its files: an entry garbled or empty fails the kernel, one swapped with another's crashes the process,
-and a full or read-only folder fails a kernel that had compiled. Here an entry is checked (its digest, then the kernel
-and signature it was written for) before numba sees it, one that fails is a miss, compiled again and rewritten, and
-one that cannot be written is skipped. numba's private parts it uses: a dispatcher's cache slot and its interface
-(NullCache), and a compiled result's _reduce and _rebuild, as numba's own cache calls them.
-
-Its one folder is named by the formats' digest, numba's and Python's versions and the CPU, in the first place that
-can be written: NUMBA_CACHE_DIR, the __pycache__ beside the sources, the user's cache folder. Each entry is written
-under a fresh name, then renamed onto its own."""
+"""The on-disk cache of the compiled kernels' machine code (kernels.py), in place of numba's cache=True, which trusts
+its files (docs/dequantization.md: Why numba). An entry is checked (its digest, then the kernel and signature it was
+written for) before numba sees it; one that fails is compiled again and rewritten, one that cannot be written is
+skipped. numba's private parts it uses: a dispatcher's cache slot and its interface (NullCache), and a compiled
+result's _reduce and _rebuild, as numba's own cache calls them."""
 
 from __future__ import annotations
 
@@ -43,8 +38,8 @@ def _bases() -> tuple[str, ...]:
 
 @functools.cache
 def folder(digest: str) -> Path | None:
-    """The cache folder of the kernels compiled from sources of `digest`, or None (logged once) where no place for
-    it can be written."""
+    """The cache folder of the kernels compiled from sources of `digest`, or None (logged once) where none can be
+    written."""
     stamp = "\n".join((digest, numba.__version__, sys.version, binding.get_host_cpu_name(),
                        binding.get_host_cpu_features().flatten()))
     name = f"flux2dev-kernels-{hashlib.sha256(stamp.encode()).hexdigest()[:16]}"
@@ -62,16 +57,15 @@ def folder(digest: str) -> Path | None:
 
 
 def keep_on_disk(kernels, digest: str) -> None:
-    """Each numba dispatcher in `kernels` (compiled from sources of `digest`) loads its machine code from this cache
-    and saves it there."""
+    """Each numba dispatcher in `kernels` (compiled from sources of `digest`) loads and saves its code in this cache."""
     where = folder(digest)
     for kernel in kernels:
         kernel._cache = KernelCache(kernel.py_func, where)
 
 
 def _closure_value(value):
-    """A value a kernel closes over, as its key holds it: a numba function it calls by its name and code (numba's
-    pickle of a dispatcher differs between processes), a constant as it is."""
+    """A value a kernel closes over, as its key holds it: a numba function by its name and code (numba's pickle of a
+    dispatcher differs between processes), a constant as it is."""
     if isinstance(value, Dispatcher):
         code = value.py_func.__code__
         return value.py_func.__qualname__, code.co_code, repr(code.co_consts)
@@ -79,8 +73,8 @@ def _closure_value(value):
 
 
 class KernelCache(NullCache):
-    """One kernel's entries, one file per signature (numba's cache interface: the dispatcher calls load_overload
-    before compiling, save_overload after; the rest does nothing, as in NullCache)."""
+    """One kernel's entries, one file per signature (numba's cache interface: load_overload before compiling,
+    save_overload after)."""
 
     def __init__(self, py_func, where: Path | None):
         self._py_func, self._folder = py_func, where
@@ -124,8 +118,8 @@ class KernelCache(NullCache):
             return None
 
     def save_overload(self, sig, cres):
-        """Writes the entry of `sig` under a fresh name, then renames it onto the entry's; where that fails (a full
-        or read-only folder), the kernel compiled in memory runs all the same."""
+        """Writes the entry of `sig` under a fresh name, then renames it onto the entry's; where that fails, the
+        kernel compiled in memory runs all the same."""
         if self._folder is None or cres.library.has_dynamic_globals or any(not x.can_cache for x in cres.lifted):
             return
         key = self._key(sig, cres.codegen)

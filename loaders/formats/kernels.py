@@ -1,14 +1,9 @@
-"""How the quantizers and dequantizers run: in chunks of rows (the one place that splits them, `chunks`), on half the
-cores (a parallel step ends when its slowest thread does, and other jobs park threads: docs/benchmarks.md shows the
-cost), and by the compiled kernels where numba runs, each with a reference path that gives the same bits
-where its kernel cannot run (no numba, a failed compilation, a GPU tensor, another dtype), with one log line.
+"""How the quantizers and dequantizers run: in chunks of rows (`chunks`), on half the cores (a parallel step ends when
+its slowest thread does), and by the compiled kernels where numba runs, each with a reference path that gives the
+same bits where its kernel cannot run, with one log line (docs/dequantization.md: Why numba, Fallback).
 
 Kernel code (gguf_row.jit) is compiled on its first CPU call, in a copy of its module's globals with numba_ops.py's
-ops bound, registered under a name holding a digest of the formats' sources (numba's cached code imports the module
-it was compiled in, while ComfyUI names a custom node's modules by their folder), its machine code kept on disk
-(kernel_cache.py). The kernels' conversions to fp16 and bfloat16 are checked once per process against torch's cast
-(NaN payloads aside, which torch's own loops disagree on); where they differ the torch path serves that dtype.
-"""
+ops bound, under a name holding a digest of the formats' sources, its machine code kept on disk (kernel_cache.py)."""
 
 from __future__ import annotations
 
@@ -30,14 +25,13 @@ import torch
 
 log = logging.getLogger(__name__)
 
-# Values per chunk, on which every torch op runs: on the CPU few ops whose float32 scratch fits the L3 cache; on a GPU a
-# bound on the temporary memory. Every block is worked on alone, so the chunks change no byte.
+# Values per chunk: on the CPU a float32 scratch that fits the L3 cache; on a GPU a bound on the temporary memory.
+# Every block is worked on alone, so the chunks change no byte.
 CHUNK_VALUES = {"cpu": 1 << 20, "cuda": 1 << 24}
 
 
 def chunks(rows: int, width: int, device: str = "cpu", values: int | None = None) -> list[slice]:
-    """The rows of a [rows, width] tensor in chunks of about `values` (CHUNK_VALUES of the device where not given),
-    at least one row each."""
+    """The rows of a [rows, width] tensor in chunks of about `values` (else CHUNK_VALUES), at least one row each."""
     step = max(1, (values or CHUNK_VALUES.get(device, CHUNK_VALUES["cuda"])) // width)
     return [slice(start, min(start + step, rows)) for start in range(0, rows, step)]
 
@@ -76,8 +70,7 @@ def output(out: torch.Tensor | None, shape, dtype: torch.dtype, device: torch.de
 
 
 def fill_by_rows(values: torch.Tensor, fill: Callable[[slice, torch.Tensor], None]) -> None:
-    """Writes `values` ([rows, width], contiguous) chunk by chunk: fill(rows, v) puts the float32 values of those rows
-    into v: `values` itself where it is float32, else a scratch cast into place."""
+    """Writes `values` ([rows, width]) chunk by chunk: fill(rows, v) puts those rows' float32 values into v."""
     rows, width = values.shape
     parts = chunks(rows, width, values.device.type)
     direct = values.dtype == torch.float32
@@ -91,7 +84,7 @@ def fill_by_rows(values: torch.Tensor, fill: Callable[[slice, torch.Tensor], Non
 
 # --- the compiled kernels -----------------------------------------------------------------------------------------
 
-# A compiled module's name in sys.modules: this, its source's stem and a digest of the formats' sources
+# A compiled module's name: this, its source's stem and a digest of the formats' sources
 MODULE_PREFIX = "flux2dev_"
 # Output dtype -> how its bits are handed to the kernels (numba has no fp16 or bfloat16 arrays)
 VIEWS = {torch.float32: torch.float32, torch.float16: torch.uint16, torch.bfloat16: torch.int16}
@@ -100,7 +93,7 @@ _FORMATS = Path(__file__).parent
 
 @functools.cache
 def _digest() -> str:
-    """A digest of every source in this folder: the kernel code, and what it calls, is all here."""
+    """A digest of every source in this folder, where all kernel code and what it calls lives."""
     sources = sorted(_FORMATS.glob("*.py"))
     return hashlib.sha256(b"".join(p.name.encode() + p.read_bytes() for p in sources)).hexdigest()[:16]
 
@@ -135,8 +128,8 @@ _COMPILING = threading.RLock()  # one thread builds the namespaces and dispatche
 
 
 def _namespace(module: str, vector: bool) -> dict:
-    """The globals the kernel code of `module` is compiled in: a copy of the module's under a name of its own, its
-    kernel code compiled and numba_ops' OPS bound (the VECTOR ones only where `vector`)."""
+    """The globals the kernel code of `module` is compiled in: a copy of the module's, its kernel code compiled and
+    numba_ops' OPS bound (the VECTOR ones only where `vector`)."""
     if (module, vector) not in _NAMESPACES:
         name = f"{MODULE_PREFIX}{module.rpartition('.')[2]}_{_digest()}{'' if vector else '_loops'}"
         copy = types.ModuleType(name)
@@ -152,8 +145,8 @@ def _namespace(module: str, vector: bool) -> dict:
 
 
 def compiled(code: Callable, vector: bool = True):
-    """Kernel code as a numba dispatcher (compiled at its first call); without `vector`, the plain loops the vector
-    ops replace, the reference the tests and the bench hold them to. Raises where numba cannot be imported."""
+    """Kernel code as a numba dispatcher (compiled at its first call); without `vector`, with the plain loops the
+    vector ops replace (their reference in the tests and the bench)."""
     with _COMPILING:
         if (code, vector) not in _COMPILED:
             from numba import njit
@@ -167,8 +160,7 @@ def compiled(code: Callable, vector: bool = True):
 
 
 def _edge_values() -> np.ndarray:
-    """float32 values on every side of fp16's and bfloat16's rounding and range limits: every sign and exponent with
-    mantissas at a tie for every number of dropped bits (13 to 23), one either side of it, and the extremes."""
+    """float32 values on every side of fp16's and bfloat16's rounding and range limits, for every sign and exponent."""
     high = np.arange(1 << 9, dtype=np.uint32) << 23  # sign and exponent
     ties = [(1 << (n - 1)) | odd << n for n in range(13, 24) for odd in (0, 1)]
     low = np.array(sorted({m + e for m in ties for e in (-1, 0, 1)} | {0, 1, 0x7FFFFF}), np.uint32) & 0x7FFFFF
@@ -239,14 +231,13 @@ def forget() -> None:
 
 @functools.cache
 def _pool(threads: int) -> ThreadPoolExecutor:
-    """The kernels' pool of `threads` threads (in practice one: cpu_threads())."""
+    """The kernels' pool of `threads` threads."""
     return ThreadPoolExecutor(threads, thread_name_prefix="flux2dev-kernels")
 
 
 def run(name: str, rows: int, work: Callable[[int, int], object], threads: int | None = None) -> bool:
-    """work(first, stop) over all rows by the kernel `name`, on `threads` threads (cpu_threads() where not given) in
-    runs of rows, four per thread, each taken as a thread comes free (so a parked thread holds up little). False
-    where that kernel cannot be compiled here (logged once): the caller's reference path then writes it all."""
+    """work(first, stop) over all rows by the kernel `name`, on `threads` threads (else cpu_threads()) in runs of rows,
+    four per thread, each taken as a thread comes free. False where that kernel cannot be compiled (logged once)."""
     if name in _FAILED:
         return False
     threads = threads or cpu_threads()
@@ -279,8 +270,7 @@ def halves() -> np.ndarray:
 
 
 def dequantize(row, blocks: torch.Tensor, out: torch.Tensor) -> bool:
-    """GGUF blocks [n, block bytes] (uint8, contiguous) into `out` (n * block values, contiguous) by the row's one-pass
-    kernel, where it runs here; False leaves `out` untouched."""
+    """GGUF blocks [n, block bytes] into `out` by the row's one-pass kernel, where it runs here; else False."""
     dispatcher = kernel(row.read_kernel, f"{row.name} dequantization", blocks.device, out.dtype)
     if dispatcher is None:
         return False
@@ -320,8 +310,7 @@ def _widening(quantize, widen):
 
 def quantize(row, values: torch.Tensor, out: torch.Tensor, threads: int | None = None) -> bool | None:
     """Rows of `values` ([n, columns], any float dtype, on the CPU) quantized into `out` (uint8 [n, row bytes]) by the
-    row's compiled kernel, on `threads` threads (half the cores where not given): True; False at a value the type
-    cannot hold (`out` incomplete); None where the kernel cannot run here (`out` incomplete)."""
+    row's compiled kernel: True; False at a value the type cannot hold; None where the kernel cannot run here."""
     name = f"{row.name} quantization"
     dispatcher = kernel(row.write_kernel, name, values.device, _written_as(row))
     if dispatcher is None:
