@@ -3,8 +3,7 @@ carry theirs, and what those functions share. The rows live beside their functio
 (gguf_float.py, gguf_legacy.py, gguf_k.py); gguf_types.py collects them and dispatches.
 
 Kernel code is plain Python marked @jit, which kernels.py compiles with numba where numba runs, binding the ops below
-(bits, put, ...) to numba_ops.py's; their plain versions say what each does and keep the pack importable without it.
-"""
+(bits, put, ...) to numba_ops.py's; their plain versions keep the pack working without it."""
 
 from __future__ import annotations
 
@@ -25,9 +24,8 @@ FINITE_BITS = U32(0x7F7FFFFF)  # the bits of float32's largest finite value
 
 class ReadSteps(NamedTuple):
     """A type's torch dequantizer, in the reference's float32 operations and order: scales(blocks) -> every block's
-    scale fields as float32 tensors (once per tensor); codes(blocks) -> the integer codes of a run of blocks [n, block
-    values]; apply(v, *scales) -> the float32 arithmetic on a chunk of values, in place, given its scales' rows; book:
-    the values the codes stand for, where they are not values themselves (IQ4's non-linear levels)."""
+    scales; codes(blocks) -> the codes [n, block values]; apply(v, *scales) -> the arithmetic on a chunk, in place;
+    book: the values the codes stand for (IQ4's non-linear levels)."""
 
     scales: Callable
     codes: Callable
@@ -38,8 +36,7 @@ class ReadSteps(NamedTuple):
 @dataclass(frozen=True)
 class GGUFType:
     """A GGUF type: its block (values and bytes, as gguf's GGML_QUANT_SIZES), and its functions. Every dequantizer
-    equals gguf-py's numpy one (gguf.quants.dequantize, which reads the types without a `read`) bit for bit; every
-    quantizer equals its `writer`'s."""
+    equals gguf-py's numpy one bit for bit; every quantizer equals its `writer`'s."""
 
     qtype: Q
     block_values: int
@@ -83,7 +80,7 @@ class NotQuantizable(ValueError):
 
 def check_peak(peak: float, limited: bool) -> None:
     """Refuses values of largest magnitude `peak` that are not finite, or beyond float16 where the type has a float16
-    field (`limited`), else beyond float32 (float64 values the quantizers' cast would make infinite)."""
+    field (`limited`), else beyond float32."""
     if not math.isfinite(peak):
         raise NotQuantizable("it holds NaN or infinite values")
     top, name = (65504.0, "float16") if limited else (float(np.finfo(np.float32).max), "float32")
@@ -131,8 +128,7 @@ def magnitude(v):
 
 @jit
 def f16(b, at, halves):
-    """The fp16 field at byte `at` of block `b` as float32, by numpy's conversion (the table `halves`), NaN
-    payloads included."""
+    """The fp16 field at byte `at` of block `b` as float32, by numpy's conversion (the table `halves`)."""
     return halves[U32(b[at]) | (U32(b[at + 1]) << U32(8))]
 
 
@@ -150,7 +146,7 @@ def i8(byte):
 
 def block_reader(block, loops: int):
     """A type's one-pass dequantizer from the kernel code of one block, block(b, o, w, halves): b its bytes, o its
-    values, w = its values // `loops` (the inner loops' trips), halves: fp16 bits -> float32."""
+    values, w = its values // `loops` (the inner loops' trips)."""
     @jit(nogil=True)
     def dequantize_blocks(blocks, out, halves):
         w = out.shape[1] // loops
@@ -181,7 +177,7 @@ def words(field: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 def unpack(field: torch.Tensor, groups: int, shifts: tuple[int, ...], mask: int) -> torch.Tensor:
     """Bit fields of a byte field [n, groups * width] as int64 words [n, groups, len(shifts), width / 8] whose bytes
-    are (byte >> shift) & mask, in the reference's order of codes, eight bytes at a time."""
+    are (byte >> shift) & mask, in the reference's order of codes."""
     n = field.shape[0]
     packed = words(field, torch.int64).view(n, groups, -1)
     stacked = torch.empty((len(shifts), *packed.shape), dtype=torch.int64, device=field.device)

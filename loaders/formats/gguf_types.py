@@ -1,7 +1,7 @@
-"""The GGUF types the pack reads and writes: the families' rows (gguf_float.py, gguf_legacy.py, gguf_k.py) in one
-table, in the order the docs and the errors list them, the lists of types derived from it, and the dispatch of a
-tensor to its row's functions: the compiled kernel on the CPU where it runs (kernels.py), else the row's reference
-path, with the same bits (gguf-py's numpy dequantizer, with a warning, for a type gguf knows and no row reads)."""
+"""The GGUF types the pack reads and writes: the families' rows in one table, in the order the docs and the errors
+list them, the lists of types derived from it, and the dispatch of a tensor to its row's functions: the compiled
+kernel on the CPU where it runs (kernels.py), else the row's reference path, with the same bits (gguf-py's numpy
+dequantizer, with a warning, for a type gguf knows and no row reads)."""
 
 from __future__ import annotations
 
@@ -31,8 +31,8 @@ K_TYPES = tuple(row.qtype for row in TYPES if row.writer == "ggml")  # written a
 
 
 def type_of(qtype) -> GGUFType:
-    """The row of a GGUF type (a row, its GGMLQuantizationType or its number); for a type gguf knows and the pack has
-    no row for, a row without functions (gguf-py's numpy dequantizer reads it)."""
+    """The row of a GGUF type (a row, its GGMLQuantizationType or its number), one without functions if the pack has
+    none."""
     if isinstance(qtype, GGUFType):
         return qtype
     qtype = Q(qtype)
@@ -49,8 +49,7 @@ def read_types() -> str:
 
 @functools.cache
 def _pair_book(values: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """byte -> the float32 values of its low and high nibble, side by side in one float64 slot: one gather then
-    yields two neighbouring values."""
+    """byte -> the float32 values of its low and high nibble, side by side in one float64 slot (one gather, two)."""
     book = np.array(values, dtype=np.float32)
     pairs = np.stack((np.tile(book, 16), np.repeat(book, 16)), axis=1)
     return torch.from_numpy(pairs.view(np.float64).reshape(256)).to(device)
@@ -59,8 +58,7 @@ def _pair_book(values: tuple[int, ...], device: torch.device) -> torch.Tensor:
 def dequantize(data: torch.Tensor, qtype, shape, dtype: torch.dtype = torch.float16, *,
                out: torch.Tensor | None = None) -> torch.Tensor:
     """Values of a GGUF tensor from its raw bytes (uint8, on CPU or GPU), shaped `shape` (torch order), bit-exact with
-    gguf-py's numpy dequantizer in float32 before the cast to `dtype`; into `out` where given (a contiguous tensor of
-    that shape, dtype and device: a buffer reused at every forward)."""
+    gguf-py's numpy dequantizer in float32 before the cast to `dtype`; into `out` where given."""
     row = type_of(qtype)
     shape = tuple(int(s) for s in shape)
     n_values = math.prod(shape)
@@ -121,8 +119,8 @@ def _numpy_values(data: torch.Tensor, row: GGUFType, shape: tuple[int, ...]) -> 
 
 
 def quantized_buffer(qtype, rows: int, columns: int) -> torch.Tensor:
-    """Room for `rows` rows of `columns` values in `qtype`: uint8 [rows, row bytes], uninitialized, allocated by numpy,
-    which asks Linux for huge pages on large arrays where torch does not."""
+    """Room for `rows` rows of `columns` values in `qtype`: uint8 [rows, row bytes], uninitialized, allocated by numpy
+    (which asks Linux for huge pages on large arrays where torch does not)."""
     return torch.from_numpy(np.empty((rows, type_of(qtype).row_bytes(columns)), np.uint8))
 
 
@@ -134,8 +132,8 @@ _UNITS = ((86400, "days"), (3600, "hours"), (60, "minutes"), (1, "seconds"))
 
 
 def check_pace(tensors) -> None:
-    """Refuses, before anything is quantized, (GGUF type, shape) pairs that the plain Python kernels (where neither a
-    compiled nor a torch quantizer runs) would take more than PLAIN_SECONDS on."""
+    """Refuses, before anything is quantized, (GGUF type, shape) pairs that the plain Python kernels would take more
+    than PLAIN_SECONDS on."""
     rows = [(type_of(qtype), math.prod(shape)) for qtype, shape in tensors]
     blocks = sum(values // row.block_values for row, values in rows
                  if row.writer and kernels.write_path(row) == "python")
@@ -168,9 +166,8 @@ def _refuse(values: torch.Tensor, row: GGUFType, out: torch.Tensor):
 def quantize(values: torch.Tensor, qtype, *, out: torch.Tensor | None = None,
              threads: int | None = None) -> torch.Tensor:
     """The GGUF bytes of `values` (a float tensor on the CPU, last dimension the rows) in `qtype`: uint8 [rows, row
-    bytes], into `out` where given, on `threads` threads (cpu_threads() where not given). Raises NotQuantizable for
-    values the type cannot hold, ValueError for rows that do not hold whole blocks or an `out` of another shape, and
-    UnsupportedFormatError for a type the pack does not write or work too slow for its plain Python (check_pace)."""
+    bytes], into `out` where given. Raises NotQuantizable for values the type cannot hold, ValueError for rows of
+    part blocks or a wrong `out`, UnsupportedFormatError for a type the pack does not write or check_pace's refusal."""
     row = type_of(qtype)
     if not row.writer:
         raise UnsupportedFormatError(
