@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import importlib
+import json
 import os
+import shutil
 import sys
 import tempfile
 import types
@@ -97,13 +101,50 @@ def comfy_host():
     return comfy.sd
 
 
+# What decides the tiny weights' bytes besides the pack's own code: the libraries that write them.
+_TINY_WRITERS = ("torch", "transformers", "tokenizers", "diffusers", "safetensors", "gguf", "mistral-common", "numpy")
+_TINY_SETS_KEPT = 2  # a CI run's two: the current releases' and the oldest supported ones'
+
+
+def _tiny_key() -> str:
+    """The tiny weights' version: the code that writes them (the pack's, their factory's) and the writers' releases."""
+    from importlib.metadata import version
+
+    pack = Path(__file__).resolve().parents[1]
+    digest = hashlib.sha256(sys.version.encode())
+    for name in _TINY_WRITERS:
+        digest.update(f"{name}=={version(name)};".encode())
+    sources = (p for part in ("devtools", "loaders", "tokenizers") for p in (pack / part).rglob("*"))
+    for path in sorted(p for p in sources if p.is_file() and "__pycache__" not in p.parts):
+        digest.update(str(path.relative_to(pack)).encode() + b"\0" + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def _listing(root: Path) -> list[list]:
+    """Every file and link under `root` with its size and change time: what a test that wrote into it would change."""
+    return sorted([str(p.relative_to(root)), s.st_size, s.st_mtime_ns] for p in root.rglob("*") if (s := p.lstat()))
+
+
 @pytest.fixture(scope="session")
-def tiny_root(tmp_path_factory) -> Path:
-    """Every tiny layout, written once per session by the same factory as `flux2dev tiny DIR`."""
+def tiny_root(request) -> Path:
+    """Every tiny layout, written by the same factory as `flux2dev tiny DIR`. Writing them takes half a minute, so
+    each version of them (_tiny_key) is written once into pytest's cache folder and read by every worker and every
+    later run; no test writes into it, and a set that is not as written is written again."""
     from comfyui_flux2dev.devtools import tiny
 
-    root = tmp_path_factory.mktemp("tiny")
-    tiny.write_all(root)
+    store = request.config.cache.mkdir("flux2dev-tiny")
+    key = _tiny_key()
+    root, listing = store / key, store / f"{key}.json"
+    with open(store / "lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # one writer; the other workers wait for its set
+        if not listing.is_file() or json.loads(listing.read_text()) != _listing(root):
+            shutil.rmtree(root, ignore_errors=True)
+            tiny.write_all(root)
+            listing.write_text(json.dumps(_listing(root)))
+        os.utime(listing)  # used now: the sets used longest ago go first
+        for old in sorted(store.glob("*.json"), key=lambda p: p.stat().st_mtime)[:-_TINY_SETS_KEPT]:
+            shutil.rmtree(store / old.stem, ignore_errors=True)
+            old.unlink()
     return root
 
 

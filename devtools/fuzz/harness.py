@@ -348,7 +348,9 @@ class Fuzzer:
                         problem = ("slow", f"more than {self.cpu_limit:g} s of CPU")
                     elif now - worker.started > WALL_LIMIT_S:
                         problem = ("hang", f"no answer after {WALL_LIMIT_S:g} s")
-                    elif worker.running and state in ("S", "D") and now - worker.idle_since > BLOCKED_S:
+                    # Asleep (S), not waiting on the disk or for memory (D): a loaded machine makes those
+                    # waits last seconds, and the wall clock bounds them.
+                    elif worker.running and state == "S" and now - worker.idle_since > BLOCKED_S:
                         problem = ("hang", f"blocked for {BLOCKED_S:g} s without using CPU")
                     if problem:
                         index = worker.index

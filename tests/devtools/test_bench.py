@@ -173,7 +173,7 @@ def test_header_and_report(results):
 
 def test_upsampling_rows_run_the_pack_and_transformers_on_the_same_chat(results):
     u = results["upsampling"]
-    assert [r["name"] for r in u["rows"]] == ["pack bf16", "transformers bf16", "pack fp8", "pack GGUF Q4_0"]
+    assert [r["name"] for r in u["rows"]] == ["pack bf16", "transformers bf16"]
     assert len({r["prompt_tokens"] for r in u["rows"]}) == 1
     assert all(r["new_tokens"] == 8 and r["tokens_per_s"] > 0 and r["first_token_s"] > 0 for r in u["rows"])
     # the pack's rows against the machine's limits, measured in the same run
