@@ -157,7 +157,7 @@ def _inspect(args) -> None:
 
 def _progress(what: str):
     """A progress listener printing "what: done/total" on one line of stderr."""
-    from .loaders.formats import progress
+    from .loaders.models import progress
 
     def show(done: int, total: int) -> None:
         print(f"\r{what}: {done}/{total}", end="\n" if done == total else "", file=sys.stderr, flush=True)

@@ -379,7 +379,7 @@ def load_progress():
     ensure_comfy()
     import comfy.utils
 
-    from ..loaders.formats import progress
+    from ..loaders.models import progress
 
     bar = comfy.utils.ProgressBar(1)
     with progress.listening(lambda done, total: bar.update_absolute(done, total)):

@@ -11,7 +11,7 @@ import torch
 
 from ..errors import VariantMismatchError
 from ..loaders.convert.identity import distances, figure
-from ..loaders.formats import progress
+from ..loaders.models import progress
 from ..tokenizers.prompt import PADDING_MODES
 from . import compat, ensure_comfy
 

@@ -24,8 +24,9 @@ import os
 import torch
 
 from ...errors import CorruptFileError, UnsupportedFormatError
-from ..formats import packed_dequant, progress
+from ..formats import packed_dequant
 from ..formats.gguf_row import NotQuantizable, check_peak
+from ..models import progress
 from ..models.encoder import plan_encoder, planned_weights, read_weight, resolve_plan_tokenizer
 from ..models.encoder_identify import LAYER_SHAPES
 from .output import check_not_source, check_output, output_file

@@ -29,9 +29,10 @@ from gguf import GGMLQuantizationType as Q
 from gguf.tensor_mapping import get_tensor_name_map
 
 from ...errors import CorruptFileError, UnsupportedFormatError, WrongModelError
-from ..formats import packed_dequant, progress
+from ..formats import packed_dequant
 from ..formats.gguf_row import NotQuantizable
 from ..formats.gguf_types import type_of
+from ..models import progress
 from ..models.encoder import plan_encoder, planned_weights, read_weight, resolve_plan_tokenizer, undo_rotary_permute
 from ..models.encoder_identify import FINAL_NORM, LAYER_SHAPES
 from ..models.variants import MistralEncoderGeometry, layers_kept

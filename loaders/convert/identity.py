@@ -26,8 +26,9 @@ import torch
 
 from ...errors import WrongModelError
 from ..cache.store import ContentDigest, tensors_digest
-from ..formats import packed_dequant, packing, progress
+from ..formats import packed_dequant, packing
 from ..formats.gguf_types import quantize, type_of
+from ..models import progress
 from ..models.inspect import check_comparable
 
 IDENTICAL = "identical"

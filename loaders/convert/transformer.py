@@ -35,9 +35,10 @@ from gguf import GGML_QUANT_VERSION, GGUFValueType, LlamaFileType
 from gguf import GGMLQuantizationType as Q
 
 from ...errors import CorruptFileError, UnsupportedFormatError
-from ..formats import packed_dequant, progress
+from ..formats import packed_dequant
 from ..formats.gguf_row import NotQuantizable
 from ..formats.gguf_types import K_TYPES, type_of
+from ..models import progress
 from ..models.transformer import TransformerPlan, plan_transformer
 from .output import check_not_source, check_output, output_file
 from .presets import K_PRESETS, written_types

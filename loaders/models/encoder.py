@@ -28,10 +28,10 @@ from ...errors import (
     UnknownModelError,
     WrongModelError,
 )
-from ..formats import packing, progress
+from ..formats import packing
 from ..formats.files import MODEL_FOLDER_MARKERS
 from ..formats.validate import JSON_LIMITS, released_on_error
-from . import variants
+from . import progress, variants
 from .encoder_identify import EMBED, FINAL_NORM, LAYER_SHAPES, LM_HEAD, host_name, identify
 from .encoder_layouts import GGUF_METADATA, Source, find_layout, tokenizer_folders
 from .variants import MistralEncoderGeometry

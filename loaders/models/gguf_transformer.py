@@ -13,11 +13,11 @@ import os
 from collections import Counter
 from dataclasses import dataclass, field
 
-from ..formats import progress
 from ..formats.gguf_file import open_gguf
 from ..formats.packed_dequant import from_gguf
 from ..formats.packing import gguf_label
 from ..formats.validate import released_on_error
+from . import progress
 from .transformer import LoadedTransformer
 from .transformer_layout import BFL, identify_gguf_transformer
 

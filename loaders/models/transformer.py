@@ -20,9 +20,10 @@ from ...errors import (
     UnsupportedFormatError,
     VariantMismatchError,
 )
-from ..formats import packing, progress
+from ..formats import packing
 from ..formats.safetensors_file import DTYPES, SafetensorsFiles
 from ..formats.validate import released_on_error
+from . import progress
 from .transformer_layout import (
     DIFFUSERS,
     KeyLayout,

@@ -10,9 +10,9 @@ from pathlib import Path
 import torch
 
 from ...errors import UnknownModelError, WrongModelError
-from ..formats import progress
 from ..formats.files import part_files
 from ..formats.safetensors_file import SafetensorsFiles
+from . import progress
 
 LATENT_CHANNELS = 32  # AutoencoderKLFlux2; the transformer sees them 2x2-patchified (128)
 BATCH_NORM_KEY = "bn.running_mean"  # the latent batch-norm statistics only the FLUX.2 VAE has
