@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import fcntl
 import hashlib
 import importlib
@@ -307,10 +308,37 @@ def _mark_quick_tier(config, items) -> None:
 HOST_FIXTURES = ("comfy_host", "comfy_server", "server_on_device")
 
 
+# The test files that take longest (each over a minute of a worker's time in CI), slowest first. tests/run hands
+# files to the workers in this order, then the others by their number of tests, as xdist would: its own order, by
+# number of tests alone, left these few-test files for the end, where one worker ran them while the other idled.
+SLOWEST_FILES = (
+    "tests/devtools/test_bench.py",
+    "tests/devtools/test_fuzz.py",
+    "tests/formats/test_kernel_cache.py",
+    "tests/nodes/test_example_workflows.py",
+    "tests/pack/test_pack.py",
+    "tests/host/test_memory_release.py",
+    "tests/models/test_upsampler.py",
+    "tests/devtools/test_real_size.py",
+)
+
+
+def _slowest_first(items) -> None:
+    """Items ordered file by file: SLOWEST_FILES first, then the files with the most tests."""
+    counts = collections.Counter(item.nodeid.split("::")[0] for item in items)
+
+    def rank(item):
+        path = item.nodeid.split("::")[0]
+        return (SLOWEST_FILES.index(path) if path in SLOWEST_FILES else len(SLOWEST_FILES), -counts[path], path)
+
+    items.sort(key=rank)
+
+
 @pytest.hookimpl(tryfirst=True)  # before -m selects by markers
 def pytest_collection_modifyitems(config, items):
     _leave_out_cuda_variants(config, items)
     _mark_quick_tier(config, items)
+    _slowest_first(items)
     for item in items:
         if item.get_closest_marker("one_host"):
             continue
