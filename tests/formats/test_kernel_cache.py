@@ -221,18 +221,13 @@ def test_with_no_writable_folder_the_kernels_are_compiled_in_memory(tmp_path, co
     assert not any(tmp_path.rglob("*.nbk"))
 
 
-def test_a_cache_written_under_one_import_name_is_loaded_under_the_other(tmp_path):
+def test_a_cache_written_under_one_import_name_is_loaded_under_the_other(tmp_path, compiled):
     """ComfyUI names the pack's modules by its folder's path, the command line by comfyui_flux2dev; kernels compiled
-    under ComfyUI's name are loaded under the other, and so from the same folder moved elsewhere (the read-only test
-    below compiles under the installed name first)."""
-    pack = _copy_of_the_pack(tmp_path / "ComfyUI" / "custom_nodes" / "ComfyUI-Flux2Dev")
-    assert _compiled(_run(str(pack), pack, tmp_path / "user-cache"))
-    assert _loaded(_run("comfyui_flux2dev", pack, tmp_path / "user-cache"))
-    moved = tmp_path / "ComfyUI_portable" / "custom_nodes" / "flux2dev"
-    moved.parent.mkdir(parents=True)
-    pack.rename(moved)
-    assert _loaded(_run(str(moved), moved, tmp_path / "user-cache"))
+    under ComfyUI's name (the `compiled` fixture's) are loaded under either name from the folder moved elsewhere
+    (the read-only test below compiles under the installed name first)."""
+    moved = _copy_of_the_pack(tmp_path / "ComfyUI_portable" / "custom_nodes" / "flux2dev", compiled[0])
     assert _loaded(_run("comfyui_flux2dev", moved, tmp_path / "user-cache"))
+    assert _loaded(_run(str(moved), moved, tmp_path / "user-cache"))
     assert not (tmp_path / "user-cache").exists(), "the pack's folder was writable: the cache belongs beside it"
 
 
