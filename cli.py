@@ -51,19 +51,23 @@ def _encode(args) -> None:
     import torch
     from safetensors.torch import save_file
 
-    conditioning = clip.encode_from_tokens(clip.tokenize(args.prompt))
+    with torch.inference_mode():  # as ComfyUI runs a node: each layer's weight then goes into one scratch buffer
+        conditioning = clip.encode_from_tokens(clip.tokenize(args.prompt))
     tensor = conditioning.to(getattr(torch, args.dtype)).contiguous()
     save_file({"conditioning": tensor}, args.out)
     print(f"wrote conditioning {list(tensor.shape)} to {args.out}")
 
 
 def _fill_cache(clip, prompts: list[str], folder: str) -> None:
+    import torch
+
     from .loaders.cache.store import ConditioningCache
 
     cache = ConditioningCache(folder)
     before = {e.path for e in cache.entries()}
     for done, prompt in enumerate(prompts, 1):
-        clip.encode_from_tokens(clip.tokenize(prompt), return_dict=True)
+        with torch.inference_mode():  # as in _encode
+            clip.encode_from_tokens(clip.tokenize(prompt), return_dict=True)
         print(f"\rencoding: {done}/{len(prompts)} prompts", end="" if done < len(prompts) else "\n", file=sys.stderr,
               flush=True)
     new = len({e.path for e in cache.entries()} - before)

@@ -6,10 +6,12 @@ transformers does."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
 
+from ..errors import HostError
 from ..loaders.models.encoder import EncoderPlan
 from . import ensure_comfy
 
@@ -47,7 +49,7 @@ def encoder_model_class():
             # Left pads are masked as transformers masks them: a pad sees no key, so its attention output is
             # 0 (torch's SDPA), and real tokens never see pads. The host's CPU attention turns such fully
             # masked rows into NaN, so the two parts run apart: real tokens at their true positions, pads
-            # through the residual + MLP path alone.
+            # through the residual + MLP path alone, in the same pass (each layer's weights read once).
             device = self.transformer.get_input_embeddings().weight.device
             embeds, mask, num_tokens, embeds_info = self.process_tokens(tokens, device)
             pads = [int(len(m) - n) for m, n in zip(mask.tolist(), num_tokens)]
@@ -56,29 +58,54 @@ def encoder_model_class():
             outs = []
             for b, p in enumerate(pads):
                 length = embeds.shape[1]
-                real = self.transformer(
-                    None, None, embeds=embeds[b:b + 1, p:], num_tokens=[length - p], intermediate_output=self.layer,
-                    final_layer_norm_intermediate=self.layer_norm_hidden_state, dtype=torch.float32,
-                    position_ids=torch.arange(p, length, device=device).unsqueeze(0),
-                )[1]
-                outs.append(torch.cat((self._pad_states(embeds[b:b + 1, :p]), real.float()), dim=2))
+                with self._pads_alongside(embeds[b:b + 1, :p]) as pad_states:
+                    real = self.transformer(
+                        None, None, embeds=embeds[b:b + 1, p:], num_tokens=[length - p],
+                        intermediate_output=self.layer, final_layer_norm_intermediate=self.layer_norm_hidden_state,
+                        dtype=torch.float32, position_ids=torch.arange(p, length, device=device).unsqueeze(0),
+                    )[1]
+                outs.append(torch.cat((pad_states(), real.float()), dim=2))
             extra = {"attention_mask": mask} if self.return_attention_masks else {}
             return torch.cat(outs), None, extra
 
-        def _pad_states(self, x):
-            # Pads take no part in attention, so a pad's states depend on its embedding alone: where every pad is
-            # the same (the <pad> token, unweighted), one row is computed for all of them.
-            if x.shape[1] > 1 and torch.equal(x, x[:, :1].expand_as(x)):
-                return self._pad_states(x[:, :1]).expand(-1, -1, x.shape[1], -1)
+        @contextlib.contextmanager
+        def _pads_alongside(self, x):
+            # Pads take no part in attention, so a pad's states depend on its embedding alone: each layer's MLP
+            # takes their rows beside the real tokens' (where every pad is the same, the <pad> token unweighted,
+            # one row for all of them). Yields a function that returns their states once the pass has run.
+            same = x.shape[1] > 1 and torch.equal(x, x[:, :1].expand_as(x))
             layers = self.transformer.model.layers
-            states = []
-            for i, layer in enumerate(layers):
+            pad, states, ran = [x[:, :1] if same else x], [], []
+
+            def alongside(i, mlp, args):
                 if i in self.layer:
-                    states.append(x)
-                x = x + layer.mlp(layer.post_attention_layernorm(x))
-            if len(layers) in self.layer:
-                states.append(x)
-            return torch.stack(states, dim=1).float()
+                    states.append(pad[0])
+                (h,) = args
+                return (torch.cat((h, layers[i].post_attention_layernorm(pad[0]).to(h.dtype)), dim=1),)
+
+            def apart(i, mlp, args, out):
+                real = out.shape[1] - pad[0].shape[1]
+                pad[0] = pad[0] + out[:, real:].to(pad[0].dtype)
+                ran.append(i)
+                return out[:, :real]
+
+            def pad_states():
+                if ran != list(range(len(layers))):
+                    raise HostError("ComfyUI's Mistral layers did not run their MLP once each, in order, as the "
+                                    "pack's reference padding expects; update the pack or use comfy padding.")
+                if len(layers) in self.layer:
+                    states.append(pad[0])
+                out = torch.stack(states, dim=1).float()
+                return out.expand(-1, -1, x.shape[1], -1) if same else out
+
+            hooks = [hook for i, layer in enumerate(layers)
+                     for hook in (layer.mlp.register_forward_pre_hook(functools.partial(alongside, i)),
+                                  layer.mlp.register_forward_hook(functools.partial(apart, i)))]
+            try:
+                yield pad_states
+            finally:
+                for hook in hooks:
+                    hook.remove()
 
     return Flux2DevMistral3
 

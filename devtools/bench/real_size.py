@@ -60,7 +60,8 @@ def _encoded(clip, started_anon: int) -> dict:
 
     tokens = clip.tokenize(_PROMPTS[0])
     start = time.perf_counter()
-    cond = clip.encode_from_tokens(tokens, return_dict=True)["cond"]
+    with torch.inference_mode():  # as ComfyUI runs a node
+        cond = clip.encode_from_tokens(tokens, return_dict=True)["cond"]
     (ids,) = ([t[0] for t in seq] for seq in next(iter(tokens.values())))
     return {"encode_s": time.perf_counter() - start, "anon_before_bytes": started_anon,
             "tokens": int(cond.shape[1]), "pads": len(ids) - sum(left_padding_mask(ids)), "digest": _digest(cond)}

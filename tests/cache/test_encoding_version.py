@@ -32,7 +32,8 @@ GUARDS = {
                 "MAX_LENGTH": prompt.MAX_LENGTH, "IMAGE_MARKER": prompt.IMAGE_MARKER,
                 "COMFY_TEMPLATE": prompt.COMFY_TEMPLATE, "PADDING_MODES": prompt.PADDING_MODES},
         digests={2: "a79fd24e36022271d3fac43a19baf18502a39026728c11fb4e00e5df5410571e",
-                 3: "d755f440d488ff22966b6a3a0f363c51d9ce557134f0edd46057ba674664a088"},
+                 3: "d755f440d488ff22966b6a3a0f363c51d9ce557134f0edd46057ba674664a088",
+                 4: "3bc7f3a39bedcc3835b2b1d04a5c42cbd9f3d186a934cc26c5f3930dd75aa6b9"},
     ),
     # What decides an upsampled prompt beyond its key: the chat layout, the images as the model sees them, the
     # decoder's math, sampling and decoding.

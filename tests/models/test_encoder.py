@@ -3,6 +3,7 @@ transformers' Mistral on the same (or the independently dequantized) weights."""
 
 from __future__ import annotations
 
+import collections
 import copy
 import os
 
@@ -126,6 +127,22 @@ def test_quantized_layouts_match_transformers_on_dequantized_weights(comfy_host,
     reference = _mistral_with(_encoder_weights(references.WEIGHTS[QUANTIZED[name]](path)))
     clip = load_clip(path, padding="reference", dtype=torch.float32)
     _check(clip, reference, clip.tokenizer.tokenizer, "reference", device)
+
+
+def test_reference_padding_runs_each_layer_once(comfy_host, encoders):
+    """The pads of reference padding ride along in each layer's MLP beside the real tokens: every linear layer runs
+    once per encode, so its weights are read (and dequantized) once, not a second time for the pads."""
+    from comfyui_flux2dev.host.clip import load_clip
+    from comfyui_flux2dev.host.clip_tokenizer import CLIP_NAME
+
+    clip = load_clip(os.path.join(encoders, "mistral_3_small_flux2_fp8.safetensors"), padding="reference")
+    calls = collections.Counter()
+    for name, module in getattr(clip.cond_stage_model, CLIP_NAME).transformer.model.layers.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            module.register_forward_pre_hook(lambda module, args, name=name: calls.update([name]))
+    with torch.inference_mode():
+        _host_cond(clip, PROMPTS[0])
+    assert calls and set(calls.values()) == {1}, calls
 
 
 @pytest.mark.parametrize("name", ("hf-mistral3", "mistral_3_small_flux2_fp8.safetensors", "mistral3-q4_k.gguf"))
