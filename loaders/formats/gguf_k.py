@@ -22,14 +22,17 @@ from .gguf_row import (
     GGUFType,
     ReadSteps,
     as_bytes,
+    bits,
     block_reader,
     f16,
     f16_field,
+    from_bits,
     i8,
     jit,
     magnitude,
     put,
     side_by_side,
+    to_fp16,
     unpack,
     words,
 )
@@ -281,35 +284,9 @@ SCRATCH = (20 + 4 * 32) * _LANES
 
 
 @_ggml
-def _bits(f):
-    return np.float32(f).view(np.uint32)
-
-
-@_ggml
-def _from_bits(b):
-    return np.uint32(b).view(np.float32)
-
-
-@_ggml
 def _nearest_int(f):
     """ggml's nearest_int: the low 23 bits of f + 1.5 * 2^23, less 2^22."""
-    return np.int32(_bits(f + _MAGIC) & U32(0x7FFFFF)) - np.int32(0x400000)
-
-
-@_ggml
-def _fp16(f):
-    """ggml_compute_fp32_to_fp16: float32 -> fp16 bits, round to nearest even (the float32 adder rounds)."""
-    base = (abs(f) * F32(2.0**112)) * F32(2.0**-110)
-    w = _bits(f)
-    shl1 = U32((w & U32(0x7FFFFFFF)) << U32(1))
-    sign = U32(w & U32(0x80000000))
-    bias = U32(shl1 & U32(0xFF000000))
-    if bias < U32(0x71000000):
-        bias = U32(0x71000000)
-    base = _from_bits(U32((bias >> U32(1)) + U32(0x07800000))) + base
-    b = _bits(base)
-    nonsign = U32(((b >> U32(13)) & U32(0x7C00)) + (b & U32(0x0FFF)))
-    return (sign >> U32(16)) | (U32(0x7E00) if shl1 > U32(0xFF000000) else nonsign)
+    return np.int32(bits(f + _MAGIC) & U32(0x7FFFFF)) - np.int32(0x400000)
 
 
 @_ggml
@@ -318,15 +295,15 @@ def _fp32(h):
     w = U32(U32(h) << U32(16))
     sign = U32(w & U32(0x80000000))
     two_w = U32((w & U32(0x7FFFFFFF)) << U32(1))
-    normalized = _from_bits(U32((two_w >> U32(4)) + U32(0xE0 << 23))) * F32(2.0**-112)
-    denormalized = _from_bits(U32((two_w >> U32(17)) | U32(126 << 23))) - F32(0.5)
-    return _from_bits(sign | (_bits(denormalized) if two_w < U32(1 << 27) else _bits(normalized)))
+    normalized = from_bits(U32((two_w >> U32(4)) + U32(0xE0 << 23))) * F32(2.0**-112)
+    denormalized = from_bits(U32((two_w >> U32(17)) | U32(126 << 23))) - F32(0.5)
+    return from_bits(sign | (bits(denormalized) if two_w < U32(1 << 27) else bits(normalized)))
 
 
 @_ggml
 def _put_fp16(o, at, f):
     """f as a little-endian fp16 field at byte `at` of block o; returns the float32 the field holds."""
-    h = _fp16(f)
+    h = to_fp16(f)
     o[at], o[at + 1] = np.uint8(h & U32(255)), np.uint8(h >> U32(8))
     return _fp32(h)
 
