@@ -147,6 +147,7 @@ def _cond(clip, prompt):
     return clip.encode_from_tokens(clip.tokenize(prompt), return_dict=True)["cond"]
 
 
+@pytest.mark.one_host  # the bytes decide: both files run the same host code, and every encoder runs on every host
 @pytest.mark.parametrize("name", sorted(n for n in SOURCES if n not in QUANTIZED))
 def test_a_bf16_sources_conditioning_is_kept_bit_for_bit(comfy_host, tiny_root, converted, name):
     """A bf16 source's weights are stored as they are: the conversion gives exactly the source's conditioning."""

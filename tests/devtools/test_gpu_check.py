@@ -41,6 +41,7 @@ def test_without_cuda_a_step_refuses_in_one_sentence(tmp_path):
     assert done.returncode == 2 and done.stderr.count("\n") == 1 and "torch sees no CUDA GPU here" in done.stderr
 
 
+@pytest.mark.one_host  # the GPU check runs on the host `bash tests/run devtools` sets up
 def test_the_steps_run_on_the_cpu_and_make_a_report(comfy_server, comfy_host, tmp_path, monkeypatch):
     from comfyui_flux2dev.devtools import gpu_check
 
