@@ -26,9 +26,9 @@ import torch
 from ...loaders.models.variants import MISTRAL_SMALL, MistralEncoderGeometry, layers_kept
 from ...tokenizers.prompt import PADDING_MODES, left_padding_mask
 from .encode_scenarios import _PROMPTS, encoder_tensors, write_encoder
-from .meters import evict, machine, proc_kib, sampled_call
+from .meters import cache, evict, machine, proc_kib, sampled_call
 from .real_transformer import LATENT, TEXT_TOKENS, bench_real_transformer
-from .roofline import encode_flops, layer_bytes, machine_rates, measured_against
+from .roofline import encode_flops, layer_bytes, machine_rates, measured_against, read_from
 
 BF16 = "bf16"
 WRITTEN = {BF16: "bf16.safetensors", "nvfp4": "fp4_mixed.safetensors"}  # written random, as encode_scenarios writes
@@ -130,6 +130,14 @@ def _step(function: str, *args, what: str, anon_limit: int) -> dict:
     return sampled_call("real_size", function, *args, what=what, anon_limit=anon_limit)
 
 
+def _started(path: str, rates: dict) -> dict:
+    """The file put where the roofline reads it from (read_from), before a loader's step: in the page cache where it
+    fits in the memory, else evicted; every loader starts alike."""
+    where = read_from(rates, os.path.getsize(path))
+    (evict if where == "disk" else cache)([path])
+    return {"started_from": where}
+
+
 # --- the files ------------------------------------------------------------------------------------------------
 
 
@@ -169,9 +177,10 @@ def _made(folder: str, g: MistralEncoderGeometry, layers: int, fmt: str, anon_li
 def bench_real_encoder(folder: str, g: MistralEncoderGeometry = MISTRAL_SMALL, formats=FORMATS,
                        paddings=PADDING_MODES, peers: bool = True) -> dict:
     """{"machine", "geometry", "rates", "files", "conversions", "rows"}: a row per loader, file and padding mode, with
-    seconds, peak_anon_bytes, peak_mapped_bytes and peak_open_files of its process, and "result" (the encode's
-    seconds, the process's own memory before it, the tokens and a digest of the conditioning), "failed" or
-    "over_limit"; the pack's rows also its "roofline" against the machine's rates, measured first."""
+    where its file started (started_from), seconds, peak_anon_bytes, peak_mapped_bytes and peak_open_files of its
+    process, and "result" (the encode's seconds, the process's own memory before it, the tokens and a digest of the
+    conditioning), "failed" or "over_limit"; the pack's rows also its "roofline" against the machine's rates,
+    measured first."""
     os.makedirs(folder, exist_ok=True)
     layers = layers_kept(g)
     anon_limit = _memory_available() - _MARGIN
@@ -182,8 +191,7 @@ def bench_real_encoder(folder: str, g: MistralEncoderGeometry = MISTRAL_SMALL, f
         if machine_limits is None:  # measured once, on the first file, before any encode
             machine_limits = _step("rates", path, what="the machine's rates", anon_limit=anon_limit)["result"]
         for padding in paddings:
-            evict([path])  # every loader starts from the disk
-            row = {"loader": "pack", "format": fmt, "padding": padding,
+            row = {"loader": "pack", "format": fmt, "padding": padding, **_started(path, machine_limits),
                    **_step("pack_encode", path, padding, what=f"pack, {fmt}", anon_limit=anon_limit)}
             if "result" in row:
                 r = row["result"]
@@ -195,8 +203,7 @@ def bench_real_encoder(folder: str, g: MistralEncoderGeometry = MISTRAL_SMALL, f
             rows.append(row)
         if peers:
             loader, function = ("ComfyUI-GGUF", "peer_encode") if path.endswith(".gguf") else ("host", "host_encode")
-            evict([path])
-            rows.append({"loader": loader, "format": fmt, "padding": _HOST_PADDING,
+            rows.append({"loader": loader, "format": fmt, "padding": _HOST_PADDING, **_started(path, machine_limits),
                          **_step(function, path, what=f"{loader}, {fmt}", anon_limit=anon_limit)})
     record = os.path.join(folder, "conversions.json")
     return {
@@ -246,7 +253,8 @@ def format_real(result: dict) -> str:
              f"Measured against (roofline.py): matmuls at {r['matmul_flops'] / 1e12:.2f} TFLOP/s in {r['dtype']} on "
              f"the encoder's shapes, the file read at {r['cache_bytes_s'] / 1e9:.1f} GB/s from the page cache and "
              f"{r['disk_bytes_s'] / 1e9:.2f} GB/s from the disk (for a file larger than the "
-             f"{_gb(r['memory_available_bytes'])} GB available). The mark: a step's wall time within "
+             f"{_gb(r['memory_available_bytes'])} GB available); every step starts with its file where that says. "
+             f"The mark: a step's wall time within "
              f"{ROOFLINE_FACTOR:g}x its roofline plus {START_UP_S:.0f} s of start-up.", "",
              "| step | file GB | wall s | peak own (anon) GB | peak mapped GB | peak open files | roofline s | "
              "encode / roofline | within the mark | outcome |",

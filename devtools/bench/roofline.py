@@ -103,10 +103,16 @@ def machine_rates(g: MistralEncoderGeometry, dtype: torch.dtype, path: str) -> d
             "memory_available_bytes": available, "threads": torch.get_num_threads(), "cpus": os.cpu_count()}
 
 
+def read_from(rates: dict, file_bytes: int) -> str:
+    """Where a run reads a file's weights: the page cache where the file fits in the memory left (as a running ComfyUI
+    finds a model file it has read before), else the disk."""
+    return "disk" if file_bytes > rates["memory_available_bytes"] else "page cache"
+
+
 def measured_against(rates: dict, flops: float, weight_bytes: int, file_bytes: int, seconds: float) -> dict:
-    """A run's roofline and ratio: its weights read from the disk where the file is larger than the memory left."""
-    from_disk = file_bytes > rates["memory_available_bytes"]
-    read_rate = rates["disk_bytes_s" if from_disk else "cache_bytes_s"]
-    roof = roofline_s(flops, weight_bytes, rates["matmul_flops"], read_rate)
-    return {"flops": flops, "weight_bytes": weight_bytes, "read_from": "disk" if from_disk else "page cache",
+    """A run's roofline and ratio, its weights read from where read_from says."""
+    where = read_from(rates, file_bytes)
+    roof = roofline_s(flops, weight_bytes, rates["matmul_flops"],
+                      rates["disk_bytes_s" if where == "disk" else "cache_bytes_s"])
+    return {"flops": flops, "weight_bytes": weight_bytes, "read_from": where,
             "roofline_s": roof, "ratio": seconds / roof if roof else math.inf}

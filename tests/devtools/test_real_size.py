@@ -53,6 +53,7 @@ def test_an_encode_costs_one_layer_of_own_memory_whatever_the_file(comfy_host, f
         assert roof["roofline_s"] == max(roof["flops"] / rates["matmul_flops"],
                                          roof["weight_bytes"] / rates["cache_bytes_s"])
         assert roof["ratio"] == row["result"]["encode_s"] / roof["roofline_s"]
+        assert row["started_from"] == roof["read_from"] == "page cache"  # the encode started as its roofline reads
     assert "| pack encode, fp8, comfy padding |" in format_real(result)
 
 
