@@ -1,6 +1,6 @@
-"""How the quantizers and dequantizers run: in chunks of rows (`chunks`), on half the cores (a parallel step ends when
-its slowest thread does), and by the compiled kernels where numba runs, each with a reference path that gives the
-same bits where its kernel cannot run, with one log line (docs/dequantization.md: Why numba, Fallback).
+"""How the quantizers and dequantizers run: in chunks of rows (`chunks`); by the compiled kernels where numba runs, on
+torch's threads (`cpu_threads`); else by a reference path that gives the same bits, on half the cores (`few_threads`),
+with one log line (docs/dequantization.md: Why numba, Fallback).
 
 Kernel code (gguf_row.jit) is compiled on its first CPU call, in a copy of its module's globals with numba_ops.py's
 ops bound, under a name holding a digest of the formats' sources, its machine code kept on disk (kernel_cache.py)."""
@@ -37,15 +37,18 @@ def chunks(rows: int, width: int, device: str = "cpu", values: int | None = None
 
 
 def cpu_threads() -> int:
-    """How many threads a CPU quantization or dequantization may use: half the cores, at least one."""
-    return max(1, (os.cpu_count() or 1) // 2)
+    """How many threads the compiled kernels run on: torch's (all the cores unless the host or the user set fewer), as
+    its matmuls. A step takes its runs of rows as threads come free (`run`), so a thread the system parks delays it by
+    one run."""
+    return max(1, torch.get_num_threads())
 
 
 @contextlib.contextmanager
 def few_threads(device: torch.device):
-    """Torch's intra-op threads bounded to cpu_threads() inside the block, on the CPU."""
+    """Torch's intra-op threads bounded to half the cores inside the block, on the CPU: the reference paths take
+    hundreds of short parallel steps, each ending when its slowest thread does, and a parked thread stalls every one."""
     threads = torch.get_num_threads()
-    bounded = min(threads, cpu_threads())
+    bounded = min(threads, max(1, (os.cpu_count() or 1) // 2))
     if device.type != "cpu" or bounded == threads:
         yield
         return
