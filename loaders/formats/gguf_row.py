@@ -199,6 +199,20 @@ def side_by_side(stacked: torch.Tensor) -> torch.Tensor:
     return torch.index_select(stacked.view(-1, w), 0, order).view(n, groups, k, w)
 
 
+def nibble_pairs(book: torch.Tensor, high_first: bool = False) -> torch.Tensor:
+    """byte -> the float32 values of its two 4-bit codes through `book` (16 values), the low nibble's first unless
+    `high_first`, side by side in one float64 slot: one gather yields two neighbouring values."""
+    codes = torch.arange(256, device=book.device)
+    low, high = book[codes & 0x0F], book[codes >> 4]
+    return torch.stack((high, low) if high_first else (low, high), dim=1).view(torch.float64).reshape(256)
+
+
+@functools.cache
+def nibble_book(values: tuple[float, ...], device: torch.device, high_first: bool = False) -> torch.Tensor:
+    """nibble_pairs of a constant book, made on the CPU once per device."""
+    return nibble_pairs(torch.tensor(values, dtype=torch.float32), high_first).to(device)
+
+
 def as_bytes(packed: torch.Tensor) -> torch.Tensor:
     return packed.view(torch.uint8).view(packed.shape[0], -1)
 

@@ -5,7 +5,6 @@ dequantizer, with a warning, for a type gguf knows and no row reads)."""
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 
@@ -16,7 +15,7 @@ from gguf import GGMLQuantizationType as Q
 
 from ...errors import CorruptFileError, UnsupportedFormatError
 from . import gguf_float, gguf_k, gguf_legacy, kernels
-from .gguf_row import GGUFType, NotQuantizable, Scratch, check_peak
+from .gguf_row import GGUFType, NotQuantizable, Scratch, check_peak, nibble_book
 
 log = logging.getLogger(__name__)
 
@@ -47,14 +46,6 @@ def read_types() -> str:
 # --- reading --------------------------------------------------------------------------------------------------
 
 
-@functools.cache
-def _pair_book(values: tuple[int, ...], device: torch.device) -> torch.Tensor:
-    """byte -> the float32 values of its low and high nibble, side by side in one float64 slot (one gather, two)."""
-    book = np.array(values, dtype=np.float32)
-    pairs = np.stack((np.tile(book, 16), np.repeat(book, 16)), axis=1)
-    return torch.from_numpy(pairs.view(np.float64).reshape(256)).to(device)
-
-
 def dequantize(data: torch.Tensor, qtype, shape, dtype: torch.dtype = torch.float16, *,
                out: torch.Tensor | None = None) -> torch.Tensor:
     """Values of a GGUF tensor from its raw bytes (uint8, on CPU or GPU), shaped `shape` (torch order), bit-exact with
@@ -79,7 +70,7 @@ def dequantize(data: torch.Tensor, qtype, shape, dtype: torch.dtype = torch.floa
     if kernels.dequantize(row, blocks, out):
         return out
     scales, codes, apply, book = row.read
-    book = None if book is None else _pair_book(book, data.device)
+    book = None if book is None else nibble_book(book, data.device)
 
     def fill(rows: slice, v: torch.Tensor) -> None:
         chunk = codes(blocks[rows])

@@ -19,7 +19,7 @@ import torch
 
 from ...errors import CorruptFileError, UnsupportedFormatError
 from . import kernels
-from .gguf_row import jit, put
+from .gguf_row import jit, nibble_book, nibble_pairs, put
 from .gguf_types import dequantize as dequantize_gguf
 from .gguf_types import type_of
 from .packing import FORMATS, FP8_SCALED, GGUF, GGUF_TYPE, PackedFormat, stored_format
@@ -172,14 +172,6 @@ def unswizzle_block_scales(scales: torch.Tensor, rows: int, blocks: int) -> torc
     return plain[:rows, :blocks]
 
 
-@functools.cache
-def _e2m1_pairs(device: torch.device) -> torch.Tensor:
-    """byte -> the float32 values of its two E2M1 codes (the high nibble's first: the even element) side
-    by side in one float64 slot: one gather yields two neighbouring values."""
-    book, codes = torch.tensor(_E2M1, dtype=torch.float32, device="cpu"), torch.arange(256, device="cpu")
-    return torch.stack((book[codes >> 4], book[codes & 0x0F]), dim=1).view(torch.float64).reshape(256).to(device)
-
-
 def dequantize_nvfp4(
     packed: torch.Tensor, block_scales: torch.Tensor, tensor_scale: torch.Tensor, dtype: torch.dtype,
     *, out: torch.Tensor | None = None,
@@ -206,7 +198,7 @@ def dequantize_nvfp4(
                                                                  values, first)):
             return out
     scales = unswizzle_block_scales(block_scales, rows, cols // NVFP4_BLOCK)
-    pairs = _e2m1_pairs(packed.device)
+    pairs = nibble_book(_E2M1, packed.device, high_first=True)  # the even element in the high nibble
 
     def fill(chunk: slice, v: torch.Tensor) -> None:
         torch.index_select(pairs, 0, packed[chunk].reshape(-1).int(), out=v.view(torch.float64).view(-1))
@@ -346,14 +338,6 @@ def dequantize_mxfp8(
     return out
 
 
-@functools.cache
-def _nibble_pairs(values: tuple[float, ...], device: torch.device) -> torch.Tensor:
-    """byte -> the float32 values of its low nibble (the even element) and its high nibble, side by side in one
-    float64 slot, each nibble's value from `values` (16): one gather yields two neighbouring values."""
-    book, codes = torch.tensor(values, dtype=torch.float32, device="cpu"), torch.arange(256, device="cpu")
-    return torch.stack((book[codes & 0x0F], book[codes >> 4]), dim=1).view(torch.float64).reshape(256).to(device)
-
-
 _SIGNED_NIBBLES = tuple(float(n - 16 if n >= 8 else n) for n in range(16))  # two's complement 4-bit values
 _W4A8_CODES = tuple(float(n - 8) for n in range(16))  # W4A8's codes without a codebook
 
@@ -374,7 +358,7 @@ def dequantize_convrot_w4a4(
     inputs = half * 2
     scale = _scale_of_rows(scale, rows, packed.device, "ConvRot W4A4 weight", ((rows,), (rows, 1)))
     _check_group(inputs, convrot_group, "ConvRot W4A4 weight")
-    pairs = _nibble_pairs(_SIGNED_NIBBLES, packed.device)
+    pairs = nibble_book(_SIGNED_NIBBLES, packed.device)
     out = kernels.output(out, (rows, inputs), dtype, packed.device)
 
     def fill(chunk: slice, v: torch.Tensor) -> None:
@@ -413,11 +397,9 @@ def dequantize_w4a8(
     s_rel = s_rel.to(device=device, dtype=torch.float32)
     s_channel = s_channel.to(device=device, dtype=torch.float32).reshape(-1, 1)
     if codebook is None:
-        pairs = _nibble_pairs(_W4A8_CODES, device)
-    else:  # made for this weight's codebook: 256 pairs
-        book = codebook.to(device=device, dtype=torch.float32)
-        codes = torch.arange(256, device=device)
-        pairs = torch.stack((book[codes & 0x0F], book[codes >> 4]), dim=1).view(torch.float64).reshape(256)
+        pairs = nibble_book(_W4A8_CODES, device)
+    else:  # made for this weight's codebook
+        pairs = nibble_pairs(codebook.to(device=device, dtype=torch.float32))
     out = kernels.output(out, (rows, inputs), dtype, device)
 
     def fill(chunk: slice, v: torch.Tensor) -> None:
