@@ -94,10 +94,12 @@ def evict(paths: list[str]) -> None:
 
 
 def cache(paths: list[str]) -> None:
-    """Read the files through once, so that their pages are in the page cache where the memory holds them."""
+    """Read the files through once, so that their pages are in the page cache where the memory holds them, once
+    written back (a file just written is still being flushed to the disk, which a measured step would wait on)."""
     buffer = memoryview(bytearray(64 << 20))
     for path in paths:
         with open(path, "rb", buffering=0) as f:
+            os.fsync(f.fileno())
             while f.readinto(buffer):
                 pass
 
