@@ -1,6 +1,7 @@
 """The machine's speed limits an encode or a prompt upsampling is measured against, measured in the same run: the best
 rate torch's matmul reaches here on the encoder's own shapes in the dtype the encoder multiplies in, and the rates
-its weights can be read at (from the page cache, and from the disk for a file larger than the memory). A run's
+its weights can be read at (from the page cache, from the disk for a file larger than the memory, and from memory for
+a model kept loaded). A run's
 roofline is the time its matmuls take at that rate or the time its weights take to be read, whichever is longer; its
 ratio is the measured time over it (1.0: at the machine's limit)."""
 
@@ -47,6 +48,19 @@ def _read_rate(path: str) -> float:
         while done < _READ_LIMIT and (n := f.readinto(buffer)):
             done += n
     return done / (time.perf_counter() - start)
+
+
+def memory_rate(size: int = 1 << 30, repeats: int = 3) -> float:
+    """The best bytes per second torch reads memory at here (a sum over `size` bytes on its threads): the rate a loaded
+    model's weights, already in memory, are read at."""
+    values = torch.ones(size // 4)
+    values.sum()
+    best = 0.0
+    for _ in range(repeats):
+        start = time.perf_counter()
+        values.sum()
+        best = max(best, size / (time.perf_counter() - start))
+    return best
 
 
 def read_rates(path: str) -> dict[str, float]:

@@ -19,7 +19,7 @@ import torch
 from ..tiny.geometry import BENCH_MISTRAL, TINY_MISTRAL
 from .encode_scenarios import write_encoder
 from .meters import Measured, in_child
-from .roofline import layer_bytes, matmul_rate, read_rates, roofline_s, token_flops
+from .roofline import layer_bytes, matmul_rate, memory_rate, roofline_s, token_flops
 
 NEW_TOKENS = {True: 8, False: 16}
 PROMPT = "a red fox sitting in fresh snow at dawn"
@@ -156,13 +156,13 @@ def bench_upsampling(quick: bool) -> dict:
             write_encoder(files["fp8"], g, layers, "fp8", whole=True)
         if "gguf" in formats:
             write_whole_gguf(files["gguf"], files["bf16"], g, layers)
-        rates = {"cache_bytes_s": read_rates(files["bf16"])["cache"],
+        rates = {"memory_bytes_s": memory_rate(),
                  **{dtype: matmul_rate(g, getattr(torch, dtype)) for dtype in {dtype for *_, dtype in chosen}}}
         for name, runner, fmt, dtype in chosen:
             row = {"name": name, **in_child("upsample_scenarios", "_child", files[fmt], runner, dtype, layers,
                                             quick, what=f"upsampling, {name}")}
             if runner == "pack":
-                row["roofline"] = _against(row, g, layers, rates[dtype], rates["cache_bytes_s"],
+                row["roofline"] = _against(row, g, layers, rates[dtype], rates["memory_bytes_s"],
                                            layer_bytes(files[fmt], head=True))
             rows.append(row)
     geometry = {"width": g.width, "heads": g.heads, "kv_heads": g.kv_heads, "mlp": g.mlp, "vocab": g.vocab,
@@ -172,7 +172,7 @@ def bench_upsampling(quick: bool) -> dict:
 
 def _against(row: dict, g, layers: int, rate: float, read_rate: float, weight_bytes: int) -> dict:
     """A pack row's prefill (its first token) and each token after it against the machine's limits (roofline.py):
-    every token reads the whole model's weights once."""
+    every token reads the whole model's weights once, from memory (the row's model is loaded by a first call)."""
     prompt, new = row["prompt_tokens"], row["new_tokens"]
     prefill = roofline_s(token_flops(g, layers, prompt, prompt), weight_bytes, rate, read_rate)
     token = roofline_s(token_flops(g, layers, 1, prompt + new), weight_bytes, rate, read_rate)

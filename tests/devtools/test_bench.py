@@ -177,7 +177,7 @@ def test_upsampling_rows_run_the_pack_and_transformers_on_the_same_chat(results)
     assert len({r["prompt_tokens"] for r in u["rows"]}) == 1
     assert all(r["new_tokens"] == 8 and r["tokens_per_s"] > 0 and r["first_token_s"] > 0 for r in u["rows"])
     # the pack's rows against the machine's limits, measured in the same run
-    assert _positive(u["rates"]["cache_bytes_s"]) and _positive(u["rates"]["bfloat16"])
+    assert _positive(u["rates"]["memory_bytes_s"]) and _positive(u["rates"]["bfloat16"])
     for r in u["rows"]:
         assert ("roofline" in r) == r["name"].startswith("pack"), r["name"]
         if "roofline" in r:
