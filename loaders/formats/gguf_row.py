@@ -210,7 +210,7 @@ def nibble_pairs(book: torch.Tensor, high_first: bool = False) -> torch.Tensor:
 @functools.cache
 def nibble_book(values: tuple[float, ...], device: torch.device, high_first: bool = False) -> torch.Tensor:
     """nibble_pairs of a constant book, made on the CPU once per device."""
-    return nibble_pairs(torch.tensor(values, dtype=torch.float32), high_first).to(device)
+    return nibble_pairs(torch.tensor(values, dtype=torch.float32, device="cpu"), high_first).to(device)
 
 
 def as_bytes(packed: torch.Tensor) -> torch.Tensor:
