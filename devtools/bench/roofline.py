@@ -1,9 +1,8 @@
 """The machine's speed limits an encode or a prompt upsampling is measured against, measured in the same run: the best
 rate torch's matmul reaches here on the encoder's own shapes in the dtype the encoder multiplies in, and the rates
 its weights can be read at (from the page cache, from the disk for a file larger than the memory, and from memory for
-a model kept loaded). A run's
-roofline is the time its matmuls take at that rate or the time its weights take to be read, whichever is longer; its
-ratio is the measured time over it (1.0: at the machine's limit)."""
+a model kept loaded). A run's roofline is the time its matmuls take at that rate or the time its weights take to be
+read, whichever is longer; its ratio is the measured time over it (1.0: at the machine's limit)."""
 
 from __future__ import annotations
 
