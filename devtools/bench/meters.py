@@ -93,15 +93,23 @@ def evict(paths: list[str]) -> None:
             os.close(fd)
 
 
+def read_through(path: str, limit: int | None = None) -> int:
+    """Reads the file from its start in 64 MiB pieces, to its end or past `limit` bytes; returns the bytes read."""
+    buffer = memoryview(bytearray(64 << 20))
+    done = 0
+    with open(path, "rb", buffering=0) as f:
+        while (limit is None or done < limit) and (n := f.readinto(buffer)):
+            done += n
+    return done
+
+
 def cache(paths: list[str]) -> None:
     """Read the files through once, so that their pages are in the page cache where the memory holds them, once
     written back (a file just written is still being flushed to the disk, which a measured step would wait on)."""
-    buffer = memoryview(bytearray(64 << 20))
     for path in paths:
-        with open(path, "rb", buffering=0) as f:
+        with open(path, "rb") as f:
             os.fsync(f.fileno())
-            while f.readinto(buffer):
-                pass
+        read_through(path)
 
 
 class Measured:

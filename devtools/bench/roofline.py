@@ -13,9 +13,8 @@ import time
 import torch
 
 from ...loaders.models.variants import MistralEncoderGeometry
-from .meters import evict
+from .meters import best, evict, read_through
 
-_READ_CHUNK = 64 << 20
 _READ_LIMIT = 2 << 30  # bytes of a file read to measure a read rate
 
 
@@ -41,12 +40,8 @@ def matmul_rate(g: MistralEncoderGeometry, dtype: torch.dtype, rows: int = 512, 
 
 
 def _read_rate(path: str) -> float:
-    buffer = memoryview(bytearray(_READ_CHUNK))
-    done, start = 0, time.perf_counter()
-    with open(path, "rb", buffering=0) as f:
-        while done < _READ_LIMIT and (n := f.readinto(buffer)):
-            done += n
-    return done / (time.perf_counter() - start)
+    start = time.perf_counter()
+    return read_through(path, _READ_LIMIT) / (time.perf_counter() - start)
 
 
 def memory_rate(size: int = 1 << 30, repeats: int = 3) -> float:
@@ -54,12 +49,7 @@ def memory_rate(size: int = 1 << 30, repeats: int = 3) -> float:
     model's weights, already in memory, are read at."""
     values = torch.ones(size // 4)
     values.sum()
-    best = 0.0
-    for _ in range(repeats):
-        start = time.perf_counter()
-        values.sum()
-        best = max(best, size / (time.perf_counter() - start))
-    return best
+    return size / best(values.sum, repeats)
 
 
 def read_rates(path: str) -> dict[str, float]:
