@@ -22,7 +22,7 @@ from . import kernels
 from .gguf_row import jit, nibble_book, nibble_pairs, put
 from .gguf_types import dequantize as dequantize_gguf
 from .gguf_types import type_of
-from .packing import FORMATS, FP8_SCALED, GGUF, GGUF_TYPE, PackedFormat, stored_format
+from .packing import CONVROT_GROUP, FORMATS, FP8_SCALED, GGUF, GGUF_TYPE, PackedFormat, stored_format
 from .safetensors_file import SAFETENSORS_DTYPES, torch_dtype
 
 FP8_DTYPES = tuple(torch_dtype(d) for d in FP8_SCALED.dtypes)
@@ -266,9 +266,10 @@ def _hadamard(size: int, device: torch.device) -> torch.Tensor:
 
 
 def _check_group(inputs: int, group: int, what: str) -> None:
-    if group < 4 or group & (group - 1) or (group.bit_length() - 1) % 2 or inputs % group:
-        raise CorruptFileError(f"A {what} of {inputs} inputs is rotated in groups of {group}; ConvRot groups are a "
-                               "power of 4 that divides the inputs. The file is damaged; download it again.")
+    if not CONVROT_GROUP.valid(group) or inputs % group:
+        raise CorruptFileError(f"A {what} of {inputs} inputs is rotated in groups of {group}; ConvRot groups are "
+                               f"{CONVROT_GROUP.expected} that divides the inputs. The file is damaged; download it "
+                               "again.")
 
 
 def _unrotate(v: torch.Tensor, group: int) -> None:
