@@ -1,6 +1,6 @@
 """Writing files in `flux2dev bench`: the pack's GGUF quantizers against gguf-py's numpy quantizer, which they
-replace, on the same FLUX.2-shaped weights (values per second and bit equality), and a conversion's peak RSS
-against the largest tensor it holds.
+replace, on the same FLUX.2-shaped weights (values per second and bit equality), and a conversion's own memory
+against the largest tensor it holds, beside the pages of the source it maps.
 
 The conversion rows convert a random encoder in ComfyUI's single-file form (quick: the tiny test geometry; full:
 the benchmark geometry, the real width of FLUX.2 [dev]'s Mistral-Small with 3 layers, whose largest tensor is
@@ -10,6 +10,7 @@ process after evicting the source from the page cache; the transformer conversio
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import tempfile
@@ -20,7 +21,7 @@ import torch
 
 from ..tiny.geometry import BENCH_MISTRAL, TINY_MISTRAL
 from .encode_scenarios import write_encoder
-from .meters import Measured, best, evict, in_child, one_thread
+from .meters import Measured, best, evict, in_child_sampled, one_thread, proc_kib
 
 # [out, in] of a FLUX.2 [dev] weight (the double blocks' MLP out: 3072 x 12288 would be Klein's; 6144 x 18432 is
 # [dev]'s single-block output); quick: one small one.
@@ -35,8 +36,8 @@ def bench_quantize(quick: bool) -> list[dict]:
     ceiling: a plain copy of the weights into a reused tensor on the quantizer's threads, measured just before it."""
     import gguf
 
-    from ...loaders.formats.gguf_types import LEGACY_TYPES, quantize
-    from ...loaders.formats.kernels import few_threads
+    from ...loaders.formats.gguf_types import LEGACY_TYPES, quantize, type_of
+    from ...loaders.formats.kernels import few_threads, write_path
 
     shape = _QUANT_SHAPES[quick]
     repeats, reference_repeats = (3, 1) if quick else (5, 2)
@@ -47,7 +48,9 @@ def bench_quantize(quick: bool) -> list[dict]:
     for qtype in LEGACY_TYPES:
         if qtype == gguf.GGMLQuantizationType.F32:
             continue
-        with few_threads(torch.device("cpu")):
+        # the compiled kernels run on torch's threads, the torch path on half the cores (kernels.py)
+        compiled = write_path(type_of(qtype)) == "numba"
+        with contextlib.nullcontext() if compiled else few_threads(torch.device("cpu")):
             copy_s = best(lambda: copied.copy_(tensor), repeats)
         out = quantize(tensor, qtype)  # the converter's way: one output buffer, written again chunk after chunk
         pack_s = best(lambda: quantize(tensor, qtype, out=out), repeats)
@@ -141,13 +144,14 @@ def _child_convert(src: str, out: str, dtype: str) -> dict:
     infos, _ = read_header(src)
     evict([src])
     with Measured() as m:
+        anon_before, mapped_before = proc_kib("RssAnon") * 1024, proc_kib("RssFile") * 1024
         if dtype in DTYPES:
             convert_encoder(src, out, dtype=dtype)
         else:  # a llama.cpp preset, as a GGUF
             convert_encoder_gguf(src, out, qtype=dtype)
     return {"dtype": dtype, "file_bytes": os.path.getsize(src), "out_bytes": os.path.getsize(out),
-            "largest_bytes": max(i.nbytes for i in infos.values()), "peak_rss_bytes": m.peak_rss_bytes,
-            "read_bytes": m.read_bytes, "seconds": m.seconds}
+            "largest_bytes": max(i.nbytes for i in infos.values()), "anon_before_bytes": anon_before,
+            "mapped_before_bytes": mapped_before, "read_bytes": m.read_bytes, "seconds": m.seconds}
 
 
 # The encoder conversions measured: ComfyUI's single file in bf16 and fp8, and a llama.cpp K preset's GGUF.
@@ -155,7 +159,9 @@ CONVERSIONS = ("bf16", "fp8", "Q4_K_M")
 
 
 def bench_conversion(quick: bool) -> dict:
-    """{"geometry": {...}, "rows": [per output type: file, output and largest tensor bytes, peak RSS, reads, s]}."""
+    """{"geometry": {...}, "rows": [per output type: file, output and largest tensor bytes, own memory and mapped file
+    pages at their peaks above the child's before the conversion (the source's pages, and libraries loaded on the way),
+    reads, s]}."""
     from ...loaders.convert.encoder import DTYPES
 
     g = _ENCODERS[quick]
@@ -166,7 +172,10 @@ def bench_conversion(quick: bool) -> dict:
         write_encoder(src, g, layers, "bf16")
         for dtype in CONVERSIONS:
             out = os.path.join(tmp, f"out-{dtype}.{'safetensors' if dtype in DTYPES else 'gguf'}")
-            rows.append(in_child("convert_scenarios", "_child_convert", src, out, dtype, what=f"conversion of {src}"))
+            row, figures = in_child_sampled("convert_scenarios", "_child_convert", src, out, dtype,
+                                            what=f"conversion of {src}")
+            rows.append({**row, "own_bytes": figures["peak_anon_bytes"] - row.pop("anon_before_bytes"),
+                         "mapped_bytes": figures["peak_mapped_bytes"] - row.pop("mapped_before_bytes")})
             os.remove(out)
     return {"geometry": {"width": g.width, "mlp": g.mlp, "vocab": g.vocab, "layers": layers}, "rows": rows}
 
@@ -232,8 +241,9 @@ def format_conversion(result: dict) -> str:
     for r in result["rows"]:
         lines.append(f"  to {r['dtype']}: file {r['file_bytes'] / 2**20:.0f} MiB -> {r['out_bytes'] / 2**20:.0f} MiB, "
                      f"largest tensor {r['largest_bytes'] / 2**20:.0f} MiB, "
-                     f"peak RSS {r['peak_rss_bytes'] / 2**20:.0f} MiB "
-                     f"({r['peak_rss_bytes'] / r['largest_bytes']:.2f} x the largest tensor, "
-                     f"{r['peak_rss_bytes'] / r['file_bytes']:.2f} x the file), "
+                     f"own memory {r['own_bytes'] / 2**20:.0f} MiB "
+                     f"({r['own_bytes'] / r['largest_bytes']:.2f} x the largest tensor, "
+                     f"{r['own_bytes'] / r['file_bytes']:.2f} x the file), "
+                     f"mapped {r['mapped_bytes'] / 2**20:.0f} MiB, "
                      f"read {r['read_bytes'] / 2**20:.0f} MiB, {r['seconds']:.1f} s")
     return "\n".join(lines)

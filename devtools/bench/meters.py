@@ -203,10 +203,15 @@ def sampled_call(module: str, function: str, *args, what: str, anon_limit: int |
 def in_child(module: str, function: str, *args, what: str) -> dict:
     """What `function(*args)` of a bench module returns (JSON), run in a fresh process that knows the test models:
     its memory and page faults are its own. `what` names the row in a failure."""
+    return in_child_sampled(module, function, *args, what=what)[0]
+
+
+def in_child_sampled(module: str, function: str, *args, what: str) -> tuple[dict, dict]:
+    """in_child's result, and sampled_child's figures of the child."""
     done = sampled_call(module, function, *args, what=what)
     if "failed" in done:
         raise RuntimeError(f"bench child ({what}) failed:\n{done['stderr']}")
-    return done["result"]
+    return done.pop("result"), done
 
 
 def machine() -> dict:
