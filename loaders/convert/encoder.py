@@ -49,7 +49,7 @@ def _is_projection(host: str) -> bool:
     return host.startswith("model.layers.") and ".".join(parts[3:5]) in FP8_PARTS
 
 
-_CAST_VALUES = 1 << 22  # values cast to fp8 at a time, so no full-size temporary is made
+_CAST_VALUES = 1 << 22  # values cast at a time, so no full-size temporary is made
 
 
 def fp8_scale(dense: torch.Tensor) -> torch.Tensor:
@@ -64,17 +64,19 @@ def fp8_cast(dense: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = FP8)
     return (dense.to(torch.float32) / scale).clamp_(-top, top).to(dtype)
 
 
-def _write_fp8(file, name: str, dense: torch.Tensor, scale: torch.Tensor) -> None:
-    rows = dense.reshape(dense.shape[0], -1)
-    step = max(1, _CAST_VALUES // rows.shape[1])
+def _write_cast(file, name: str, values: torch.Tensor, cast) -> None:
+    """cast(rows) of `values` written rows after rows, so that only a chunk is ever held in a new dtype."""
+    rows = values.reshape(values.shape[0], -1)
+    step = max(1, _CAST_VALUES // max(1, rows.shape[1]))
     for start in range(0, rows.shape[0], step):
-        file.write(name, fp8_cast(rows[start : start + step], scale), at=start * rows.shape[1])
+        chunk = cast(rows[start : start + step])
+        file.write(name, chunk, at=start * rows.shape[1] * chunk.element_size())
 
 
 def _check_values(host: str, values: torch.Tensor, dtype: str) -> None:
     """Refuse a weight no float32 holds (NaN, infinities, float64 values beyond float32's range), naming it."""
     try:
-        check_peak(values.abs().max().item() if values.numel() else 0.0, limited=False)
+        check_peak(max(values.amax().item(), -values.amin().item()) if values.numel() else 0.0, limited=False)
     except NotQuantizable as e:
         raise CorruptFileError(f"The encoder's {host} cannot be written as {dtype}: {e}. A weight like that is "
                                "damaged; check the source.") from None
@@ -112,13 +114,17 @@ def convert_encoder(src: str, out: str, *, dtype: str = "bf16", force: bool = Fa
             shape = layout[host][1]
             if not companions:  # a plain weight, float64 among them, checked as stored: a cast would hide its values
                 _check_values(host, weight, dtype)
-            if layout[host][0] == FP8:
-                dense = packed_dequant.dequantize(weight, companions, torch.float32, shape)
-                _check_values(host, dense, dtype)
+            if layout[host][0] == FP8:  # a plain weight is scaled and cast from the file, a chunk at a time
+                dense = weight
+                if companions:
+                    dense = packed_dequant.dequantize(weight, companions, torch.float32, shape)
+                    _check_values(host, dense, dtype)
                 scale = fp8_scale(dense)
-                _write_fp8(file, host, dense, scale)
+                _write_cast(file, host, dense, lambda rows: fp8_cast(rows, scale))
                 file.write(host[: -len("weight")] + SCALE, scale)
                 del dense
+            elif not companions:  # rounded once to bfloat16, a chunk at a time
+                _write_cast(file, host, weight, lambda rows: rows.to(plain_dtype))
             else:  # the exact float32 values, rounded once to bfloat16 (computed in chunks by the dequantizer)
                 file.write(host, packed_dequant.dequantize(weight, companions, plain_dtype, shape))
             del weight, companions
