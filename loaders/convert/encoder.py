@@ -26,6 +26,7 @@ import torch
 from ...errors import CorruptFileError, UnsupportedFormatError
 from ..formats import packed_dequant
 from ..formats.gguf_row import NotQuantizable, check_peak
+from ..formats.kernels import chunks
 from ..models import progress
 from ..models.encoder import plan_encoder, planned_weights, read_weight, resolve_plan_tokenizer
 from ..models.encoder_identify import LAYER_SHAPES
@@ -67,10 +68,9 @@ def fp8_cast(dense: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = FP8)
 def _write_cast(file, name: str, values: torch.Tensor, cast) -> None:
     """cast(rows) of `values` written rows after rows, so that only a chunk is ever held in a new dtype."""
     rows = values.reshape(values.shape[0], -1)
-    step = max(1, _CAST_VALUES // max(1, rows.shape[1]))
-    for start in range(0, rows.shape[0], step):
-        chunk = cast(rows[start : start + step])
-        file.write(name, chunk, at=start * rows.shape[1] * chunk.element_size())
+    for part in chunks(rows.shape[0], rows.shape[1], values=_CAST_VALUES):
+        chunk = cast(rows[part])
+        file.write(name, chunk, at=part.start * rows.shape[1] * chunk.element_size())
 
 
 def _check_values(host: str, values: torch.Tensor, dtype: str) -> None:
