@@ -22,10 +22,9 @@ from . import kernels
 from .gguf_row import jit, nibble_book, nibble_pairs, put
 from .gguf_types import dequantize as dequantize_gguf
 from .gguf_types import type_of
-from .packing import CONVROT_GROUP, FORMATS, FP8_SCALED, GGUF, GGUF_TYPE, PackedFormat, stored_format
-from .safetensors_file import SAFETENSORS_DTYPES, torch_dtype
+from .packing import CONVROT_GROUP, FORMATS, GGUF, GGUF_TYPE, PackedFormat, stored_format
+from .safetensors_file import SAFETENSORS_DTYPES
 
-FP8_DTYPES = tuple(torch_dtype(d) for d in FP8_SCALED.dtypes)
 NVFP4_BLOCK = 16
 MXFP8_BLOCK = 32
 
