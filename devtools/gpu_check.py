@@ -225,7 +225,7 @@ def write_gguf_encoder(path: str, g, layers: int, qtype) -> None:
     Q8_0 embeddings, F32 norms."""
     import gguf
 
-    from .tiny.encoders import gguf_encoder_writer, gguf_names, tekken_data
+    from .tiny.encoders import embedded_tekken_data, gguf_encoder_writer, gguf_names
     from .tiny.gguf_blocks import random_blocks, write_and_close
 
     rng = np.random.default_rng(0)
@@ -251,7 +251,7 @@ def write_gguf_encoder(path: str, g, layers: int, qtype) -> None:
         for norm in ("input_layernorm", "post_attention_layernorm"):
             writer.add_tensor(names.get_name(f"model.layers.{i}.{norm}.weight", try_suffixes=(".weight",)),
                               np.ones(g.width, dtype=np.float32))
-    writer.add_tensor("tekken_model", np.frombuffer(tekken_data(), dtype=np.uint8).astype(np.float16))
+    writer.add_tensor("tekken_model", np.frombuffer(embedded_tekken_data(), dtype=np.uint8).astype(np.float16))
     write_and_close(writer)
 
 

@@ -78,10 +78,10 @@ def write_encoder(path: str, g: MistralEncoderGeometry, layers: int, fmt: str, w
     pool of normal values: drawing 17 billion of them would take minutes, and no figure measured depends on
     values repeating 16 million apart."""
     from ...loaders.convert.tensor_files import safetensors_file
-    from ..tiny.encoders import tekken_data
+    from ..tiny.encoders import tekken_tensor
 
     tensors = encoder_tensors(g, layers, fmt, whole)
-    tekken = torch.frombuffer(bytearray(tekken_data()), dtype=torch.uint8)
+    tekken = tekken_tensor()
     gen = torch.Generator().manual_seed(0)
     pool = torch.randn(_ROWS_VALUES, generator=gen).repeat(2)
     fp8_max = torch.finfo(torch.float8_e4m3fn).max

@@ -42,6 +42,24 @@ def tekken_data() -> bytes:
     return bundled_tekken_path().read_bytes()
 
 
+@functools.lru_cache(maxsize=1)
+def embedded_tekken_data() -> bytes:
+    """tekken.json as ComfyUI's encoder files embed it (tekken_model): with the special_tokens list ComfyUI's own
+    tokenizer reads, which mistral-common's bundled v3 file leaves out (the list is mistral-common's reading of it)."""
+    from mistral_common.tokens.tokenizers.tekken import Tekkenizer
+
+    tekkenizer = Tekkenizer.from_file(str(bundled_tekken_path()))
+    doc = json.loads(tekken_data())
+    doc["special_tokens"] = [{"rank": i, "token_str": tekkenizer.id_to_piece(i), "is_control": True}
+                             for i in range(tekkenizer.num_special_tokens)]
+    return json.dumps(doc).encode()
+
+
+def tekken_tensor() -> torch.Tensor:
+    """embedded_tekken_data as the tekken_model tensor of a safetensors file."""
+    return torch.frombuffer(bytearray(embedded_tekken_data()), dtype=torch.uint8)
+
+
 def _shapes(layers: int) -> dict[str, tuple[int, ...]]:
     g = TINY_MISTRAL
     out = {"model.embed_tokens.weight": (g.vocab, g.width)}
@@ -191,14 +209,10 @@ def write_standalone(dir: str) -> None:
     write_tekken(dir)
 
 
-def _tekken_tensor() -> torch.Tensor:
-    return torch.frombuffer(bytearray(tekken_data()), dtype=torch.uint8)
-
-
 def write_comfy_single(path: str) -> None:
     """ComfyUI's mistral_3_small_flux2_bf16.safetensors form: 30 layers, model.* keys, tekken_model."""
     model = {k: v for k, v in base_model().items() if _layer(k) < PRUNED and k != "lm_head.weight"}
-    _save({**model, "tekken_model": _tekken_tensor()}, path)
+    _save({**model, "tekken_model": tekken_tensor()}, path)
 
 
 def _rotary_interleave(w: torch.Tensor, heads: int) -> torch.Tensor:
@@ -262,7 +276,7 @@ def write_fp8(path: str, *, spelling: str, per_channel: bool) -> None:
     """ComfyUI single file with fp8_e4m3fn linear weights and a scale (.weight_scale or .scale_weight)."""
     model = {k: v for k, v in base_model().items() if _layer(k) < PRUNED and k != "lm_head.weight"}
     out = _fp8(model, spelling, per_channel, input_scales=True)
-    out["tekken_model"] = _tekken_tensor()
+    out["tekken_model"] = tekken_tensor()
     if spelling == "scale_weight":  # ComfyUI's older scaled-fp8 files mark themselves with this empty tensor
         out["scaled_fp8"] = torch.empty(0, dtype=torch.float8_e4m3fn)
     _save(out, path)
@@ -318,7 +332,7 @@ def write_nvfp4(path: str, *, whole: bool = False) -> None:
         out[stem + "weight_scale"] = block_scales
         out[stem + "weight_scale_2"] = tensor_scale
         out[stem + "comfy_quant"] = torch.frombuffer(bytearray(b'{"format": "nvfp4"}'), dtype=torch.uint8)
-    out["tekken_model"] = _tekken_tensor()
+    out["tekken_model"] = tekken_tensor()
     _save(out, path)
 
 
@@ -400,7 +414,7 @@ def write_gguf(path: str, arch: str, linear: str, embed: str, interleave: bool, 
         qtype = embed if k == "model.embed_tokens.weight" else "F32" if v.dim() == 1 else linear
         add(names.get_name(k, try_suffixes=(".weight",)), _interleaved(k, v) if interleave else v, qtype)
     if arch == "cow":  # gguf-org: the tekken.json bytes, one value per F16 element
-        writer.add_tensor("tekken_model", np.frombuffer(tekken_data(), dtype=np.uint8).astype(np.float16))
+        writer.add_tensor("tekken_model", np.frombuffer(embedded_tekken_data(), dtype=np.uint8).astype(np.float16))
     write_and_close(writer)
 
 

@@ -214,7 +214,7 @@ def test_the_pack_gives_the_conditioning_of_the_round_tripped_weights(comfy_host
     weights = _round_trip(written[preset])
     del weights["model.norm.weight"]
     reference = tmp_path / "round-trip.safetensors"
-    save_file({**weights, "tekken_model": torch.frombuffer(bytearray(tiny.tekken_data()), dtype=torch.uint8)},
+    save_file({**weights, "tekken_model": tiny.tekken_tensor()},
               str(reference))
     mine = load_clip(str(written[preset]))
     want = load_clip(str(reference), dtype=mine.flux2dev_source.dtype)

@@ -136,11 +136,16 @@ def test_comfyuis_own_encoder_loads_every_tensor_and_gives_the_packs_conditionin
             (prompt, ((got - want).norm() / want.norm()).item())
 
 
-def test_comfyuis_own_tokenizer_reads_the_embedded_vocabulary_as_the_pack_does(comfy_host, encoders):
+@pytest.mark.parametrize("written", [True, False], ids=["converted", "the tests' comfy file"])
+def test_comfyuis_own_tokenizer_reads_the_embedded_vocabulary_as_the_pack_does(comfy_host, encoders, tiny_root,
+                                                                               written):
+    """On the pack's converted file, and on the tiny ComfyUI file the tests stand in for ComfyUI's with (whose embedded
+    tekken must be one ComfyUI's own loader reads, as every real one is)."""
     from comfyui_flux2dev.host.clip import load_clip
 
-    host = host_flux2_tokenizer(_as_the_host_reads(encoders["bf16"])["tekken_model"])
-    mine = load_clip(str(encoders["bf16"]), padding="comfy")
+    path = encoders["bf16"] if written else tiny_root / ENCODER
+    host = host_flux2_tokenizer(_as_the_host_reads(path)["tekken_model"])
+    mine = load_clip(str(path), padding="comfy")
     for prompt in ("a red fox in the snow", "Ein Café, 2024: [IMG] 3 cats <s>!", "東京の夜"):
         assert [t[0] for t in host.tokenize_with_weights(prompt)["mistral3_24b"][0]] == \
             [t[0] for t in mine.tokenize(prompt)["mistral3_24b"][0]], prompt

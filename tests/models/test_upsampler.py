@@ -194,8 +194,7 @@ def _without(tmp_path, *names: str) -> Path:
 
     tensors = {k: v for k, v in tiny.base_model().items() if k not in names}
     path = tmp_path / f"whole-without-{'-'.join(n.split('.')[-2] for n in names)}.safetensors"
-    tekken = torch.frombuffer(bytearray(tiny.tekken_data()), dtype=torch.uint8)
-    save_file({**tensors, "tekken_model": tekken}, str(path))
+    save_file({**tensors, "tekken_model": tiny.tekken_tensor()}, str(path))
     return path
 
 
