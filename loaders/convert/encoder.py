@@ -53,9 +53,10 @@ def _is_projection(host: str) -> bool:
 _CAST_VALUES = 1 << 22  # values cast at a time, so no full-size temporary is made
 
 
-def fp8_scale(dense: torch.Tensor) -> torch.Tensor:
-    """The per-tensor scale of a weight's fp8 cast: its largest magnitude / 448 (1 for an all-zero weight)."""
-    peak = torch.maximum(dense.amax(), -dense.amin()).to(torch.float32)
+def fp8_scale(peak: float) -> torch.Tensor:
+    """The per-tensor scale of a weight's fp8 cast from its largest magnitude `peak`: peak / 448 in float32 (1 for an
+    all-zero weight)."""
+    peak = torch.tensor(peak, dtype=torch.float32)
     return torch.where(peak > 0, peak / FP8_MAX, torch.ones((), dtype=torch.float32))
 
 
@@ -73,13 +74,16 @@ def _write_cast(file, name: str, values: torch.Tensor, cast) -> None:
         file.write(name, chunk, at=part.start * rows.shape[1] * chunk.element_size())
 
 
-def _check_values(host: str, values: torch.Tensor, dtype: str) -> None:
-    """Refuse a weight no float32 holds (NaN, infinities, float64 values beyond float32's range), naming it."""
+def _checked_peak(host: str, values: torch.Tensor, dtype: str) -> float:
+    """A weight's largest magnitude; refuses a weight no float32 holds (NaN, infinities, float64 values beyond
+    float32's range), naming it."""
+    peak = max(values.amax().item(), -values.amin().item()) if values.numel() else 0.0
     try:
-        check_peak(max(values.amax().item(), -values.amin().item()) if values.numel() else 0.0, limited=False)
+        check_peak(peak, limited=False)
     except NotQuantizable as e:
         raise CorruptFileError(f"The encoder's {host} cannot be written as {dtype}: {e}. A weight like that is "
                                "damaged; check the source.") from None
+    return peak
 
 
 def convert_encoder(src: str, out: str, *, dtype: str = "bf16", force: bool = False) -> dict:
@@ -112,14 +116,14 @@ def convert_encoder(src: str, out: str, *, dtype: str = "bf16", force: bool = Fa
         for host in progress.tracked(weights):
             weight, companions = packed_dequant.split_entries(read_weight(plan, host), host)
             shape = layout[host][1]
-            if not companions:  # a plain weight, float64 among them, checked as stored: a cast would hide its values
-                _check_values(host, weight, dtype)
+            # a plain weight, float64 among them, checked as stored: a cast would hide its values
+            peak = None if companions else _checked_peak(host, weight, dtype)
             if layout[host][0] == FP8:  # a plain weight is scaled and cast from the file, a chunk at a time
                 dense = weight
                 if companions:
                     dense = packed_dequant.dequantize(weight, companions, torch.float32, shape)
-                    _check_values(host, dense, dtype)
-                scale = fp8_scale(dense)
+                    peak = _checked_peak(host, dense, dtype)
+                scale = fp8_scale(peak)
                 _write_cast(file, host, dense, lambda rows: fp8_cast(rows, scale))
                 file.write(host[: -len("weight")] + SCALE, scale)
                 del dense
